@@ -1,0 +1,153 @@
+"""Command line: `python -m engine generate …` and `python -m engine make-tiny …`.
+
+`generate` loads a model folder with its experts offloaded and streams the
+reply to stdout; with `--json` it prints one JSON object instead:
+`{"text", "token_ids", "finish_reason", "stats": {tpot_ms, tokens_per_s,
+hit_rate, h2d_bytes, misses, hits, simulated_link, …}, "model": {…}}`.
+Bad input exits with status 2 and the error on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import sys
+from dataclasses import asdict
+
+from engine.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+
+def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every command that loads a model."""
+    parser.add_argument("--model", required=True, help="Hugging Face model folder")
+    parser.add_argument(
+        "--expert-budget",
+        default=None,
+        help="device memory for cached experts: a size (2GiB, 512MB), a number of experts (64), or 'all'",
+    )
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--policy", default="lru", choices=("lru", "lfu", "mrs"), help="cache eviction")
+    parser.add_argument(
+        "--sim-link-gbps",
+        type=float,
+        default=None,
+        help="without a GPU: simulate a host→device link of this many GB/s",
+    )
+    parser.add_argument("--sim-latency-us", type=float, default=10.0, help="simulated link latency per copy")
+
+
+def offload_config(args: argparse.Namespace):
+    from engine.config import ExpertBudget, OffloadConfig
+
+    return OffloadConfig(
+        device=args.device,
+        dtype=args.dtype,
+        expert_budget=ExpertBudget.parse(args.expert_budget),
+        policy=args.policy,
+        sim_link_gbps=args.sim_link_gbps,
+        sim_latency_us=args.sim_latency_us,
+    )
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate a reply to one prompt")
+    add_offload_arguments(p)
+    p.add_argument("--prompt", required=True, help="one user message (raw text if the model has no template)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
+
+
+def _make_tiny_parser(sub) -> None:
+    from engine.tiny_models import TINY_ARCHITECTURES
+
+    p = sub.add_parser("make-tiny", help="write a tiny random MoE model (for smoke tests)")
+    p.add_argument("out", help="folder to create")
+    p.add_argument("--arch", default="qwen3_moe", choices=TINY_ARCHITECTURES)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from engine.generation import FinishedEvent, GenerationConfig, generate
+    from engine.loader import load_model
+    from engine.sampling import SamplingConfig
+
+    gen_config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingConfig(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+            greedy=args.greedy,
+        ),
+        stop_strings=tuple(args.stop),
+    )
+    gen_config.validate()
+    model = load_model(args.model, offload_config(args))
+    try:
+        for event in generate(model, args.prompt, gen_config):
+            if isinstance(event, FinishedEvent):
+                finished = event
+            elif not args.json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+        if args.json:
+            result = {
+                "text": finished.text,
+                "token_ids": list(finished.token_ids),
+                "finish_reason": finished.reason,
+                "stats": finished.stats.to_dict(),
+                "model": asdict(model.info()),
+            }
+            print(json.dumps(result, ensure_ascii=False))
+        else:
+            s = finished.stats
+            tps = f"{s.tokens_per_s:.1f} tok/s" if s.tokens_per_s else "n/a tok/s"
+            hit = f"{s.hit_rate:.0%}" if s.hit_rate is not None else "n/a"
+            link = "simulated link" if s.simulated_link else "PCIe"
+            print(f"\n[{finished.reason}; {s.generated_tokens} tokens, {tps}, hit rate {hit}, {link}]")
+    finally:
+        model.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    multiprocessing.freeze_support()
+    parser = argparse.ArgumentParser(prog="python -m engine", description="MoE Chat engine")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    _make_tiny_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        if args.command == "generate":
+            return run_generate(args)
+        from engine.tiny_models import make_tiny_model
+
+        path = make_tiny_model(args.out, model_type=args.arch, seed=args.seed)
+        print(path)
+        return 0
+    except EngineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

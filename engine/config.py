@@ -1,0 +1,125 @@
+"""Frozen configuration of the offloaded engine, and parsing of user-given sizes.
+
+`OffloadConfig` says where the model runs and how much device memory the
+expert cache may use; it is validated once, when the model is loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ExpertBudget:
+    """A device budget for the expert cache: bytes, a number of experts, or everything."""
+
+    nbytes: int | None = None
+    experts: int | None = None
+
+    @classmethod
+    def parse(cls, text: str | int | None) -> ExpertBudget:
+        """'2GiB', '512MB', '1.5G' are bytes; a bare integer ('64') is a number of experts;
+        None or 'all' caches every expert."""
+        if text is None or (isinstance(text, str) and text.strip().lower() in ("", "all")):
+            return cls()
+        if isinstance(text, int):
+            return cls._experts(text)
+        match = _SIZE.match(text)
+        unit = match.group(2).lower() if match else None
+        if not match or unit not in _UNITS:
+            raise InvalidRequestError(
+                f"Cannot read expert budget {text!r}: give a size such as 2GiB or 512MB, "
+                "a number of experts such as 64, or 'all'."
+            )
+        if unit == "":
+            if "." in match.group(1):
+                raise InvalidRequestError(f"Expert budget {text!r}: a number of experts must be whole.")
+            return cls._experts(int(match.group(1)))
+        nbytes = int(float(match.group(1)) * _UNITS[unit])
+        if nbytes <= 0:
+            raise InvalidRequestError(f"Expert budget {text!r} must be larger than zero.")
+        return cls(nbytes=nbytes)
+
+    @classmethod
+    def _experts(cls, count: int) -> ExpertBudget:
+        if count <= 0:
+            raise InvalidRequestError(f"Expert budget of {count} experts must be at least 1.")
+        return cls(experts=count)
+
+    def slots(self, expert_nbytes: int, total_experts: int) -> int:
+        """How many expert slots this budget buys, never more than there are experts."""
+        if self.experts is not None:
+            return min(self.experts, total_experts)
+        if self.nbytes is not None:
+            return min(self.nbytes // expert_nbytes, total_experts)
+        return total_experts
+
+    def __str__(self) -> str:
+        if self.experts is not None:
+            return f"{self.experts} experts"
+        if self.nbytes is not None:
+            return format_bytes(self.nbytes)
+        return "all experts"
+
+
+def format_bytes(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where the model runs and how its routed experts are cached."""
+
+    device: str = "auto"  # auto | cpu | cuda[:N]
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    expert_budget: ExpertBudget = ExpertBudget()
+    policy: str = "lru"  # lru | lfu | mrs
+    sim_link_gbps: float | None = None  # simulated host→device link (CPU device only)
+    sim_latency_us: float = 10.0
+    mrs_alpha: float = 0.5
+
+    def validate(self) -> None:
+        from engine.eviction import POLICIES
+
+        if self.device.split(":")[0] not in DEVICES:
+            raise InvalidRequestError(f"Unknown device {self.device!r}; choose one of {', '.join(DEVICES)}.")
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"Unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}.")
+        if self.policy.lower() not in POLICIES:
+            raise InvalidRequestError(
+                f"Unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}."
+            )
+        if self.sim_link_gbps is not None and self.sim_link_gbps <= 0:
+            raise InvalidRequestError("--sim-link-gbps must be a positive bandwidth in GB/s.")
+        if self.sim_latency_us < 0:
+            raise InvalidRequestError("The simulated link latency cannot be negative.")
+        if not 0 < self.mrs_alpha <= 1:
+            raise InvalidRequestError("The MRS averaging coefficient must be in (0, 1].")

@@ -1,0 +1,51 @@
+"""The engine's errors: one family, each message says what went wrong and what to do.
+
+Callers (the CLI, the worker, the GUI) catch `EngineError` and show `str(err)`;
+`kind` is a stable machine-readable name for the protocol.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base of every error the engine reports to a user."""
+
+    kind = "engine"
+
+
+class ModelNotFoundError(EngineError):
+    kind = "model_not_found"
+
+
+class InvalidConfigError(EngineError):
+    kind = "invalid_config"
+
+
+class UnsupportedArchitectureError(EngineError):
+    kind = "unsupported_architecture"
+
+
+class CorruptCheckpointError(EngineError):
+    kind = "corrupt_checkpoint"
+
+
+class MissingTensorsError(EngineError):
+    kind = "missing_tensors"
+
+
+class BudgetTooSmallError(EngineError):
+    kind = "budget_too_small"
+
+
+class DeviceOutOfMemoryError(EngineError):
+    kind = "device_out_of_memory"
+
+
+class InvalidRequestError(EngineError):
+    """A generation or engine option outside its allowed range."""
+
+    kind = "invalid_request"
+
+
+class GenerationCancelled(EngineError):
+    kind = "cancelled"

@@ -1,0 +1,191 @@
+"""Text generation over an `OffloadedModel`, as a generator of typed events.
+
+`generate(model, prompt, config)` prefills the prompt in chunks, then decodes
+one token per forward until EOS, a stop string, `max_new_tokens` or a cancel
+request; it yields a `TokenEvent` per token (text deltas are always whole UTF-8
+characters, and never part of a stop string) and ends with one
+`FinishedEvent` carrying the text, the ids and the run's `GenerationStats`.
+Cancellation is checked between steps, so the KV cache is never left half-written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig as HFGenerationConfig
+
+from engine.errors import InvalidRequestError
+from engine.metrics import GenerationStats, cache_snapshot, phase_delta
+from engine.offloaded import OffloadedModel
+from engine.sampling import Sampler, SamplingConfig
+from engine.textstream import IncrementalDetokenizer, StopStringMatcher
+
+log = logging.getLogger(__name__)
+
+Message = dict[str, str]
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_strings: tuple[str, ...] = ()
+    prefill_chunk: int = 512
+    ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InvalidRequestError("max_new_tokens must be at least 1.")
+        if self.prefill_chunk < 1:
+            raise InvalidRequestError("prefill_chunk must be at least 1.")
+        if any(not s for s in self.stop_strings):
+            raise InvalidRequestError("Stop strings cannot be empty.")
+        self.sampling.validate()
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    text: str  # new complete text since the previous event (may be "")
+    index: int  # 0 for the first generated token
+    elapsed_ms: float  # time since the previous token (the first: since the request)
+
+
+@dataclass(frozen=True)
+class FinishedEvent:
+    reason: str  # "eos" | "stop" | "length" | "cancelled"
+    text: str
+    token_ids: tuple[int, ...]
+    stats: GenerationStats
+
+
+def encode_prompt(model: OffloadedModel, prompt: str | Sequence[Message] | Sequence[int]) -> list[int]:
+    """Token ids for a prompt: ids pass through; a string is one user message through the chat
+    template when the tokenizer has one (else raw text); messages go through the template."""
+    if not isinstance(prompt, str) and all(isinstance(t, int) for t in prompt):
+        ids = list(prompt)
+    else:
+        tokenizer = model.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError(f"{model.path} has no tokenizer: give the prompt as token ids.")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if tokenizer.chat_template:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        elif isinstance(prompt, str):
+            ids = tokenizer(prompt)["input_ids"]
+        else:
+            raise InvalidRequestError("This model has no chat template: give the prompt as plain text.")
+    if not ids:
+        raise InvalidRequestError("The prompt is empty.")
+    vocab = model.hf_config.vocab_size
+    if max(ids) >= vocab or min(ids) < 0:
+        raise InvalidRequestError(f"Prompt token ids must be in [0, {vocab}).")
+    return list(ids)
+
+
+def eos_token_ids(model: OffloadedModel) -> set[int]:
+    ids: set[int] = set()
+    try:
+        gen_config = HFGenerationConfig.from_pretrained(model.path)
+    except OSError:
+        gen_config = HFGenerationConfig.from_model_config(model.hf_config)
+    for source in (gen_config.eos_token_id, getattr(model.tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return ids
+
+
+def generate(
+    model: OffloadedModel,
+    prompt: str | Sequence[Message] | Sequence[int],
+    config: GenerationConfig = GenerationConfig(),
+    cancel: threading.Event | None = None,
+) -> Iterator[TokenEvent | FinishedEvent]:
+    config.validate()
+    started = time.perf_counter()
+    prompt_ids = encode_prompt(model, prompt)
+    eos = set() if config.ignore_eos else eos_token_ids(model)
+    sampler = Sampler(config.sampling, device=model.device)
+    history = torch.tensor(prompt_ids, dtype=torch.long, device=model.device)
+    detok = IncrementalDetokenizer(model.tokenizer) if model.tokenizer is not None else None
+    stops = StopStringMatcher(config.stop_strings)
+    before = cache_snapshot(model.cache)
+    kv_cache = model.new_kv_cache()
+
+    model.cache.phase = "prefill"
+    for start in range(0, len(prompt_ids), config.prefill_chunk):
+        logits = model.forward(history[start : start + config.prefill_chunk], kv_cache)[-1]
+    prefilled = time.perf_counter()
+    after_prefill = cache_snapshot(model.cache)
+
+    model.cache.phase = "decode"
+    generated: list[int] = []
+    text_parts: list[str] = []
+    reason, last = "length", started  # the first token's latency counts from the request
+    while True:
+        token = sampler.sample(logits, history)
+        generated.append(token)
+        history = torch.cat([history, history.new_tensor([token])])
+        delta, stopped = _text_delta(detok, stops, token, token in eos)
+        text_parts.append(delta)
+        now = time.perf_counter()
+        yield TokenEvent(token, delta, len(generated) - 1, (now - last) * 1e3)
+        last = now
+        if stopped:
+            reason = "stop"
+            break
+        if token in eos:
+            reason = "eos"
+            break
+        if len(generated) >= config.max_new_tokens:
+            break
+        if cancel is not None and cancel.is_set():
+            reason = "cancelled"
+            break
+        logits = model.forward(history[-1:], kv_cache)[-1]
+    finished = time.perf_counter()
+
+    if reason != "stop":
+        text_parts.append(stops.flush() if detok is None else stops.feed(detok.flush())[0] + stops.flush())
+    stats = GenerationStats.build(
+        prompt_tokens=len(prompt_ids),
+        generated_tokens=len(generated),
+        prefill_s=prefilled - started,
+        decode_s=finished - prefilled,
+        prefill=phase_delta(before, after_prefill, "prefill"),
+        decode=phase_delta(after_prefill, cache_snapshot(model.cache), "decode"),
+        simulated_link=model.simulated_link,
+    )
+    yield FinishedEvent(reason, "".join(text_parts), tuple(generated), stats)
+
+
+def _text_delta(detok, stops: StopStringMatcher, token: int, is_eos: bool) -> tuple[str, bool]:
+    if detok is None or is_eos:
+        return "", False
+    return stops.feed(detok.push(token))
+
+
+def generate_text(model: OffloadedModel, prompt, config: GenerationConfig = GenerationConfig()):
+    """Run to completion; the `FinishedEvent`."""
+    for event in generate(model, prompt, config):
+        if isinstance(event, FinishedEvent):
+            return event
+    raise AssertionError("generate() ended without a FinishedEvent")
+
+
+__all__ = [
+    "FinishedEvent",
+    "GenerationConfig",
+    "TokenEvent",
+    "encode_prompt",
+    "generate",
+    "generate_text",
+]

@@ -1,0 +1,255 @@
+"""Loading a Hugging Face MoE folder into an `OffloadedModel`.
+
+The causal-LM module is built by transformers on the meta device; each MoE
+block's `experts` is swapped for `OffloadedExperts` before any memory is
+allocated, so routed experts exist only in the host store (read straight from
+the safetensors, one expert at a time) and in the device cache. Everything else
+is allocated on the device and filled from the checkpoint, renamed with
+transformers' own conversion rules (Mixtral's `block_sparse_moe` → `mlp` …).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+from engine.checkpoint import Checkpoint
+from engine.config import OffloadConfig
+from engine.errors import (
+    BudgetTooSmallError,
+    DeviceOutOfMemoryError,
+    InvalidConfigError,
+    InvalidRequestError,
+    MissingTensorsError,
+    ModelNotFoundError,
+    UnsupportedArchitectureError,
+)
+from engine.eviction import make_policy
+from engine.expert_cache import ExpertCache
+from engine.expert_store import build_store, find_layout
+from engine.models import get_architecture
+from engine.moe_layer import OffloadedExperts, RoutingTrace, expert_field_shapes, moe_blocks
+from engine.offloaded import OffloadedModel
+from engine.transfer import make_transfer
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+def load_model(
+    model_dir: str | Path, config: OffloadConfig | None = None, progress: Progress | None = None
+) -> OffloadedModel:
+    """Load `model_dir` with its routed experts offloaded as `config` says."""
+    config = config or OffloadConfig()
+    config.validate()
+    folder = Path(model_dir).expanduser()
+    hf_config = read_config(folder)
+    arch = get_architecture(hf_config.model_type)
+    _reject_quantized(hf_config)
+    device = resolve_device(config.device)
+    checkpoint = Checkpoint(folder)
+    try:
+        dtype = resolve_dtype(config.dtype, checkpoint, device)
+        with torch.device("meta"):
+            hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        blocks = moe_blocks(hf_model, arch)
+        if not blocks:
+            raise UnsupportedArchitectureError(f"{folder} has no layers with routed experts.")
+        first_experts = next(iter(blocks.values()))[1].experts
+        num_experts, top_k = first_experts.num_experts, hf_config.num_experts_per_tok
+        disk_layout = find_layout(checkpoint, arch.layouts, next(iter(blocks.values()))[0] + ".")
+
+        store = build_store(
+            checkpoint,
+            disk_layout,
+            {layer: name + "." for layer, (name, _) in blocks.items()},
+            expert_field_shapes(first_experts),
+            num_experts,
+            dtype,
+            pin=device.type == "cuda",
+            progress=(lambda d, t: progress("experts", d, t)) if progress else None,
+        )
+        n_slots = config.expert_budget.slots(store.layout.nbytes, store.total_experts)
+        if n_slots < top_k:
+            raise BudgetTooSmallError(
+                f"The expert budget ({config.expert_budget}) holds {n_slots} expert(s) of "
+                f"{store.layout.nbytes / 2**20:.2f} MiB, but one token needs {top_k} experts of a layer. "
+                f"Raise --expert-budget to at least {top_k * store.layout.nbytes / 2**20:.2f} MiB "
+                f"or {top_k} experts."
+            )
+        transfer = make_transfer(device, config.sim_link_gbps, config.sim_latency_us)
+        policy = make_policy(config.policy, top_k=top_k, alpha=config.mrs_alpha)
+        cache = ExpertCache(store, n_slots, device, transfer, policy)
+        trace = RoutingTrace()
+        for layer, (_, block) in blocks.items():
+            block.experts = OffloadedExperts(block.experts, layer, cache, trace)
+            getattr(block, arch.router_attr).register_forward_hook(trace.hook(layer))
+
+        expert_names = _expert_tensor_names(disk_layout, blocks, num_experts)
+        _load_resident_weights(hf_model, checkpoint, expert_names, device, progress)
+        hf_model.eval()
+    finally:
+        checkpoint.close()
+
+    log.info(
+        "Loaded %s (%s): %d MoE layers × %d experts, %d cache slots, device %s",
+        folder,
+        arch.model_type,
+        len(blocks),
+        num_experts,
+        n_slots,
+        device,
+    )
+    return OffloadedModel(
+        path=folder,
+        hf_model=hf_model,
+        tokenizer=load_tokenizer(folder),
+        arch=arch,
+        config=config,
+        device=device,
+        dtype=dtype,
+        store=store,
+        cache=cache,
+        transfer=transfer,
+        trace=trace,
+        top_k=top_k,
+        disk_layout=disk_layout.name,
+    )
+
+
+def read_config(folder: Path):
+    if not folder.exists():
+        raise ModelNotFoundError(f"Model folder not found: {folder}")
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"{folder} is a file; give the model's folder.")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise InvalidConfigError(f"{folder} has no config.json; it is not a Hugging Face model folder.")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, ValueError) as err:
+        raise InvalidConfigError(f"{config_path} is not valid JSON ({err}). Re-download the model.") from err
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise InvalidConfigError(f"{config_path} has no model_type; it is not a transformers model config.")
+    get_architecture(raw["model_type"])  # unsupported types fail here with the list of supported ones
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, TypeError, OSError) as err:
+        raise InvalidConfigError(f"{config_path} cannot be read by transformers: {err}") from err
+
+
+def _reject_quantized(hf_config) -> None:
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__
+        raise UnsupportedArchitectureError(
+            f"This checkpoint is pre-quantized ({method}); MoE Chat loads BF16/FP16/FP32 weights. "
+            "Use the model's BF16 release."
+        )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError("--device cuda was asked for, but no CUDA GPU is available.")
+    return device
+
+
+def resolve_dtype(name: str, checkpoint: Checkpoint, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    stored = checkpoint.storage_dtype()
+    if device.type == "cuda" or stored == torch.float32:
+        return stored
+    # CPU: float32 computes fastest and most exactly, when the host has room for it.
+    fp32_bytes = sum(_numel(checkpoint, n) for n in checkpoint) * 4
+    return torch.float32 if fp32_bytes < 0.5 * psutil.virtual_memory().available else stored
+
+
+def _numel(checkpoint: Checkpoint, name: str) -> int:
+    count = 1
+    for dim in checkpoint.shape(name):
+        count *= dim
+    return count
+
+
+def _expert_tensor_names(disk_layout, blocks, num_experts: int) -> set[str]:
+    names = set()
+    for name, _ in blocks.values():
+        experts = range(num_experts) if disk_layout.per_expert else range(1)
+        for expert in experts:
+            for group in disk_layout.names(name + ".", expert).values():
+                names.update(group)
+    return names
+
+
+def _load_resident_weights(hf_model, checkpoint: Checkpoint, skip: set[str], device, progress) -> None:
+    """Allocate every non-expert parameter on `device` and fill it from the checkpoint."""
+    try:
+        hf_model.to_empty(device=device)
+    except torch.OutOfMemoryError as err:
+        raise DeviceOutOfMemoryError(
+            "Out of device memory for the model's resident (non-expert) weights. "
+            "This model needs a larger GPU, or use --device cpu."
+        ) from err
+    transforms = get_model_conversion_mapping(hf_model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    targets = dict(hf_model.state_dict(keep_vars=True))
+    loaded: set[str] = set()
+    names = [n for n in checkpoint if n not in skip]
+    for done, name in enumerate(names, 1):
+        target, _ = rename_source_key(name, renamings, converters, hf_model.base_model_prefix, targets)
+        tensor = targets.get(target)
+        if tensor is None:
+            log.debug("Ignoring checkpoint tensor %s (no such parameter)", name)
+            continue
+        value = checkpoint.read(name, tensor.dtype)
+        if value.shape != tensor.shape:
+            raise MissingTensorsError(
+                f"{name} has shape {tuple(value.shape)} but the model expects {tuple(tensor.shape)}; "
+                "config.json and the weights disagree."
+            )
+        with torch.no_grad():
+            tensor.copy_(value)
+        tensor._is_hf_initialized = True
+        loaded.add(target)
+        if progress is not None:
+            progress("weights", done, len(names))
+    tied = set(getattr(hf_model, "all_tied_weights_keys", {}) or {})
+    missing = sorted(set(targets) - loaded - tied - _non_persistent(hf_model))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise MissingTensorsError(
+            f"The checkpoint in {checkpoint.folder} lacks {len(missing)} tensor(s): {shown}. "
+            "The download is incomplete or the folder mixes two models."
+        )
+    hf_model.initialize_weights()  # fills only what was not loaded: RoPE buffers and the like
+    hf_model.tie_weights()
+
+
+def _non_persistent(hf_model) -> set[str]:
+    return {name for name, _ in hf_model.named_non_persistent_buffers()}
+
+
+def load_tokenizer(folder: Path):
+    """The model's tokenizer, or None when the folder has none (token ids still work)."""
+    has_files = any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+    if not has_files:
+        log.warning("%s has no tokenizer files; only token-id prompts will work.", folder)
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as err:
+        raise InvalidConfigError(f"The tokenizer in {folder} cannot be loaded: {err}") from err

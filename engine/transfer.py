@@ -1,0 +1,159 @@
+"""Asynchronous host→device copies that complete on an event.
+
+`copy(dst, src, after)` starts a copy and returns a `CopyHandle`; the compute
+side calls `handle.wait()` before reading `dst`. Two implementations share
+that contract:
+
+- `CudaTransfer`: a dedicated copy stream; each copy first waits for `after`
+  (the event recorded when the slot's previous user finished on the compute
+  stream), then records its own CUDA event. `wait()` makes the *compute
+  stream* wait on that event: the host never blocks.
+- `SimulatedLink`: for machines without a GPU. A link thread performs each
+  copy with a real memcpy, then holds it until the time a link of the given
+  bandwidth and latency would have delivered it (copies are serialised, as on
+  one PCIe link). `wait()` blocks the host until then. Everything measured
+  over it is labelled simulated.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class CopyHandle(ABC):
+    @abstractmethod
+    def wait(self) -> None:
+        """Make the consumer wait until the copy has landed."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once the copy has landed (never blocks)."""
+
+
+class TransferEngine(ABC):
+    simulated: bool
+
+    @abstractmethod
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: object | None = None) -> CopyHandle:
+        """Start copying `src` (host) into `dst` (device) once `after` has passed."""
+
+    def release_marker(self) -> object | None:
+        """A marker recorded when compute has finished with a buffer (`after` of a later copy)."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stop background work."""
+
+
+# -- CUDA ---------------------------------------------------------------------------------
+
+
+class _CudaCopy(CopyHandle):
+    def __init__(self, event: torch.cuda.Event):
+        self.event = event
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+    def done(self) -> bool:
+        return self.event.query()
+
+
+class CudaTransfer(TransferEngine):
+    simulated = False
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def copy(self, dst, src, after=None) -> CopyHandle:
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return _CudaCopy(event)
+
+    def release_marker(self) -> object:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+
+# -- simulated link -----------------------------------------------------------------------
+
+
+class _SimCopy(CopyHandle):
+    def __init__(self) -> None:
+        self._landed = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> None:
+        self._landed.wait()
+        if self.error is not None:
+            raise self.error
+
+    def done(self) -> bool:
+        return self._landed.is_set()
+
+
+class SimulatedLink(TransferEngine):
+    """A host→device link of `gbps` GB/s (1e9 bytes/s) and `latency_us` per copy.
+
+    With `gbps=None` copies run at memcpy speed with no added delay.
+    """
+
+    simulated = True
+
+    def __init__(self, gbps: float | None = None, latency_us: float = 0.0):
+        self.gbps = gbps
+        self.latency_s = latency_us / 1e6 if gbps is not None else 0.0
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._link_free_at = 0.0
+        self._thread = threading.Thread(target=self._run, name="sim-link", daemon=True)
+        self._thread.start()
+
+    def copy(self, dst, src, after=None) -> CopyHandle:
+        handle = _SimCopy()
+        self._tasks.put((dst, src, handle, time.perf_counter()))
+        return handle
+
+    def _run(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            dst, src, handle, issued_at = task
+            try:
+                start = max(issued_at, self._link_free_at)
+                dst.copy_(src)
+                if self.gbps is not None:
+                    landed_at = start + self.latency_s + src.numel() * src.element_size() / (self.gbps * 1e9)
+                    delay = landed_at - time.perf_counter()
+                    if delay > 0:
+                        time.sleep(delay)
+                    self._link_free_at = landed_at
+            except BaseException as err:  # handed to the waiter, never lost in this thread
+                handle.error = err
+            handle._landed.set()
+
+    def close(self) -> None:
+        self._tasks.put(None)
+        self._thread.join(timeout=5)
+
+
+def make_transfer(device: torch.device, sim_link_gbps: float | None, sim_latency_us: float) -> TransferEngine:
+    if device.type == "cuda":
+        if sim_link_gbps is not None:
+            log.warning("--sim-link-gbps is ignored on a CUDA device: copies use the real link.")
+        return CudaTransfer(device)
+    return SimulatedLink(sim_link_gbps, sim_latency_us)
