@@ -1,0 +1,235 @@
+"""Benchmark v1: `python -m engine.bench --model DIR [options]`.
+
+Runs a fixed prompt set through the offloaded engine for each expert budget
+asked for and prints one row per budget with the DESIGN.md metrics: tpot_ms,
+tokens_per_s, prefill tokens/s, decode hit_rate, h2d_gbps and bytes copied per
+token, and whether the link was simulated. `--compare-transformers` also times
+transformers' own `generate` on the same model, device and dtype (decode time
+= time for N tokens − time for 1 token, the same split the engine reports), so
+the offload machinery's overhead is measured side by side.
+
+Figures measured over a simulated link are simulated: every row says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engine.cli import add_offload_arguments
+from engine.config import ExpertBudget, OffloadConfig, format_bytes
+from engine.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+PROMPTS = (
+    "Explain in two sentences why the sky is blue.",
+    "Write a short poem about a lighthouse keeper.",
+    "List three uses of a paperclip.",
+    "What is the capital of France, and what river runs through it?",
+)
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    engine: str  # "moe-chat" | "transformers"
+    budget: str
+    cache_slots: int | None
+    tpot_ms: float
+    tokens_per_s: float
+    prefill_tokens_per_s: float | None
+    hit_rate: float | None  # decode phase
+    h2d_gbps: float | None
+    bytes_per_token: float | None
+    decode_tokens: int
+    simulated_link: bool
+
+
+def _prompt_ids(model, prompts) -> list[list[int]]:
+    from engine.generation import encode_prompt
+
+    if model.tokenizer is None:  # token-id-only checkpoints: a fixed id pattern of the same lengths
+        vocab = model.hf_config.vocab_size
+        return [[(i * 7 + len(p)) % vocab for i in range(len(p) // 4 + 8)] for p in prompts]
+    return [encode_prompt(model, p) for p in prompts]
+
+
+def bench_engine(model, prompt_ids: list[list[int]], new_tokens: int, repeats: int) -> BenchRow:
+    """Greedy, fixed-length generations; the median tpot over `repeats` passes of the prompt set."""
+    from engine.generation import GenerationConfig, generate_text
+    from engine.sampling import SamplingConfig
+
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, sampling=SamplingConfig(greedy=True), ignore_eos=True
+    )
+    generate_text(model, prompt_ids[0][:8], GenerationConfig(max_new_tokens=4, ignore_eos=True))  # warm-up
+    passes = []
+    for _ in range(repeats):
+        runs = [generate_text(model, ids, config).stats for ids in prompt_ids]
+        decode_tokens = sum(s.generated_tokens - 1 for s in runs)
+        decode_s = sum(s.decode_ms for s in runs) / 1e3
+        prefill_s = sum(s.prefill_ms for s in runs) / 1e3
+        hits, misses = sum(s.decode.hits for s in runs), sum(s.decode.misses for s in runs)
+        copied = sum(s.h2d_bytes for s in runs)
+        passes.append(
+            {
+                "tpot_ms": decode_s * 1e3 / decode_tokens,
+                "prefill_tps": sum(s.prompt_tokens for s in runs) / prefill_s,
+                "hit_rate": hits / (hits + misses) if hits + misses else None,
+                "h2d_gbps": copied / (decode_s + prefill_s) / 1e9,
+                "bytes_per_token": sum(s.decode.h2d_bytes for s in runs) / decode_tokens,
+                "decode_tokens": decode_tokens,
+            }
+        )
+    median = sorted(passes, key=lambda p: p["tpot_ms"])[len(passes) // 2]
+    info = model.info()
+    return BenchRow(
+        engine="moe-chat",
+        budget=str(model.config.expert_budget),
+        cache_slots=info.cache_slots,
+        tpot_ms=median["tpot_ms"],
+        tokens_per_s=1e3 / median["tpot_ms"],
+        prefill_tokens_per_s=median["prefill_tps"],
+        hit_rate=median["hit_rate"],
+        h2d_gbps=median["h2d_gbps"],
+        bytes_per_token=median["bytes_per_token"],
+        decode_tokens=median["decode_tokens"],
+        simulated_link=model.simulated_link,
+    )
+
+
+def bench_transformers(folder: Path, device, dtype, prompt_ids, new_tokens: int, repeats: int) -> BenchRow:
+    """transformers' own generate with every expert resident, timed the same way."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+
+    def timed(ids, n: int) -> float:
+        inputs = torch.tensor([ids], device=device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    timed(prompt_ids[0][:8], 4)  # warm-up
+    tpots = []
+    for _ in range(repeats):
+        decode_s = sum(max(timed(ids, new_tokens) - timed(ids, 1), 0.0) for ids in prompt_ids)
+        tpots.append(decode_s * 1e3 / (len(prompt_ids) * (new_tokens - 1)))
+    tpot = statistics.median(tpots)
+    return BenchRow(
+        engine="transformers",
+        budget="all (resident)",
+        cache_slots=None,
+        tpot_ms=tpot,
+        tokens_per_s=1e3 / tpot,
+        prefill_tokens_per_s=None,
+        hit_rate=None,
+        h2d_gbps=None,
+        bytes_per_token=None,
+        decode_tokens=len(prompt_ids) * (new_tokens - 1),
+        simulated_link=False,
+    )
+
+
+def _format_table(rows: list[BenchRow]) -> str:
+    def num(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    header = f"{'engine':<13}{'budget':<16}{'slots':>6}{'tpot_ms':>10}{'tok/s':>9}{'prefill/s':>11}"
+    header += f"{'hit_rate':>10}{'h2d_GB/s':>10}{'bytes/tok':>12}  link"
+    lines = [header]
+    for r in rows:
+        link = "simulated" if r.simulated_link else ("real" if r.engine == "moe-chat" else "none")
+        lines.append(
+            f"{r.engine:<13}{r.budget:<16}{num(r.cache_slots, 'd'):>6}{r.tpot_ms:>10.2f}"
+            f"{r.tokens_per_s:>9.1f}{num(r.prefill_tokens_per_s, '.0f'):>11}{num(r.hit_rate, '.1%'):>10}"
+            f"{num(r.h2d_gbps, '.3f'):>10}"
+            f"{(format_bytes(r.bytes_per_token) if r.bytes_per_token is not None else '-'):>12}  {link}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from engine.loader import load_model
+
+    budgets = [b.strip() for b in (args.expert_budget or "all").split(",")]
+    prompts = PROMPTS[: args.prompts]
+    rows: list[BenchRow] = []
+    model = None
+    for budget in budgets:
+        config = OffloadConfig(
+            device=args.device,
+            dtype=args.dtype,
+            expert_budget=ExpertBudget.parse(budget),
+            policy=args.policy,
+            sim_link_gbps=args.sim_link_gbps,
+            sim_latency_us=args.sim_latency_us,
+        )
+        model = load_model(args.model, config)
+        try:
+            prompt_ids = _prompt_ids(model, prompts)
+            rows.append(bench_engine(model, prompt_ids, args.new_tokens, args.repeats))
+            device, dtype, info = model.device, model.dtype, model.info()
+        finally:
+            model.close()
+        print(_format_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+    result = {"model": asdict(info), "new_tokens": args.new_tokens, "prompts": len(prompts)}
+    if args.compare_transformers:
+        reference = bench_transformers(
+            Path(args.model), device, dtype, prompt_ids, args.new_tokens, args.repeats
+        )
+        # Compare the largest cache asked for; with 'all' the offload machinery is pure overhead.
+        largest = max(rows, key=lambda r: r.cache_slots)
+        result["speed_vs_transformers"] = largest.tokens_per_s / reference.tokens_per_s
+        result["compared_budget"] = largest.budget
+        rows.append(reference)
+    result["rows"] = [asdict(r) for r in rows]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.splitlines()[0])
+    add_offload_arguments(parser)
+    parser.set_defaults(expert_budget=None)
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the fixed prompts")
+    parser.add_argument("--repeats", type=int, default=3, help="passes over the prompts (median reported)")
+    parser.add_argument(
+        "--compare-transformers", action="store_true", help="also time transformers' generate, all resident"
+    )
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the results to this file")
+    args = parser.parse_args(argv)
+    if args.new_tokens < 2 or args.repeats < 1 or not 1 <= args.prompts <= len(PROMPTS):
+        parser.error(f"need --new-tokens >= 2, --repeats >= 1 and 1 <= --prompts <= {len(PROMPTS)}")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        result = run(args)
+    except EngineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    rows = [BenchRow(**r) for r in result["rows"]]
+    info = result["model"]
+    print(f"{info['path']} ({info['model_type']}, {info['dtype']}, device {info['device']})")
+    print(_format_table(rows))
+    if "speed_vs_transformers" in result:
+        print(
+            f"decode speed with {result['compared_budget']} cached: "
+            f"{result['speed_vs_transformers']:.1%} of transformers' generate"
+        )
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""`python -m engine.bench`: the table, the JSON and the side-by-side comparison (not timings)."""
+
+import json
+
+import pytest
+
+from engine import bench
+from engine.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), model_type="mixtral", seed=4)
+
+
+def test_budget_sweep_with_transformers_side_by_side(folder, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(folder), "--expert-budget", "4,all", "--new-tokens", "6", "--repeats", "1"]
+    code = bench.main(
+        [*argv, "--prompts", "2", "--sim-link-gbps", "20", "--compare-transformers", "--json", str(out)]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [r["engine"] for r in rows] == ["moe-chat", "moe-chat", "transformers"]
+    small, full, reference = rows
+    assert small["cache_slots"] == 4 and full["cache_slots"] == 16
+    assert small["simulated_link"] is True and full["simulated_link"] is True
+    assert full["hit_rate"] == 1.0 and full["bytes_per_token"] == 0
+    assert small["hit_rate"] < 1.0 and small["bytes_per_token"] > 0
+    assert small["decode_tokens"] == 2 * 5
+    assert result["compared_budget"] == "all experts"
+    assert result["speed_vs_transformers"] == pytest.approx(full["tokens_per_s"] / reference["tokens_per_s"])
+    table = capsys.readouterr().out
+    assert "tpot_ms" in table and "simulated" in table and "of transformers' generate" in table
+
+
+def test_bad_budget_is_an_error_not_a_crash(folder, capsys):
+    assert bench.main(["--model", str(folder), "--expert-budget", "lots", "--repeats", "1"]) == 2
+    assert "expert budget" in capsys.readouterr().err
