@@ -135,20 +135,28 @@ class ExpertCache:
     def wait(self, slot: Slot) -> dict[str, torch.Tensor]:
         """Typed views of a pinned slot once its copy has landed."""
         if slot.state is SlotState.LOADING:
-            slot.copy.wait()
+            try:
+                slot.copy.wait()
+            except BaseException:
+                self._unmap(slot)  # its contents are garbage: never serve it as a hit
+                raise
             slot.state = SlotState.READY
             slot.copy = None
         return slot.views
 
     def release(self, slot: Slot) -> None:
+        if slot.pins <= 0:
+            raise RuntimeError(f"slot {slot.index} released more often than acquired")
         slot.pins -= 1
         if slot.pins == 0:
             slot.released = self.transfer.release_marker()
+            if slot.state is SlotState.FREE:  # unmapped while pinned (a failed copy)
+                self._free.append(slot)
 
     # -- background loads (prefetch) ---------------------------------------------------------
 
     def prefetch(self, key: ExpertKey) -> bool:
-        """Start bringing `key` in without using it; False when already resident or no slot is free."""
+        """Start bringing `key` in without using it; False when already resident or nothing can be evicted."""
         if key in self._table:
             return False
         try:
@@ -163,7 +171,11 @@ class ExpertCache:
         slot = self._free.pop() if self._free else self._evict()
         layer, expert = key
         src = self.store.buffer(layer, expert)
-        slot.copy = self.transfer.copy(self.pool[slot.index], src, after=slot.released)
+        try:
+            slot.copy = self.transfer.copy(self.pool[slot.index], src, after=slot.released)
+        except BaseException:
+            self._free.append(slot)
+            raise
         slot.state = SlotState.LOADING
         slot.key = key
         self._table[key] = slot
@@ -181,16 +193,22 @@ class ExpertCache:
         if not candidates:
             raise NoEvictableSlot
         victim = candidates[self.policy.victim(candidates)]
-        del self._table[victim.key]
-        self.policy.on_remove(victim.key)
-        victim.key, victim.state, victim.copy = None, SlotState.FREE, None
+        self._unmap(victim)
         return victim
+
+    def _unmap(self, slot: Slot) -> None:
+        del self._table[slot.key]
+        self.policy.on_remove(slot.key)
+        slot.key, slot.state, slot.copy = None, SlotState.FREE, None
 
     def clear(self) -> None:
         """Forget every resident expert (used after an error left slots in doubt)."""
         for slot in self.slots:
             if slot.copy is not None:
-                slot.copy.wait()
+                try:
+                    slot.copy.wait()
+                except Exception as err:  # its consumer got (or would get) the error; the slot is dropped
+                    log.debug("Discarding slot %d after a failed copy: %s", slot.index, err)
             if slot.key is not None:
                 self.policy.on_remove(slot.key)
             slot.key, slot.state, slot.copy, slot.pins = None, SlotState.FREE, None, 0

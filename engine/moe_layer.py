@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.errors import BudgetTooSmallError
 from engine.expert_cache import ExpertCache, NoEvictableSlot
 from engine.models.base import Architecture
 
@@ -75,6 +76,11 @@ class OffloadedExperts(nn.Module):
                         pending.append((expert, self.cache.acquire((self.layer, expert))))
                         break
                     except NoEvictableSlot:
+                        if not pending:  # every slot is held by other work (prefetches in flight)
+                            raise BudgetTooSmallError(
+                                f"Every expert cache slot is busy; layer {self.layer} cannot load "
+                                f"expert {expert}. Raise --expert-budget."
+                            ) from None
                         # Every slot is pinned by this layer: compute the oldest to free one.
                         self._compute(*pending.popleft(), hidden_states, top_k_index, top_k_weights, out)
             while pending:

@@ -57,11 +57,13 @@ class TransferEngine(ABC):
 
 
 class _CudaCopy(CopyHandle):
-    def __init__(self, event: torch.cuda.Event):
+    def __init__(self, event: torch.cuda.Event, device: torch.device):
         self.event = event
+        self.device = device
 
     def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
+        # The slot's device, not the current one: compute on cuda:1 runs on cuda:1's current stream.
+        torch.cuda.current_stream(self.device).wait_event(self.event)
 
     def done(self) -> bool:
         return self.event.query()
@@ -81,7 +83,7 @@ class CudaTransfer(TransferEngine):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
-        return _CudaCopy(event)
+        return _CudaCopy(event, self.device)
 
     def release_marker(self) -> object:
         event = torch.cuda.Event()
@@ -119,10 +121,13 @@ class SimulatedLink(TransferEngine):
         self.latency_s = latency_us / 1e6 if gbps is not None else 0.0
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._link_free_at = 0.0
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="sim-link", daemon=True)
         self._thread.start()
 
     def copy(self, dst, src, after=None) -> CopyHandle:
+        if self._closed:
+            raise RuntimeError("the simulated link is closed")
         handle = _SimCopy()
         self._tasks.put((dst, src, handle, time.perf_counter()))
         return handle
@@ -147,6 +152,9 @@ class SimulatedLink(TransferEngine):
             handle._landed.set()
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._tasks.put(None)
         self._thread.join(timeout=5)
 
