@@ -38,11 +38,17 @@ class Checkpoint:
         self.folder = Path(folder)
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
-        self._file_of = self._map_tensors()
+        try:
+            self._file_of = self._map_tensors()
+        except BaseException:
+            self.close()  # a later corrupt shard must not leave the earlier ones mapped
+            raise
 
     def _map_tensors(self) -> dict[str, Path]:
         if not self.folder.is_dir():
-            raise ModelNotFoundError(f"Model folder not found: {self.folder}")
+            raise ModelNotFoundError(
+                f"Model folder not found: {self.folder}. Check the path, or download the model first."
+            )
         index_path = self.folder / INDEX_NAME
         if index_path.is_file():
             return self._map_from_index(index_path)
@@ -101,7 +107,10 @@ class Checkpoint:
     def _slice(self, name: str):
         path = self._file_of.get(name)
         if path is None:
-            raise MissingTensorsError(f"Tensor {name!r} is missing from the checkpoint in {self.folder}.")
+            raise MissingTensorsError(
+                f"Tensor {name!r} is missing from the checkpoint in {self.folder}. "
+                "The download is incomplete or the folder mixes two models; download it again."
+            )
         try:
             return self._open(path).get_slice(name)
         except SafetensorError as err:

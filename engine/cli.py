@@ -70,15 +70,20 @@ def _generate_parser(sub) -> None:
 
 
 def _make_tiny_parser(sub) -> None:
-    from engine.tiny_models import TINY_ARCHITECTURES
+    # engine.tiny_models imports transformers (seconds); the registry's list is the same and light,
+    # so a mistyped option fails at once.
+    from engine.models import SUPPORTED_MODEL_TYPES
 
     p = sub.add_parser("make-tiny", help="write a tiny random MoE model (for smoke tests)")
     p.add_argument("out", help="folder to create")
-    p.add_argument("--arch", default="qwen3_moe", choices=TINY_ARCHITECTURES)
+    p.add_argument("--arch", default="qwen3_moe", choices=SUPPORTED_MODEL_TYPES)
     p.add_argument("--seed", type=int, default=0)
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    offload = offload_config(args)
+    offload.validate()  # before the heavy imports below: a bad option fails at once
+
     from engine.generation import FinishedEvent, GenerationConfig, generate
     from engine.loader import load_model
     from engine.sampling import SamplingConfig
@@ -96,7 +101,7 @@ def run_generate(args: argparse.Namespace) -> int:
         stop_strings=tuple(args.stop),
     )
     gen_config.validate()
-    model = load_model(args.model, offload_config(args))
+    model = load_model(args.model, offload)
     try:
         for event in generate(model, args.prompt, gen_config):
             if isinstance(event, FinishedEvent):
@@ -114,6 +119,7 @@ def run_generate(args: argparse.Namespace) -> int:
             }
             print(json.dumps(result, ensure_ascii=False))
         else:
+            sys.stdout.write(finished.tail)
             s = finished.stats
             tps = f"{s.tokens_per_s:.1f} tok/s" if s.tokens_per_s else "n/a tok/s"
             hit = f"{s.hit_rate:.0%}" if s.hit_rate is not None else "n/a"

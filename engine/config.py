@@ -80,7 +80,7 @@ class ExpertBudget:
 
     def __str__(self) -> str:
         if self.experts is not None:
-            return f"{self.experts} experts"
+            return f"{self.experts} expert{'s' if self.experts != 1 else ''}"
         if self.nbytes is not None:
             return format_bytes(self.nbytes)
         return "all experts"
@@ -117,9 +117,11 @@ class OffloadConfig:
             raise InvalidRequestError(
                 f"Unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}."
             )
-        if self.sim_link_gbps is not None and self.sim_link_gbps <= 0:
-            raise InvalidRequestError("--sim-link-gbps must be a positive bandwidth in GB/s.")
-        if self.sim_latency_us < 0:
+        if self.sim_link_gbps is not None and not self.sim_link_gbps > 0:  # `not >` also rejects NaN
+            raise InvalidRequestError(
+                f"--sim-link-gbps must be a positive bandwidth in GB/s, got {self.sim_link_gbps}."
+            )
+        if not self.sim_latency_us >= 0:
             raise InvalidRequestError("The simulated link latency cannot be negative.")
         if not 0 < self.mrs_alpha <= 1:
             raise InvalidRequestError("The MRS averaging coefficient must be in (0, 1].")

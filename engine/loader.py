@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from engine.checkpoint import Checkpoint
 from engine.config import OffloadConfig
 from engine.errors import (
     BudgetTooSmallError,
+    CorruptCheckpointError,
     DeviceOutOfMemoryError,
     InvalidConfigError,
     InvalidRequestError,
@@ -57,6 +59,7 @@ def load_model(
     _reject_quantized(hf_config)
     device = resolve_device(config.device)
     checkpoint = Checkpoint(folder)
+    transfer = None
     try:
         dtype = resolve_dtype(config.dtype, checkpoint, device)
         with torch.device("meta"):
@@ -83,7 +86,7 @@ def load_model(
             raise BudgetTooSmallError(
                 f"The expert budget ({config.expert_budget}) holds {n_slots} expert(s) of "
                 f"{store.layout.nbytes / 2**20:.2f} MiB, but one token needs {top_k} experts of a layer. "
-                f"Raise --expert-budget to at least {top_k * store.layout.nbytes / 2**20:.2f} MiB "
+                f"Raise --expert-budget to at least {_mib_rounded_up(top_k * store.layout.nbytes)} MiB "
                 f"or {top_k} experts."
             )
         transfer = make_transfer(device, config.sim_link_gbps, config.sim_latency_us)
@@ -97,6 +100,11 @@ def load_model(
         expert_names = _expert_tensor_names(disk_layout, blocks, num_experts)
         _load_resident_weights(hf_model, checkpoint, expert_names, device, progress)
         hf_model.eval()
+        tokenizer = load_tokenizer(folder)
+    except BaseException:
+        if transfer is not None:
+            transfer.close()  # else a failed load leaves the simulated link's thread running
+        raise
     finally:
         checkpoint.close()
 
@@ -112,7 +120,7 @@ def load_model(
     return OffloadedModel(
         path=folder,
         hf_model=hf_model,
-        tokenizer=load_tokenizer(folder),
+        tokenizer=tokenizer,
         arch=arch,
         config=config,
         device=device,
@@ -126,20 +134,33 @@ def load_model(
     )
 
 
+def _mib_rounded_up(nbytes: int) -> str:
+    """MiB with two decimals, rounded up: a minimum shown rounded down would still be too small."""
+    return f"{math.ceil(nbytes / 2**20 * 100) / 100:.2f}"
+
+
 def read_config(folder: Path):
     if not folder.exists():
-        raise ModelNotFoundError(f"Model folder not found: {folder}")
+        raise ModelNotFoundError(
+            f"Model folder not found: {folder}. Check the path, or download the model first."
+        )
     if not folder.is_dir():
         raise ModelNotFoundError(f"{folder} is a file; give the model's folder.")
     config_path = folder / "config.json"
     if not config_path.is_file():
-        raise InvalidConfigError(f"{folder} has no config.json; it is not a Hugging Face model folder.")
+        raise InvalidConfigError(
+            f"{folder} has no config.json; it is not a Hugging Face model folder. "
+            "Give the folder that holds config.json and the *.safetensors weights."
+        )
     try:
         raw = json.loads(config_path.read_text())
     except (OSError, ValueError) as err:
         raise InvalidConfigError(f"{config_path} is not valid JSON ({err}). Re-download the model.") from err
     if not isinstance(raw, dict) or "model_type" not in raw:
-        raise InvalidConfigError(f"{config_path} has no model_type; it is not a transformers model config.")
+        raise InvalidConfigError(
+            f"{config_path} has no model_type; it is not a transformers model config. "
+            "Re-download the model's config.json."
+        )
     get_architecture(raw["model_type"])  # unsupported types fail here with the list of supported ones
     try:
         return AutoConfig.from_pretrained(folder)
@@ -160,9 +181,14 @@ def _reject_quantized(hf_config) -> None:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise InvalidRequestError(f"Unknown device {name!r}; use cpu, cuda or cuda:N.") from err
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidRequestError("--device cuda was asked for, but no CUDA GPU is available.")
+        raise InvalidRequestError(
+            f"--device {name} was asked for, but no CUDA GPU is available. Use --device cpu or auto."
+        )
     return device
 
 
@@ -217,9 +243,9 @@ def _load_resident_weights(hf_model, checkpoint: Checkpoint, skip: set[str], dev
             continue
         value = checkpoint.read(name, tensor.dtype)
         if value.shape != tensor.shape:
-            raise MissingTensorsError(
+            raise CorruptCheckpointError(
                 f"{name} has shape {tuple(value.shape)} but the model expects {tuple(tensor.shape)}; "
-                "config.json and the weights disagree."
+                "config.json and the weights disagree. Use the config.json that came with these weights."
             )
         with torch.no_grad():
             tensor.copy_(value)

@@ -1,0 +1,230 @@
+"""`python -m engine`: the command-line contract, run as a user runs it (a subprocess).
+
+`generate --json` prints exactly one JSON object (text, generated token ids, stats, model);
+`--prompt` goes through the chat template when the tokenizer has one, else it is raw text; bad
+input exits non-zero with the error on stderr and nothing on stdout. Each run is mostly a few
+seconds of interpreter and torch start-up, so the slow runs start together when the module sets
+up, one per CPU, and each test waits for the ones it checks.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.config import OffloadConfig
+from engine.generation import GenerationConfig, generate_text
+from engine.loader import load_model
+from engine.models import SUPPORTED_MODEL_TYPES
+from engine.sampling import SamplingConfig
+from engine.tiny_models import TINY_ARCHITECTURES, make_tiny_model
+
+PROMPT = "Hello, who are you?"
+MAX_NEW = 8
+STATS_KEYS = {"tpot_ms", "tokens_per_s", "hit_rate", "h2d_bytes", "misses", "hits", "simulated_link"}
+
+
+@dataclass(frozen=True)
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> dict:
+        assert self.returncode == 0, self.stderr
+        assert len(self.stdout.splitlines()) == 1, f"expected one JSON line, got:\n{self.stdout}"
+        return json.loads(self.stdout)
+
+
+def run_cli(*args: str | int | Path) -> Run:
+    # Bytes, decoded here: generated text may hold "\r", which text mode would turn into "\n".
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine", *map(str, args)],
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+        check=False,
+    )
+    return Run(proc.returncode, proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8"))
+
+
+def generate_args(model: Path, *extra: str | int) -> list[str | int | Path]:
+    return ["generate", "--model", model, "--prompt", PROMPT, "--device", "cpu", *extra]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("cli") / "chat")
+
+
+@pytest.fixture(scope="module")
+def raw_model(chat_model, tmp_path_factory) -> Path:
+    """The same model whose tokenizer has no chat template."""
+    folder = Path(shutil.copytree(chat_model, tmp_path_factory.mktemp("cli") / "raw"))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer_config = folder / "tokenizer_config.json"
+    settings = json.loads(tokenizer_config.read_text())
+    settings.pop("chat_template", None)
+    tokenizer_config.write_text(json.dumps(settings))
+    assert AutoTokenizer.from_pretrained(folder).chat_template is None
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama_folder(chat_model, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("cli") / "llama"
+    folder.mkdir()
+    config = json.loads((chat_model / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(chat_model, raw_model, llama_folder, tmp_path_factory):
+    """name -> the `Future` of a slow CLI run, all started at once."""
+    greedy = generate_args(chat_model, "--greedy", "--json", "--max-new-tokens", MAX_NEW)
+    seeded = generate_args(
+        chat_model,
+        *("--json", "--seed", "7", "--temperature", "1.0", "--max-new-tokens", MAX_NEW),
+        *("--expert-budget", "4", "--policy", "mrs", "--sim-link-gbps", "5"),
+    )
+    commands = {
+        "greedy": greedy,
+        "greedy again": greedy,
+        "seeded": seeded,
+        "seeded again": seeded,
+        "plain": generate_args(chat_model, "--greedy", "--max-new-tokens", MAX_NEW),
+        "raw": generate_args(raw_model, "--greedy", "--json", "--max-new-tokens", 2),
+        "missing folder": generate_args(tmp_path_factory.mktemp("cli") / "nowhere"),
+        "unsupported architecture": generate_args(llama_folder),
+        "make-tiny": ["make-tiny", tmp_path_factory.mktemp("cli") / "made", "--arch", "mixtral"],
+    }
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        yield {name: pool.submit(run_cli, *args) for name, args in commands.items()}
+
+
+def result(runs: dict[str, Future], name: str) -> Run:
+    return runs[name].result()
+
+
+@pytest.fixture(scope="module")
+def greedy(runs) -> dict:
+    return result(runs, "greedy").json()
+
+
+def test_json_output(greedy):
+    assert isinstance(greedy["text"], str)
+    ids = greedy["token_ids"]
+    assert isinstance(ids, list) and all(isinstance(t, int) for t in ids)
+    if greedy["finish_reason"] in ("eos", "stop"):
+        assert 1 <= len(ids) <= MAX_NEW
+    else:
+        assert greedy["finish_reason"] == "length" and len(ids) == MAX_NEW
+    stats = greedy["stats"]
+    assert stats.keys() >= STATS_KEYS
+    assert stats["simulated_link"] is True  # on the CPU device the link is always simulated
+    assert stats["generated_tokens"] == len(ids)
+    assert stats["hits"] + stats["misses"] > 0
+    assert stats["hit_rate"] == pytest.approx(stats["hits"] / (stats["hits"] + stats["misses"]))
+    assert greedy["model"]["model_type"] == "qwen3_moe" and greedy["model"]["device"] == "cpu"
+
+
+def test_greedy_is_reproducible(runs, greedy):
+    again = result(runs, "greedy again").json()
+    assert again["token_ids"] == greedy["token_ids"]
+    assert again["text"] == greedy["text"]
+
+
+def test_prompt_goes_through_the_chat_template(chat_model, greedy):
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    templated = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True
+    )
+    templated = templated["input_ids"] if hasattr(templated, "keys") else templated
+    assert greedy["stats"]["prompt_tokens"] == len(templated)
+    assert len(templated) > len(tokenizer(PROMPT).input_ids)
+
+
+def test_prompt_is_raw_text_without_a_chat_template(runs, raw_model):
+    raw = result(runs, "raw").json()
+    tokenizer = AutoTokenizer.from_pretrained(raw_model)
+    assert raw["stats"]["prompt_tokens"] == len(tokenizer(PROMPT).input_ids)
+
+
+def test_seeded_sampling_with_a_small_cache(runs):
+    """--seed reproduces a sampled reply; a 4-expert MRS cache on a simulated link misses and copies."""
+    first, second = result(runs, "seeded").json(), result(runs, "seeded again").json()
+    assert first["token_ids"] == second["token_ids"]
+    assert first["model"]["cache_slots"] == 4
+    stats = first["stats"]
+    assert stats["simulated_link"] is True
+    assert stats["misses"] > 0
+    assert stats["h2d_bytes"] == stats["misses"] * first["model"]["expert_nbytes"]
+
+
+def test_plain_output_streams_the_text_then_a_summary(runs, greedy):
+    run = result(runs, "plain")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(greedy["text"])
+    summary = run.stdout[len(greedy["text"]) :]
+    pattern = (
+        rf"\n\[{greedy['finish_reason']}; {len(greedy['token_ids'])} tokens, [\d.]+ tok/s, "
+        r"hit rate \d+%, simulated link\]\n"
+    )
+    assert re.fullmatch(pattern, summary), summary
+
+
+# Options are checked before torch is imported, so those runs are quick and need not start early.
+QUICK_BAD_OPTIONS = {
+    "bad budget": ["--expert-budget", "lots"],
+    "bad policy": ["--policy", "fifo"],
+    "bad link": ["--sim-link-gbps", "-1"],
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing folder", r"error: Model folder not found: .*nowhere\. Check the path"),
+        ("unsupported architecture", r"error: Architecture 'llama' is not supported.*qwen3_moe"),
+        ("bad budget", r"error: Cannot read expert budget 'lots'"),
+        ("bad policy", r"argument --policy: invalid choice: 'fifo'"),
+        ("bad link", r"error: --sim-link-gbps must be a positive bandwidth in GB/s, got -1\.0"),
+    ],
+)
+def test_bad_input_exits_non_zero_with_the_message_on_stderr(case, message, runs, chat_model):
+    if case in QUICK_BAD_OPTIONS:
+        run = run_cli(*generate_args(chat_model, *QUICK_BAD_OPTIONS[case]))
+    else:
+        run = result(runs, case)
+    assert run.returncode != 0
+    assert re.search(message, run.stderr, flags=re.DOTALL), run.stderr
+    assert "Traceback" not in run.stderr
+    assert run.stdout == ""
+
+
+def test_make_tiny_writes_a_loadable_folder(runs):
+    run = result(runs, "make-tiny")
+    assert run.returncode == 0, run.stderr
+    folder = Path(run.stdout.strip())
+    assert folder.name == "made" and (folder / "config.json").is_file()
+    model = load_model(folder, OffloadConfig(device="cpu"))
+    try:
+        assert model.arch.model_type == "mixtral"
+        config = GenerationConfig(max_new_tokens=2, sampling=SamplingConfig(greedy=True))
+        assert len(generate_text(model, PROMPT, config).token_ids) >= 1
+    finally:
+        model.close()
+
+
+def test_make_tiny_offers_every_tiny_architecture():
+    # The CLI lists SUPPORTED_MODEL_TYPES (a light import) as the choices of make-tiny --arch.
+    assert set(SUPPORTED_MODEL_TYPES) == set(TINY_ARCHITECTURES)
