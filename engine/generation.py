@@ -59,7 +59,9 @@ class TokenEvent:
 @dataclass(frozen=True)
 class FinishedEvent:
     reason: str  # "eos" | "stop" | "length" | "cancelled"
-    text: str
+    text: str  # the whole reply
+    tail: str  # text not yet sent in a TokenEvent (held back as a possible stop string or partial
+    #            character until the end): a streaming consumer appends it
     token_ids: tuple[int, ...]
     stats: GenerationStats
 
@@ -84,8 +86,11 @@ def encode_prompt(model: OffloadedModel, prompt: str | Sequence[Message] | Seque
     if not ids:
         raise InvalidRequestError("The prompt is empty.")
     vocab = model.hf_config.vocab_size
-    if max(ids) >= vocab or min(ids) < 0:
-        raise InvalidRequestError(f"Prompt token ids must be in [0, {vocab}).")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise InvalidRequestError(
+            f"Prompt token id {bad[0]} is outside this model's vocabulary [0, {vocab})."
+        )
     return list(ids)
 
 
@@ -153,8 +158,11 @@ def generate(
         logits = model.forward(history[-1:], kv_cache)[-1]
     finished = time.perf_counter()
 
-    if reason != "stop":
-        text_parts.append(stops.flush() if detok is None else stops.feed(detok.flush())[0] + stops.flush())
+    tail = ""
+    if reason != "stop" and detok is not None:
+        tail, stopped = stops.feed(detok.flush())
+        tail += stops.flush()
+        reason = "stop" if stopped else reason
     stats = GenerationStats.build(
         prompt_tokens=len(prompt_ids),
         generated_tokens=len(generated),
@@ -164,7 +172,7 @@ def generate(
         decode=phase_delta(after_prefill, cache_snapshot(model.cache), "decode"),
         simulated_link=model.simulated_link,
     )
-    yield FinishedEvent(reason, "".join(text_parts), tuple(generated), stats)
+    yield FinishedEvent(reason, "".join(text_parts) + tail, tail, tuple(generated), stats)
 
 
 def _text_delta(detok, stops: StopStringMatcher, token: int, is_eos: bool) -> tuple[str, bool]:

@@ -177,3 +177,19 @@ def test_stats_split_prefill_and_decode(model):
     assert stats.misses == stats.prefill.misses + stats.decode.misses
     assert stats.h2d_bytes == stats.misses * model.store.layout.nbytes
     assert stats.simulated_link is True
+
+
+@pytest.mark.parametrize(
+    ("script", "stop", "tail"),
+    [
+        (b"ok" + "🌍".encode()[:2], (), "\ufffd"),  # cut inside a character: flushed as a replacement
+        (b"done\nUs", ("\nUser:",), "\nUs"),  # a stop string's prefix that never completed
+    ],
+)
+def test_held_back_text_arrives_as_the_tail(model, scripted, script, stop, tail):
+    scripted.script = list(script)
+    config = GenerationConfig(max_new_tokens=len(script), stop_strings=stop, ignore_eos=True)
+    tokens, finished = run(model, "x", config)
+    assert finished.reason == "length"
+    assert finished.tail == tail
+    assert "".join(t.text for t in tokens) + finished.tail == finished.text
