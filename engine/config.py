@@ -35,17 +35,24 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class ExpertBudget:
-    """A device budget for the expert cache: bytes, a number of experts, or everything."""
+    """A device budget for the expert cache: bytes, a number of experts, everything, or auto.
+
+    Auto (nothing given) fills the device memory left after the resident weights and a
+    headroom for activations and the KV cache; on a CPU device it caches everything.
+    """
 
     nbytes: int | None = None
     experts: int | None = None
+    all_experts: bool = False
 
     @classmethod
     def parse(cls, text: str | int | None) -> ExpertBudget:
         """'2GiB', '512MB', '1.5G' are bytes; a bare integer ('64') is a number of experts;
-        None or 'all' caches every expert."""
-        if text is None or (isinstance(text, str) and text.strip().lower() in ("", "all")):
+        'all' caches every expert; None, '' or 'auto' sizes the cache from free device memory."""
+        if text is None or (isinstance(text, str) and text.strip().lower() in ("", "auto")):
             return cls()
+        if isinstance(text, str) and text.strip().lower() == "all":
+            return cls(all_experts=True)
         if isinstance(text, int):
             return cls._experts(text)
         match = _SIZE.match(text)
@@ -70,12 +77,19 @@ class ExpertBudget:
             raise InvalidRequestError(f"Expert budget of {count} experts must be at least 1.")
         return cls(experts=count)
 
-    def slots(self, expert_nbytes: int, total_experts: int) -> int:
-        """How many expert slots this budget buys, never more than there are experts."""
+    @property
+    def is_auto(self) -> bool:
+        return self.nbytes is None and self.experts is None and not self.all_experts
+
+    def slots(self, expert_nbytes: int, total_experts: int, auto_nbytes: int | None = None) -> int:
+        """How many expert slots this budget buys, never more than there are experts.
+
+        `auto_nbytes` is the device memory an auto budget may use (None: no limit)."""
         if self.experts is not None:
             return min(self.experts, total_experts)
-        if self.nbytes is not None:
-            return min(self.nbytes // expert_nbytes, total_experts)
+        nbytes = self.nbytes if self.nbytes is not None else (None if self.all_experts else auto_nbytes)
+        if nbytes is not None:
+            return min(max(nbytes, 0) // expert_nbytes, total_experts)
         return total_experts
 
     def __str__(self) -> str:
@@ -83,7 +97,7 @@ class ExpertBudget:
             return f"{self.experts} expert{'s' if self.experts != 1 else ''}"
         if self.nbytes is not None:
             return format_bytes(self.nbytes)
-        return "all experts"
+        return "all experts" if self.all_experts else "auto"
 
 
 def format_bytes(nbytes: float) -> str:

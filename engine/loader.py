@@ -23,7 +23,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from engine.checkpoint import Checkpoint
-from engine.config import OffloadConfig
+from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import (
     BudgetTooSmallError,
     CorruptCheckpointError,
@@ -81,14 +81,10 @@ def load_model(
             pin=device.type == "cuda",
             progress=(lambda d, t: progress("experts", d, t)) if progress else None,
         )
-        n_slots = config.expert_budget.slots(store.layout.nbytes, store.total_experts)
-        if n_slots < top_k:
-            raise BudgetTooSmallError(
-                f"The expert budget ({config.expert_budget}) holds {n_slots} expert(s) of "
-                f"{store.layout.nbytes / 2**20:.2f} MiB, but one token needs {top_k} experts of a layer. "
-                f"Raise --expert-budget to at least {_mib_rounded_up(top_k * store.layout.nbytes)} MiB "
-                f"or {top_k} experts."
-            )
+        auto_nbytes = _auto_expert_nbytes(hf_model, blocks, device) if config.expert_budget.is_auto else None
+        n_slots = cache_slots(
+            config.expert_budget, store.layout.nbytes, store.total_experts, top_k, auto_nbytes
+        )
         transfer = make_transfer(device, config.sim_link_gbps, config.sim_latency_us)
         policy = make_policy(config.policy, top_k=top_k, alpha=config.mrs_alpha)
         cache = ExpertCache(store, n_slots, device, transfer, policy)
@@ -134,9 +130,45 @@ def load_model(
     )
 
 
+def cache_slots(
+    budget: ExpertBudget, expert_nbytes: int, total_experts: int, top_k: int, auto_nbytes: int | None
+) -> int:
+    """Slots the budget buys, or an error when they cannot hold one token's top-k experts."""
+    n_slots = budget.slots(expert_nbytes, total_experts, auto_nbytes)
+    if n_slots >= top_k:
+        return n_slots
+    if auto_nbytes is not None:
+        raise DeviceOutOfMemoryError(
+            f"Only {max(auto_nbytes, 0) / 2**20:.0f} MiB of GPU memory is left for experts after the "
+            f"model's resident weights and a headroom for activations; one token needs {top_k} experts "
+            f"of {expert_nbytes / 2**20:.1f} MiB. Close other GPU programs, or use --device cpu."
+        )
+    raise BudgetTooSmallError(
+        f"The expert budget ({budget}) holds {n_slots} expert(s) of "
+        f"{expert_nbytes / 2**20:.2f} MiB, but one token needs {top_k} experts of a layer. "
+        f"Raise --expert-budget to at least {_mib_rounded_up(top_k * expert_nbytes)} MiB "
+        f"or {top_k} experts."
+    )
+
+
 def _mib_rounded_up(nbytes: int) -> str:
     """MiB with two decimals, rounded up: a minimum shown rounded down would still be too small."""
     return f"{math.ceil(nbytes / 2**20 * 100) / 100:.2f}"
+
+
+def expert_headroom(total_nbytes: int) -> int:
+    """Device memory an auto budget leaves for activations, the KV cache and the allocator."""
+    return max(2**30, total_nbytes // 10)
+
+
+def _auto_expert_nbytes(hf_model, blocks, device: torch.device) -> int | None:
+    """Free device memory an auto budget may give the expert cache; None on a CPU device."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    routed = {id(p) for _, block in blocks.values() for p in block.experts.parameters()}
+    resident = sum(p.numel() * p.element_size() for p in hf_model.parameters() if id(p) not in routed)
+    return free - resident - expert_headroom(total)
 
 
 def read_config(folder: Path):

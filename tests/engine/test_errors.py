@@ -30,7 +30,7 @@ from engine.errors import (
     UnsupportedArchitectureError,
 )
 from engine.generation import GenerationConfig, generate_text
-from engine.loader import load_model
+from engine.loader import cache_slots, expert_headroom, load_model
 from engine.models import SUPPORTED_MODEL_TYPES
 from engine.sampling import SamplingConfig
 from engine.tiny_models import make_tiny_model
@@ -457,3 +457,22 @@ def test_failed_loads_leave_the_folder_loadable(broken):
         load_model(broken, CPU)
     (broken / "tokenizer.json").unlink()
     load_ok(broken)
+
+
+def test_auto_budget_fills_the_free_device_memory():
+
+    budget = ExpertBudget.parse(None)
+    assert budget.is_auto and str(budget) == "auto"
+    assert ExpertBudget.parse("all").all_experts and str(ExpertBudget.parse("all")) == "all experts"
+    assert cache_slots(budget, 100, 64, 2, auto_nbytes=None) == 64  # CPU: everything
+    assert cache_slots(budget, 100, 64, 2, auto_nbytes=1050) == 10
+    assert cache_slots(ExpertBudget.parse("all"), 100, 64, 2, auto_nbytes=1050) == 64
+    assert expert_headroom(80 * 2**30) == 8 * 2**30 and expert_headroom(4 * 2**30) == 2**30
+
+
+def test_auto_budget_without_room_says_the_gpu_is_full():
+
+    with pytest.raises(
+        DeviceOutOfMemoryError, match=r"Only 0 MiB of GPU memory is left for experts.*--device cpu"
+    ):
+        cache_slots(ExpertBudget.parse(None), 2**20, 64, 2, auto_nbytes=-5 * 2**20)
