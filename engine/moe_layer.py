@@ -14,6 +14,7 @@ for the cache policy and, later, the expert predictors.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,23 @@ class RoutingTrace:
         self.logits.clear()
 
 
+@dataclass(frozen=True)
+class _Step:
+    """One MoE layer call's tensors, shared by its experts' computations."""
+
+    hidden: torch.Tensor  # [T, H]
+    weights: torch.Tensor  # [T*K] routing weights, flat
+    top_k: int
+    out: torch.Tensor  # [T, H]
+
+
+def _group_by_expert(flat_experts: list[int]) -> dict[int, list[int]]:
+    routes: dict[int, list[int]] = {}
+    for position, expert in enumerate(flat_experts):
+        routes.setdefault(expert, []).append(position)
+    return routes
+
+
 class OffloadedExperts(nn.Module):
     """Drop-in for a transformers fused experts module, backed by the expert cache."""
 
@@ -63,17 +81,16 @@ class OffloadedExperts(nn.Module):
         if self.cache.policy.uses_scores and self.layer in self.trace.logits:
             scores = self.trace.logits[self.layer].float().softmax(dim=-1).mean(dim=0)  # [E]
             self.cache.policy.observe_scores(self.layer, scores.tolist())
-        experts, counts = torch.unique(top_k_index, return_counts=True)
-        # Busy experts first: on a miss-heavy prefill they start copying earliest.
-        order = [e for _, e in sorted(zip(counts.tolist(), experts.tolist(), strict=True), reverse=True)]
-        hits = [e for e in order if (self.layer, e) in self.cache]
-        misses = [e for e in order if (self.layer, e) not in self.cache]
+        routes = _group_by_expert(top_k_index.reshape(-1).tolist())  # expert -> flat [T*K] positions
+        step = _Step(hidden_states, top_k_weights.reshape(-1), top_k_index.shape[-1], out)
+        # Hits first (their compute overlaps the misses' copies); busy experts first within each.
+        order = sorted(routes, key=lambda e: ((self.layer, e) not in self.cache, -len(routes[e])))
         pending: deque = deque()
         try:
-            for expert in hits + misses:
+            for expert in order:
                 while True:
                     try:
-                        pending.append((expert, self.cache.acquire((self.layer, expert))))
+                        pending.append((routes[expert], self.cache.acquire((self.layer, expert))))
                         break
                     except NoEvictableSlot:
                         if not pending:  # every slot is held by other work (prefetches in flight)
@@ -82,22 +99,30 @@ class OffloadedExperts(nn.Module):
                                 f"expert {expert}. Raise --expert-budget."
                             ) from None
                         # Every slot is pinned by this layer: compute the oldest to free one.
-                        self._compute(*pending.popleft(), hidden_states, top_k_index, top_k_weights, out)
+                        self._compute(*pending.popleft(), step)
             while pending:
-                self._compute(*pending.popleft(), hidden_states, top_k_index, top_k_weights, out)
+                self._compute(*pending.popleft(), step)
         finally:
             for _, slot in pending:  # only after an error: never leave a slot pinned
                 self.cache.release(slot)
         return out
 
-    def _compute(self, expert, slot, hidden_states, top_k_index, top_k_weights, out) -> None:
+    def _compute(self, positions: list[int], slot, step: _Step) -> None:
+        """One expert on the tokens routed to it, weighted and added into the output."""
         try:
             weights = self.cache.wait(slot)
-            token_idx, k_pos = torch.where(top_k_index == expert)
-            y = self.expert_forward(hidden_states[token_idx], weights)
-            y = y * top_k_weights[token_idx, k_pos, None]
-            # index_put_ rather than index_add_: no thread-pool round trip for a few rows.
-            out.index_put_((token_idx,), y.to(out.dtype), accumulate=True)
+            if len(positions) == 1:  # decode: one token, plain slices instead of gathers
+                pos = positions[0]
+                token = pos // step.top_k
+                y = self.expert_forward(step.hidden[token : token + 1], weights)
+                y = y * step.weights[pos : pos + 1, None]  # [1, 1]: promotes as transformers does
+                step.out[token : token + 1] += y.to(step.out.dtype)
+            else:
+                flat = torch.tensor(positions, device=step.hidden.device)
+                token_idx = flat // step.top_k
+                y = self.expert_forward(step.hidden[token_idx], weights) * step.weights[flat, None]
+                # index_put_ rather than index_add_: no thread-pool round trip for a few rows.
+                step.out.index_put_((token_idx,), y.to(step.out.dtype), accumulate=True)
         finally:
             self.cache.release(slot)
 

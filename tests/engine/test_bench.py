@@ -22,15 +22,19 @@ def test_budget_sweep_with_transformers_side_by_side(folder, tmp_path, capsys):
     assert code == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert [r["engine"] for r in rows] == ["moe-chat", "moe-chat", "transformers"]
-    small, full, reference = rows
+    # One row per budget, then the side-by-side pair (interleaved passes) for the largest cache.
+    assert [r["engine"] for r in rows] == ["moe-chat", "moe-chat", "moe-chat", "transformers"]
+    small, full, side_by_side, reference = rows
+    assert side_by_side["budget"] == full["budget"] and side_by_side["hit_rate"] == 1.0
     assert small["cache_slots"] == 4 and full["cache_slots"] == 16
     assert small["simulated_link"] is True and full["simulated_link"] is True
     assert full["hit_rate"] == 1.0 and full["bytes_per_token"] == 0
     assert small["hit_rate"] < 1.0 and small["bytes_per_token"] > 0
     assert small["decode_tokens"] == 2 * 5
     assert result["compared_budget"] == "all experts"
-    assert result["speed_vs_transformers"] == pytest.approx(full["tokens_per_s"] / reference["tokens_per_s"])
+    assert result["speed_vs_transformers"] == pytest.approx(
+        side_by_side["tokens_per_s"] / reference["tokens_per_s"]
+    )
     table = capsys.readouterr().out
     assert "tpot_ms" in table and "simulated" in table and "of transformers' generate" in table
 
