@@ -22,8 +22,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.cli import add_offload_arguments
-from engine.config import ExpertBudget, OffloadConfig, format_bytes
+from engine.cli import add_offload_arguments, offload_config
+from engine.config import OffloadConfig, format_bytes
 from engine.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -189,17 +189,6 @@ def _format_table(rows: list[BenchRow]) -> str:
     return "\n".join(lines)
 
 
-def _offload_config(args, budget: str) -> OffloadConfig:
-    return OffloadConfig(
-        device=args.device,
-        dtype=args.dtype,
-        expert_budget=ExpertBudget.parse(budget),
-        policy=args.policy,
-        sim_link_gbps=args.sim_link_gbps,
-        sim_latency_us=args.sim_latency_us,
-    )
-
-
 def run(args: argparse.Namespace) -> dict:
     from engine.loader import load_model
 
@@ -207,7 +196,7 @@ def run(args: argparse.Namespace) -> dict:
     prompts = PROMPTS[: args.prompts]
     rows: list[BenchRow] = []
     for budget in budgets:
-        model = load_model(args.model, _offload_config(args, budget))
+        model = load_model(args.model, offload_config(args, budget))
         try:
             prompt_ids = _prompt_ids(model, prompts)
             rows.append(bench_engine(model, prompt_ids, args.new_tokens, args.repeats))
@@ -219,7 +208,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.compare_transformers:
         # The largest cache asked for: with every expert cached, offloading is pure overhead.
         largest = max(zip(rows, budgets, strict=True), key=lambda pair: pair[0].cache_slots)[1]
-        ours, theirs = compare_side_by_side(args, largest, prompt_ids, _offload_config(args, largest))
+        ours, theirs = compare_side_by_side(args, largest, prompt_ids, offload_config(args, largest))
         rows += [ours, theirs]
         result["speed_vs_transformers"] = ours.tokens_per_s / theirs.tokens_per_s
         result["compared_budget"] = ours.budget

@@ -41,13 +41,14 @@ def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-latency-us", type=float, default=10.0, help="simulated link latency per copy")
 
 
-def offload_config(args: argparse.Namespace):
+def offload_config(args: argparse.Namespace, expert_budget: str | None = None):
+    """The OffloadConfig the options say; `expert_budget` overrides --expert-budget (bench sweeps)."""
     from engine.config import ExpertBudget, OffloadConfig
 
     return OffloadConfig(
         device=args.device,
         dtype=args.dtype,
-        expert_budget=ExpertBudget.parse(args.expert_budget),
+        expert_budget=ExpertBudget.parse(expert_budget if expert_budget is not None else args.expert_budget),
         policy=args.policy,
         sim_link_gbps=args.sim_link_gbps,
         sim_latency_us=args.sim_latency_us,

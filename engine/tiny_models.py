@@ -43,19 +43,12 @@ from transformers import (
 )
 from transformers.utils.hub import convert_file_size_to_int
 
+from engine.models import SUPPORTED_MODEL_TYPES
+
 logger = logging.getLogger(__name__)
 
-TINY_ARCHITECTURES: tuple[str, ...] = (
-    "qwen3_moe",
-    "qwen2_moe",
-    "mixtral",
-    "olmoe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "gpt_oss",
-    "phimoe",
-    "granitemoe",
-)
+# Every architecture the engine supports has a tiny builder here.
+TINY_ARCHITECTURES: tuple[str, ...] = SUPPORTED_MODEL_TYPES
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
