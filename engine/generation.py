@@ -125,16 +125,13 @@ def generate(
     before = cache_snapshot(model.cache)
     kv_cache = model.new_kv_cache()
 
-    model.cache.phase = "prefill"
-    for start in range(0, len(prompt_ids), config.prefill_chunk):
-        logits = model.forward(history[start : start + config.prefill_chunk], kv_cache)[-1]
+    logits = _prefill(model, history, kv_cache, config.prefill_chunk)
     prefilled = time.perf_counter()
     after_prefill = cache_snapshot(model.cache)
 
-    model.cache.phase = "decode"
     generated: list[int] = []
     text_parts: list[str] = []
-    reason, last = "length", started  # the first token's latency counts from the request
+    last = started  # the first token's latency counts from the request
     while True:
         token = sampler.sample(logits, history)
         generated.append(token)
@@ -144,25 +141,13 @@ def generate(
         now = time.perf_counter()
         yield TokenEvent(token, delta, len(generated) - 1, (now - last) * 1e3)
         last = now
-        if stopped:
-            reason = "stop"
-            break
-        if token in eos:
-            reason = "eos"
-            break
-        if len(generated) >= config.max_new_tokens:
-            break
-        if cancel is not None and cancel.is_set():
-            reason = "cancelled"
+        reason = _end_reason(stopped, token in eos, len(generated), config.max_new_tokens, cancel)
+        if reason is not None:
             break
         logits = model.forward(history[-1:], kv_cache)[-1]
     finished = time.perf_counter()
 
-    tail = ""
-    if reason != "stop" and detok is not None:
-        tail, stopped = stops.feed(detok.flush())
-        tail += stops.flush()
-        reason = "stop" if stopped else reason
+    tail, reason = _held_back_text(detok, stops, reason)
     stats = GenerationStats.build(
         prompt_tokens=len(prompt_ids),
         generated_tokens=len(generated),
@@ -173,6 +158,35 @@ def generate(
         simulated_link=model.simulated_link,
     )
     yield FinishedEvent(reason, "".join(text_parts) + tail, tail, tuple(generated), stats)
+
+
+def _prefill(model: OffloadedModel, ids: torch.Tensor, kv_cache, chunk: int) -> torch.Tensor:
+    """Run the prompt through the model in chunks; the last position's logits."""
+    model.cache.phase = "prefill"
+    for start in range(0, len(ids), chunk):
+        logits = model.forward(ids[start : start + chunk], kv_cache)[-1]
+    model.cache.phase = "decode"
+    return logits
+
+
+def _end_reason(stopped: bool, is_eos: bool, generated: int, limit: int, cancel) -> str | None:
+    if stopped:
+        return "stop"
+    if is_eos:
+        return "eos"
+    if generated >= limit:
+        return "length"
+    if cancel is not None and cancel.is_set():
+        return "cancelled"
+    return None
+
+
+def _held_back_text(detok, stops: StopStringMatcher, reason: str) -> tuple[str, str]:
+    """Text still held back at the end (a partial character or stop-string prefix), and the reason."""
+    if reason == "stop" or detok is None:
+        return "", reason
+    tail, stopped = stops.feed(detok.flush())
+    return tail + stops.flush(), "stop" if stopped else reason
 
 
 def _text_delta(detok, stops: StopStringMatcher, token: int, is_eos: bool) -> tuple[str, bool]:
