@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.cli import add_offload_arguments, offload_config
+from engine.cli import add_offload_arguments, model_folder, offload_config
 from engine.config import OffloadConfig, format_bytes
 from engine.errors import EngineError
 
@@ -156,9 +156,9 @@ def compare_side_by_side(args, budget: str, prompt_ids, config: OffloadConfig) -
     """The engine and transformers timed in alternating passes, so drifts of the machine hit both."""
     from engine.loader import load_model
 
-    model = load_model(args.model, config)
+    model = load_model(model_folder(args), config)
     try:
-        reference = TransformersRunner(Path(args.model), model.device, model.dtype)
+        reference = TransformersRunner(Path(model_folder(args)), model.device, model.dtype)
         engine_pass(model, [prompt_ids[0][:8]], 4)
         reference.tpot_ms([prompt_ids[0][:8]], 4)  # warm-ups
         ours, theirs = [], []
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> dict:
     prompts = PROMPTS[: args.prompts]
     rows: list[BenchRow] = []
     for budget in budgets:
-        model = load_model(args.model, offload_config(args, budget))
+        model = load_model(model_folder(args), offload_config(args, budget))
         try:
             prompt_ids = _prompt_ids(model, prompts)
             rows.append(bench_engine(model, prompt_ids, args.new_tokens, args.repeats))

@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 
 def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by every command that loads a model."""
-    parser.add_argument("--model", required=True, help="Hugging Face model folder")
+    parser.add_argument(
+        "--model", default=None, help="Hugging Face model folder (default: the bundled demo model)"
+    )
     parser.add_argument(
         "--expert-budget",
         default=None,
@@ -39,6 +41,15 @@ def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
         help="without a GPU: simulate a host→device link of this many GB/s",
     )
     parser.add_argument("--sim-latency-us", type=float, default=10.0, help="simulated link latency per copy")
+
+
+def model_folder(args: argparse.Namespace) -> str:
+    """--model, or the bundled demo model when none is given."""
+    if args.model:
+        return args.model
+    from engine.resources import demo_model_dir
+
+    return str(demo_model_dir())
 
 
 def offload_config(args: argparse.Namespace, expert_budget: str | None = None):
@@ -102,7 +113,7 @@ def run_generate(args: argparse.Namespace) -> int:
         stop_strings=tuple(args.stop),
     )
     gen_config.validate()
-    model = load_model(args.model, offload)
+    model = load_model(model_folder(args), offload)
     try:
         for event in generate(model, args.prompt, gen_config):
             if isinstance(event, FinishedEvent):
