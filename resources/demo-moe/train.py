@@ -83,46 +83,41 @@ def token_blocks(tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids[: n * SEQ_LEN]).view(n, SEQ_LEN)
 
 
+def _shared_config(tokenizer) -> dict:
+    """What target and draft have in common: tokenizer, hidden size (SP-MoE feeds the draft's
+    hidden states to the target's routers), attention shape and special tokens."""
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": HIDDEN,
+        "intermediate_size": 512,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": True,
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": None,
+    }
+
+
 def target_config(tokenizer) -> Qwen3MoeConfig:
     return Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=HIDDEN,
-        intermediate_size=512,
+        **_shared_config(tokenizer),
         moe_intermediate_size=96,
         num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=32,
         num_experts=16,
         num_experts_per_tok=2,
         norm_topk_prob=True,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
         # Balancing is done per layer in fit(): transformers' loss balances all layers pooled,
         # which lets single layers collapse onto a few experts.
         output_router_logits=False,
         router_aux_loss_coef=0.0,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
     )
 
 
 def draft_config(tokenizer) -> Qwen3Config:
-    return Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=HIDDEN,  # the target's: SP-MoE feeds draft hidden states to the target's routers
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
+    return Qwen3Config(**_shared_config(tokenizer), num_hidden_layers=2)
 
 
 def balance_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
