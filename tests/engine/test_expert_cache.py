@@ -7,116 +7,24 @@ No model is needed: a store of three layers × six experts of random floats is p
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from engine.errors import DeviceOutOfMemoryError
-from engine.eviction import EvictionPolicy, ExpertKey, LFUPolicy, LRUPolicy, MRSPolicy
-from engine.expert_cache import ExpertCache, NoEvictableSlot, Slot, SlotState
-from engine.expert_store import ALIGN, ExpertLayout, ExpertStore
-from engine.transfer import CopyHandle, SimulatedLink, TransferEngine
-
-NUM_LAYERS, NUM_EXPERTS = 3, 6
-SHAPES = {"gate_up_proj": (10, 6), "down_proj": (6, 5), "down_proj_bias": (6,)}
-
-
-def make_store(seed: int = 0) -> ExpertStore:
-    layout = ExpertLayout.from_shapes(SHAPES, torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    layers = {}
-    for layer in range(NUM_LAYERS):
-        # Random bytes everywhere (padding included), then random floats in the fields: no NaNs,
-        # so typed views compare with torch.equal, while the raw bytes check the whole buffer.
-        packed = torch.randint(0, 256, (NUM_EXPERTS, layout.nbytes), dtype=torch.uint8, generator=generator)
-        for expert in range(NUM_EXPERTS):
-            for view in layout.views(packed[expert]).values():
-                view.copy_(torch.randn(view.shape, generator=generator))
-        layers[layer] = packed
-    return ExpertStore(layout, layers, NUM_EXPERTS)
-
-
-class ManualCopy(CopyHandle):
-    """A copy that lands when the test calls `land()` (or when a consumer waits for it)."""
-
-    def __init__(self, dst: torch.Tensor, src: torch.Tensor, after: object | None):
-        self.dst, self.src, self.after = dst, src, after
-        self.landed = False
-
-    def land(self) -> None:
-        if not self.landed:
-            self.dst.copy_(self.src)
-            self.landed = True
-
-    def wait(self) -> None:
-        self.land()  # a blocking wait: returns once the copy is in
-
-    def done(self) -> bool:
-        return self.landed
-
-
-class ManualTransfer(TransferEngine):
-    simulated = True
-
-    def __init__(self) -> None:
-        self.copies: list[ManualCopy] = []
-        self.markers = 0
-
-    def copy(self, dst, src, after=None) -> ManualCopy:
-        handle = ManualCopy(dst, src, after)
-        self.copies.append(handle)
-        return handle
-
-    def release_marker(self) -> object:
-        self.markers += 1
-        return ("released", self.markers)
-
-    def in_flight(self) -> list[ManualCopy]:
-        return [c for c in self.copies if not c.landed]
-
-
-@pytest.fixture
-def store() -> ExpertStore:
-    return make_store()
-
-
-@pytest.fixture
-def link():
-    link = SimulatedLink(gbps=None)
-    yield link
-    link.close()
-
-
-def make_cache(
-    store: ExpertStore,
-    transfer: TransferEngine,
-    n_slots: int = 3,
-    policy: EvictionPolicy | None = None,
-) -> ExpertCache:
-    return ExpertCache(store, n_slots, torch.device("cpu"), transfer, policy or LRUPolicy())
-
-
-def use(cache: ExpertCache, key: ExpertKey) -> Slot:
-    """One complete use by compute: acquire, wait for the copy, release."""
-    slot = cache.acquire(key)
-    cache.wait(slot)
-    cache.release(slot)
-    return slot
-
-
-def slot_matches_store(cache: ExpertCache, slot: Slot) -> bool:
-    layer, expert = slot.key
-    if not torch.equal(cache.pool[slot.index], cache.store.buffer(layer, expert)):
-        return False
-    expected = cache.store.views(layer, expert)
-    return all(torch.equal(view, expected[name]) for name, view in slot.views.items())
-
-
-def counters(cache: ExpertCache, phase: str = "decode") -> tuple[int, int, int, int]:
-    c = cache.stats.phases[phase]
-    return c.hits, c.misses, c.bytes_copied, c.copies
-
+from engine.eviction import LFUPolicy, LRUPolicy, MRSPolicy
+from engine.expert_cache import NoEvictableSlot, SlotState
+from engine.expert_store import ALIGN
+from engine.transfer import SimulatedLink
+from tests.engine.cache_helpers import (
+    NUM_EXPERTS,
+    NUM_LAYERS,
+    SHAPES,
+    ManualTransfer,
+    counters,
+    make_cache,
+    slot_matches_store,
+    use,
+)
 
 # -- the store and the pool ---------------------------------------------------------------------
 
@@ -415,83 +323,3 @@ def test_clear_survives_a_failed_copy(store) -> None:
     cache.clear()  # recovering from the error must not raise it again
     assert cache.used_slots == 0
     assert all(s.state is SlotState.FREE and s.key is None for s in cache.slots)
-
-
-# -- randomized invariants -----------------------------------------------------------------------
-
-
-def check_invariants(cache: ExpertCache, pinned_keys: dict[int, ExpertKey]) -> None:
-    assert cache.used_slots <= cache.n_slots
-    assert len(cache.pool) == cache.n_slots
-    table = cache._table
-    free = cache._free
-    assert len({id(s) for s in free}) == len(free)
-    assert {s.index for s in free}.isdisjoint(s.index for s in table.values())
-    assert len(free) + len(table) == cache.n_slots
-    for key, slot in table.items():
-        assert slot.key == key and slot.state is not SlotState.FREE
-    for slot in free:
-        assert slot.state is SlotState.FREE and slot.key is None and slot.pins == 0
-    for slot in cache.slots:
-        assert slot.pins >= 0
-        if slot.pins:
-            assert pinned_keys[slot.index] == slot.key  # a pinned slot's key never changes
-        if slot.state is SlotState.READY:
-            assert slot_matches_store(cache, slot)
-    assert set(cache.policy.tracked_keys()) == set(table)
-
-
-@pytest.mark.parametrize("transfer_kind", ["manual", "simulated"])
-@pytest.mark.parametrize("policy_cls", [LRUPolicy, LFUPolicy, MRSPolicy])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_use_never_breaks_the_invariants(store, transfer_kind, policy_cls, seed) -> None:
-    rng = random.Random(seed)
-    transfer = ManualTransfer() if transfer_kind == "manual" else SimulatedLink(gbps=None)
-    policy = policy_cls()
-    cache = make_cache(store, transfer, n_slots=4, policy=policy)
-    held: list[Slot] = []  # acquisitions not yet released (a slot may appear more than once)
-    pinned_keys: dict[int, ExpertKey] = {}
-    refused = 0
-    try:
-        for _ in range(1500):
-            action = rng.random()
-            key = (rng.randrange(NUM_LAYERS), rng.randrange(NUM_EXPERTS))
-            if action < 0.4:
-                try:
-                    slot = cache.acquire(key)
-                except NoEvictableSlot:
-                    refused += 1
-                    assert all(s.pins or s.state is SlotState.LOADING for s in cache.slots)
-                    continue
-                assert slot.key == key
-                held.append(slot)
-                pinned_keys[slot.index] = key
-            elif action < 0.6 and held:
-                slot = rng.choice(held)
-                cache.wait(slot)
-                assert slot_matches_store(cache, slot)
-            elif action < 0.85 and held:
-                slot = held.pop(rng.randrange(len(held)))
-                cache.release(slot)
-            elif action < 0.92:
-                was_resident = key in cache
-                started = cache.prefetch(key)
-                assert not (was_resident and started)
-                if started:
-                    assert cache._table[key].pins == 0
-            elif action < 0.96 and isinstance(transfer, ManualTransfer) and transfer.in_flight():
-                rng.choice(transfer.in_flight()).land()
-            elif policy.uses_scores:
-                layer = rng.randrange(NUM_LAYERS)
-                policy.observe_scores(layer, [rng.random() for _ in range(NUM_EXPERTS)])
-            check_invariants(cache, pinned_keys)
-        for slot in held:
-            cache.wait(slot)
-            cache.release(slot)
-        check_invariants(cache, pinned_keys)
-    finally:
-        if isinstance(transfer, SimulatedLink):
-            transfer.close()
-    stats = cache.stats.total()
-    assert stats.bytes_copied == stats.copies * store.layout.nbytes
-    assert stats.misses > 50 and stats.hits > 50 and refused > 0  # the run did exercise the cache
