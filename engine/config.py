@@ -1,7 +1,8 @@
 """Frozen configuration of the offloaded engine, and parsing of user-given sizes.
 
-`OffloadConfig` says where the model runs and how much device memory the
-expert cache may use; it is validated once, when the model is loaded.
+`OffloadConfig` says where the model runs, how much device memory the expert
+cache may use and in which precision the routed experts are kept; it is
+validated once, when the model is loaded.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Routed experts as the checkpoint has them, or group-wise quantized (engine.quant): opt-in,
+# because quantized experts change the model's outputs.
+EXPERT_DTYPES = ("native", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,7 @@ class OffloadConfig:
     sim_link_gbps: float | None = None  # simulated host→device link (CPU device only)
     sim_latency_us: float = 10.0
     mrs_alpha: float = 0.5
+    expert_dtype: str = "native"  # native | int8 | int4
 
     def validate(self) -> None:
         from engine.eviction import POLICIES
@@ -127,6 +132,11 @@ class OffloadConfig:
             raise InvalidRequestError(f"Unknown device {self.device!r}; choose one of {', '.join(DEVICES)}.")
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"Unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}.")
+        if self.expert_dtype not in EXPERT_DTYPES:
+            raise InvalidRequestError(
+                f"Unknown expert dtype {self.expert_dtype!r}; choose one of {', '.join(EXPERT_DTYPES)} "
+                "(native keeps the checkpoint's precision; int8 and int4 quantize the routed experts)."
+            )
         if self.policy.lower() not in POLICIES:
             raise InvalidRequestError(
                 f"Unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}."

@@ -6,6 +6,11 @@ allocated, so routed experts exist only in the host store (read straight from
 the safetensors, one expert at a time) and in the device cache. Everything else
 is allocated on the device and filled from the checkpoint, renamed with
 transformers' own conversion rules (Mixtral's `block_sparse_moe` → `mlp` …).
+
+With `OffloadConfig.expert_dtype` int8 or int4 the routed experts are quantized
+as they are read (opt-in: it changes the outputs), and the converted store is
+cached on disk (`engine.store_cache`) so the next load of the model skips the
+conversion.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import logging
 import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -36,10 +42,13 @@ from engine.errors import (
 )
 from engine.eviction import make_policy
 from engine.expert_cache import ExpertCache
-from engine.expert_store import build_store, find_layout
+from engine.expert_store import ExpertLayout, ExpertStore, build_store, find_layout
 from engine.models import get_architecture
+from engine.models.base import DiskLayout
 from engine.moe_layer import OffloadedExperts, RoutingTrace, expert_field_shapes, moe_blocks
 from engine.offloaded import OffloadedModel
+from engine.quant import QuantSpec
+from engine.store_cache import StoreKey, load_or_build
 from engine.transfer import make_transfer
 
 log = logging.getLogger(__name__)
@@ -70,17 +79,7 @@ def load_model(
         first_experts = next(iter(blocks.values()))[1].experts
         num_experts, top_k = first_experts.num_experts, hf_config.num_experts_per_tok
         disk_layout = find_layout(checkpoint, arch.layouts, next(iter(blocks.values()))[0] + ".")
-
-        store = build_store(
-            checkpoint,
-            disk_layout,
-            {layer: name + "." for layer, (name, _) in blocks.items()},
-            expert_field_shapes(first_experts),
-            num_experts,
-            dtype,
-            pin=device.type == "cuda",
-            progress=(lambda d, t: progress("experts", d, t)) if progress else None,
-        )
+        store = _load_store(folder, checkpoint, disk_layout, blocks, dtype, device, config, progress)
         auto_nbytes = _auto_expert_nbytes(hf_model, blocks, device) if config.expert_budget.is_auto else None
         n_slots = cache_slots(
             config.expert_budget, store.layout.nbytes, store.total_experts, top_k, auto_nbytes
@@ -105,11 +104,12 @@ def load_model(
         checkpoint.close()
 
     log.info(
-        "Loaded %s (%s): %d MoE layers × %d experts, %d cache slots, device %s",
+        "Loaded %s (%s): %d MoE layers × %d experts (%s), %d cache slots, device %s",
         folder,
         arch.model_type,
         len(blocks),
         num_experts,
+        config.expert_dtype,
         n_slots,
         device,
     )
@@ -128,6 +128,40 @@ def load_model(
         top_k=top_k,
         disk_layout=disk_layout.name,
     )
+
+
+def _load_store(
+    folder: Path,
+    checkpoint: Checkpoint,
+    disk_layout: DiskLayout,
+    blocks: dict,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: OffloadConfig,
+    progress: Progress | None,
+) -> ExpertStore:
+    """The host store of every routed expert: packed from the checkpoint, quantized if asked.
+
+    A quantized store comes from the store cache when it holds one for this model."""
+    first_experts = next(iter(blocks.values()))[1].experts
+    num_experts, shapes = first_experts.num_experts, expert_field_shapes(first_experts)
+    moe_layers = {layer: name + "." for layer, (name, _) in blocks.items()}
+    report = (lambda done, total: progress("experts", done, total)) if progress else None
+    if report is not None:
+        report(0, len(moe_layers) * num_experts)  # the stage starts (reading or converting can take long)
+    quant = QuantSpec.from_dtype(config.expert_dtype)
+    pin = device.type == "cuda"
+    build = partial(
+        build_store, checkpoint, disk_layout, moe_layers, shapes, num_experts, dtype, pin, report, quant
+    )
+    if quant is None:
+        return build()
+    log.warning(
+        "Routed experts are quantized to %s: outputs differ from the unquantized model's.", quant.name
+    )
+    layout = ExpertLayout.from_shapes(shapes, dtype).quantized(quant)
+    key = StoreKey(folder, dtype, quant)
+    return load_or_build(key, layout, sorted(moe_layers), num_experts, pin, build, report)
 
 
 def cache_slots(

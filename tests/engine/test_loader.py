@@ -1,5 +1,7 @@
 """What loading builds: experts only in the store, read one at a time; routing kept per layer."""
 
+import dataclasses
+import logging
 import subprocess
 import sys
 import textwrap
@@ -102,3 +104,21 @@ def test_anonymous_memory_after_load_is_one_copy_of_the_experts(tmp_path):
     grown, store, resident = map(int, out.stdout.split())
     assert store > 50 * 2**20
     assert grown < store + resident + 24 * 2**20  # measured: store + ~6 MiB
+
+
+def test_quantized_experts_are_opt_in_and_announced(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MOE_CHAT_CACHE_DIR", str(tmp_path / "cache"))
+    folder = make_tiny_model(tmp_path / "model")
+    infos = {}
+    for expert_dtype in ("native", "int8"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="engine.loader"):
+            model = load_model(folder, dataclasses.replace(CONFIG, expert_dtype=expert_dtype))
+        model.close()
+        infos[expert_dtype] = model.info()
+        warned = "outputs differ" in caplog.text
+        assert warned == (expert_dtype != "native"), "quantizing changes the outputs: say so, only then"
+    assert OffloadConfig().expert_dtype == "native"
+    assert infos["int8"].expert_dtype == "int8" and infos["native"].expert_dtype == "native"
+    assert infos["int8"].expert_nbytes < infos["native"].expert_nbytes / 2
+    assert infos["int8"].cache_slots == infos["native"].cache_slots == 4
