@@ -35,12 +35,78 @@ def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     parser.add_argument("--policy", default="lru", choices=("lru", "lfu", "mrs"), help="cache eviction")
     parser.add_argument(
+        "--expert-dtype",
+        default="native",
+        choices=("native", "int8", "int4"),
+        help="routed experts' precision in host memory: int8/int4 copy fewer bytes but change outputs",
+    )
+    parser.add_argument(
         "--sim-link-gbps",
         type=float,
         default=None,
         help="without a GPU: simulate a host→device link of this many GB/s",
     )
     parser.add_argument("--sim-latency-us", type=float, default=10.0, help="simulated link latency per copy")
+
+
+def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding and expert prefetch options."""
+    parser.add_argument(
+        "--spec",
+        default="none",
+        choices=("none", "draft", "self", "substitute"),
+        help="speculative decoding: a draft model, the target's own top-r experts (SS-MoE), "
+        "or resident low-bit substitute experts (SubSpec)",
+    )
+    parser.add_argument(
+        "--draft-model", default=None, help="draft model folder (default: the demo draft for the demo model)"
+    )
+    parser.add_argument("--draft-len", type=int, default=4, help="draft tokens per verify step (start value)")
+    parser.add_argument("--fixed-draft-len", action="store_true", help="never adapt the draft length")
+    parser.add_argument("--max-draft-len", type=int, default=16)
+    parser.add_argument("--top-r", type=int, default=1, help="--spec self: experts per token while drafting")
+    parser.add_argument(
+        "--cached-only", action="store_true", help="--spec self: draft from cached experts only"
+    )
+    parser.add_argument("--substitute-bits", type=int, default=4, choices=(4, 8))
+    parser.add_argument("--tau", type=float, default=0.0, help="stop drafting below this draft confidence")
+    parser.add_argument(
+        "--adaptive-accept",
+        action="store_true",
+        help="SS-MoE adaptive acceptance: faster, NOT lossless (outputs may differ from the model's)",
+    )
+    parser.add_argument("--prefetch", default="none", choices=("none", "next-layer", "hybrimoe", "spmoe"))
+    parser.add_argument(
+        "--cutoff", type=int, default=None, help="spmoe: last MoE layer prefetched (default: auto)"
+    )
+    parser.add_argument(
+        "--cpu-experts",
+        default="never",
+        choices=("auto", "never", "always"),
+        help="compute missing experts on the CPU when the measured cost model says it is sooner (GPU only)",
+    )
+
+
+def spec_config(args: argparse.Namespace):
+    from engine.speculative import SpecConfig
+
+    draft_model = args.draft_model
+    if args.spec == "draft" and draft_model is None and not args.model:
+        from engine.resources import demo_draft_dir
+
+        draft_model = str(demo_draft_dir())
+    return SpecConfig(
+        mode=args.spec,
+        draft_model=draft_model,
+        draft_len=args.draft_len,
+        adapt_draft_len=not args.fixed_draft_len,
+        max_draft_len=args.max_draft_len,
+        top_r=args.top_r,
+        cached_only=args.cached_only,
+        substitute_bits=args.substitute_bits,
+        confidence_tau=args.tau,
+        acceptance="adaptive" if args.adaptive_accept else "lossless",
+    )
 
 
 def model_folder(args: argparse.Namespace) -> str:
@@ -63,6 +129,7 @@ def offload_config(args: argparse.Namespace, expert_budget: str | None = None):
         policy=args.policy,
         sim_link_gbps=args.sim_link_gbps,
         sim_latency_us=args.sim_latency_us,
+        expert_dtype=args.expert_dtype,
     )
 
 
@@ -79,6 +146,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
+    add_spec_arguments(p)
 
 
 def _make_tiny_parser(sub) -> None:
@@ -111,6 +179,10 @@ def run_generate(args: argparse.Namespace) -> int:
             greedy=args.greedy,
         ),
         stop_strings=tuple(args.stop),
+        spec=spec_config(args),
+        prefetch=args.prefetch,
+        cutoff=args.cutoff,
+        cpu_experts=args.cpu_experts,
     )
     gen_config.validate()
     model = load_model(model_folder(args), offload)
@@ -136,7 +208,8 @@ def run_generate(args: argparse.Namespace) -> int:
             tps = f"{s.tokens_per_s:.1f} tok/s" if s.tokens_per_s else "n/a tok/s"
             hit = f"{s.hit_rate:.0%}" if s.hit_rate is not None else "n/a"
             link = "simulated link" if s.simulated_link else "PCIe"
-            print(f"\n[{finished.reason}; {s.generated_tokens} tokens, {tps}, hit rate {hit}, {link}]")
+            spec = f", accept_len {s.accept_len:.2f}" if s.accept_len else ""
+            print(f"\n[{finished.reason}; {s.generated_tokens} tokens, {tps}, hit rate {hit}{spec}, {link}]")
     finally:
         model.close()
     return 0

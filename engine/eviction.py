@@ -38,6 +38,7 @@ class EvictionPolicy(ABC):
 
     name: str
     uses_scores = False  # True when observe_scores matters (the cache then feeds it routing scores)
+    layer_share = False  # the cache prefers victims from layers holding more than their share
 
     def __init__(self) -> None:
         self._clock = 0
@@ -79,9 +80,12 @@ class EvictionPolicy(ABC):
 
 
 class LRUPolicy(EvictionPolicy):
-    """Evict the least recently accessed expert (an insert counts as an access)."""
+    """Evict the least recently accessed expert (an insert counts as an access), taken from a layer
+    holding more than its share of the slots: Mixtral-offloading's per-layer LRU groups, which
+    survive a step that touches more experts than the cache holds."""
 
     name = "lru"
+    layer_share = True
 
     def _rank(self, key: ExpertKey) -> tuple[float, ...]:
         return (self._recency(key),)

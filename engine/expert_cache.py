@@ -8,14 +8,25 @@ moves and counts hits, misses and bytes per phase.
 
 A use is a hit when the expert is resident or already on its way (a prefetch in
 flight); a miss starts an on-demand copy.
+
+Prefetch accounting: every prefetched expert ends up either *used* (acquired by
+compute before it left the cache) or *wasted* (evicted, cleared or settled
+unused), counted in the phase that issued it, so `prefetched == prefetch_used +
+prefetch_wasted` once `settle_prefetches()` has run. The first use of a
+prefetched expert also counts as a `prefetch_hit` in the phase that used it
+(`prefetch_recall` = verify-phase prefetch hits / verify-phase uses).
+
+Thread safety: the prefetch worker thread and compute share the cache; every
+table change happens under one lock. Waiting for a copy happens outside it.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import threading
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -44,6 +55,7 @@ class Slot:
     pins: int = 0
     copy: CopyHandle | None = None
     released: object | None = None  # marker of compute's last use; a new copy waits for it
+    prefetch_phase: str | None = None  # set while it holds a prefetched expert not used yet
 
 
 @dataclass
@@ -52,6 +64,15 @@ class PhaseCounters:
     misses: int = 0
     bytes_copied: int = 0
     copies: int = 0
+    prefetched: int = 0  # experts this phase asked to prefetch that were copied
+    prefetch_used: int = 0  # of those, used by compute before leaving the cache
+    prefetch_wasted: int = 0  # of those, evicted, cleared or settled unused
+    prefetch_hits: int = 0  # uses in this phase that were a prefetched expert's first use
+    cpu_computed: int = 0  # misses computed on the CPU from the host store instead of copied
+
+    def add(self, other: PhaseCounters) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     @property
     def uses(self) -> int:
@@ -69,10 +90,7 @@ class CacheStats:
     def total(self) -> PhaseCounters:
         total = PhaseCounters()
         for counters in self.phases.values():
-            total.hits += counters.hits
-            total.misses += counters.misses
-            total.bytes_copied += counters.bytes_copied
-            total.copies += counters.copies
+            total.add(counters)
         return total
 
 
@@ -101,6 +119,7 @@ class ExpertCache:
         self._table: dict[ExpertKey, Slot] = {}
         self.stats = CacheStats()
         self.phase = "decode"
+        self.lock = threading.RLock()
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -108,7 +127,8 @@ class ExpertCache:
         return key in self._table
 
     def resident(self) -> list[ExpertKey]:
-        return list(self._table)
+        with self.lock:
+            return list(self._table)
 
     @property
     def used_slots(self) -> int:
@@ -121,49 +141,98 @@ class ExpertCache:
 
         Raises NoEvictableSlot when a miss finds every slot loading or pinned.
         """
-        counters = self.stats.phases[self.phase]
-        slot = self._table.get(key)
-        if slot is None:
-            slot = self._load(key, counters)
+        with self.lock:
+            counters = self.stats.phases[self.phase]
+            slot = self._table.get(key)
+            if slot is None:
+                slot = self._load(key, counters)
+                counters.misses += 1
+            else:
+                counters.hits += 1
+                if slot.prefetch_phase is not None:
+                    self.stats.phases[slot.prefetch_phase].prefetch_used += 1
+                    counters.prefetch_hits += 1
+                    slot.prefetch_phase = None
+            slot.pins += 1
+            self.policy.on_access(key)
+            return slot
+
+    def count_cpu_use(self) -> None:
+        """A use computed on the CPU: a miss for the device cache, with no copy."""
+        with self.lock:
+            counters = self.stats.phases[self.phase]
             counters.misses += 1
-        else:
-            counters.hits += 1
-        slot.pins += 1
-        self.policy.on_access(key)
-        return slot
+            counters.cpu_computed += 1
 
     def wait(self, slot: Slot) -> dict[str, torch.Tensor]:
         """Typed views of a pinned slot once its copy has landed."""
-        if slot.state is SlotState.LOADING:
+        copy = slot.copy
+        if slot.state is SlotState.LOADING and copy is not None:
             try:
-                slot.copy.wait()
+                copy.wait()  # outside the lock: the prefetch worker keeps going meanwhile
             except BaseException:
-                self._unmap(slot)  # its contents are garbage: never serve it as a hit
+                with self.lock:
+                    if slot.copy is copy:
+                        self._unmap(slot)  # its contents are garbage: never serve it as a hit
                 raise
-            slot.state = SlotState.READY
-            slot.copy = None
+            with self.lock:
+                if slot.copy is copy:
+                    slot.state = SlotState.READY
+                    slot.copy = None
         return slot.views
 
     def release(self, slot: Slot) -> None:
-        if slot.pins <= 0:
-            raise RuntimeError(f"slot {slot.index} released more often than acquired")
-        slot.pins -= 1
-        if slot.pins == 0:
-            slot.released = self.transfer.release_marker()
-            if slot.state is SlotState.FREE:  # unmapped while pinned (a failed copy)
-                self._free.append(slot)
+        with self.lock:
+            if slot.pins <= 0:
+                raise RuntimeError(f"slot {slot.index} released more often than acquired")
+            slot.pins -= 1
+            if slot.pins == 0:
+                slot.released = self.transfer.release_marker()
+                if slot.state is SlotState.FREE:  # unmapped while pinned (a failed copy)
+                    self._free.append(slot)
+
+    def wait_for_a_copy(self) -> bool:
+        """Block until some in-flight copy into an unpinned slot has landed (so it can be evicted).
+
+        False when no such copy exists: every slot is pinned."""
+        with self.lock:
+            loading = [s for s in self.slots if s.state is SlotState.LOADING and s.pins == 0 and s.copy]
+        if not loading:
+            return False
+        try:
+            loading[0].copy.wait()
+        except Exception as err:  # a failed prefetch: its slot is dropped, which also makes room
+            log.debug("A prefetch copy failed: %s", err)
+            with self.lock:
+                if loading[0].key is not None and loading[0].pins == 0:
+                    self._unmap(loading[0])
+                    self._free.append(loading[0])
+        return True
 
     # -- background loads (prefetch) ---------------------------------------------------------
 
-    def prefetch(self, key: ExpertKey) -> bool:
-        """Start bringing `key` in without using it; False when already resident or nothing can be evicted."""
-        if key in self._table:
-            return False
-        try:
-            self._load(key, self.stats.phases[self.phase])
-        except NoEvictableSlot:
-            return False
-        return True
+    def prefetch(self, key: ExpertKey, phase: str | None = None) -> bool:
+        """Start bringing `key` in without using it, counted in `phase` (default: the current one).
+
+        False when already resident or nothing can be evicted."""
+        with self.lock:
+            if key in self._table:
+                return False
+            phase = phase or self.phase
+            counters = self.stats.phases[phase]
+            try:
+                slot = self._load(key, counters)
+            except NoEvictableSlot:
+                return False
+            slot.prefetch_phase = phase
+            counters.prefetched += 1
+            return True
+
+    def settle_prefetches(self) -> None:
+        """Count prefetched experts still unused as wasted (the end of a run)."""
+        with self.lock:
+            for slot in self.slots:
+                self._drop_prefetch(slot)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -192,28 +261,88 @@ class ExpertCache:
         }
         if not candidates:
             raise NoEvictableSlot
-        victim = candidates[self.policy.victim(candidates)]
+        victim = candidates[self.policy.victim(self._preferred_victims(candidates))]
         self._unmap(victim)
         return victim
 
+    def trim_layer(self, layer: int, working: int) -> None:
+        """Free `layer`'s experts beyond its share once its step is done (LRU first).
+
+        Layers are visited in a cycle: when one step needs more of a layer's experts than its
+        share (a verify over several tokens), keeping them would evict the experts of the layers
+        coming next, whose turn is nearer. The share leaves `working` slots (what this step of
+        a layer needed) free for the next layer's misses, so they evict nobody's share.
+        Prefetched experts still unused are kept."""
+        if (
+            not self.policy.layer_share
+            or len(self._free) >= working
+            or self.n_slots >= self.store.total_experts
+        ):
+            return  # room enough for the next layer's misses without evicting anyone
+        share = max((self.n_slots - working) // max(len(self.store.layer_indices), 1), 1)
+        with self.lock:
+            mine = [k for k in self._table if k[0] == layer]
+            while len(mine) > share:
+                candidates = {
+                    k: self._table[k]
+                    for k in mine
+                    if self._table[k].pins == 0
+                    and self._table[k].prefetch_phase is None
+                    and self._table[k].state is SlotState.READY
+                }
+                if not candidates:
+                    return
+                victim = self.policy.victim(candidates)
+                slot = self._table[victim]
+                self._unmap(slot)
+                self._free.append(slot)
+                mine.remove(victim)
+
+    def _preferred_victims(self, candidates: dict[ExpertKey, Slot]) -> dict[ExpertKey, Slot]:
+        """Narrow the policy's choice: never a prefetched expert still waiting for its use while
+        something else can go, and (LRU) experts of layers holding more than their share of slots.
+
+        Layers are visited in a cycle, so when one step needs more experts than there are slots
+        (a verify over several tokens) a global LRU would evict every expert before its layer
+        comes round again; each layer keeping its share is what Mixtral-offloading's per-layer
+        LRU groups do.
+        """
+        unprefetched = {k: s for k, s in candidates.items() if s.prefetch_phase is None} or candidates
+        if not self.policy.layer_share:
+            return unprefetched
+        per_layer: dict[int, int] = defaultdict(int)
+        for layer, _ in self._table:
+            per_layer[layer] += 1
+        share = self.n_slots / max(len(self.store.layer_indices), 1)
+        crowded = {k: s for k, s in unprefetched.items() if per_layer[k[0]] > share}
+        return crowded or unprefetched
+
+    def _drop_prefetch(self, slot: Slot) -> None:
+        if slot.prefetch_phase is not None:
+            self.stats.phases[slot.prefetch_phase].prefetch_wasted += 1
+            slot.prefetch_phase = None
+
     def _unmap(self, slot: Slot) -> None:
+        self._drop_prefetch(slot)
         del self._table[slot.key]
         self.policy.on_remove(slot.key)
         slot.key, slot.state, slot.copy = None, SlotState.FREE, None
 
     def clear(self) -> None:
         """Forget every resident expert (used after an error left slots in doubt)."""
-        for slot in self.slots:
-            if slot.copy is not None:
-                try:
-                    slot.copy.wait()
-                except Exception as err:  # its consumer got (or would get) the error; the slot is dropped
-                    log.debug("Discarding slot %d after a failed copy: %s", slot.index, err)
-            if slot.key is not None:
-                self.policy.on_remove(slot.key)
-            slot.key, slot.state, slot.copy, slot.pins = None, SlotState.FREE, None, 0
-        self._table.clear()
-        self._free = list(reversed(self.slots))
+        with self.lock:
+            for slot in self.slots:
+                if slot.copy is not None:
+                    try:
+                        slot.copy.wait()
+                    except Exception as err:  # its consumer got (or would get) the error; dropped
+                        log.debug("Discarding slot %d after a failed copy: %s", slot.index, err)
+                if slot.key is not None:
+                    self.policy.on_remove(slot.key)
+                self._drop_prefetch(slot)
+                slot.key, slot.state, slot.copy, slot.pins = None, SlotState.FREE, None, 0
+            self._table.clear()
+            self._free = list(reversed(self.slots))
 
 
 def _allocate_pool(n_slots: int, expert_nbytes: int, device: torch.device) -> torch.Tensor:

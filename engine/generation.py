@@ -1,11 +1,13 @@
 """Text generation over an `OffloadedModel`, as a generator of typed events.
 
 `generate(model, prompt, config)` prefills the prompt in chunks, then decodes
-one token per forward until EOS, a stop string, `max_new_tokens` or a cancel
+(one token per target forward, or speculatively: several per verify step, see
+`engine.speculative`) until EOS, a stop string, `max_new_tokens` or a cancel
 request; it yields a `TokenEvent` per token (text deltas are always whole UTF-8
 characters, and never part of a stop string) and ends with one
 `FinishedEvent` carrying the text, the ids and the run's `GenerationStats`.
-Cancellation is checked between steps, so the KV cache is never left half-written.
+Cancellation is checked between tokens and acted on between steps, so the KV
+cache is never left half-written.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig as HFGenerationConfig
 
+from engine.cpu_experts import CPU_EXPERT_MODES
 from engine.errors import InvalidRequestError
 from engine.metrics import GenerationStats, cache_snapshot, phase_delta
 from engine.offloaded import OffloadedModel
+from engine.prefetch import PREFETCH_POLICIES
 from engine.sampling import Sampler, SamplingConfig
+from engine.speculative import SpecConfig, open_decoder
 from engine.textstream import IncrementalDetokenizer, StopStringMatcher
 
 log = logging.getLogger(__name__)
@@ -37,6 +42,10 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()
     prefill_chunk: int = 512
     ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    prefetch: str = "none"  # none | next-layer | hybrimoe | spmoe
+    cutoff: int | None = None  # spmoe: last MoE layer (0-based, in order) prefetched; None: auto
+    cpu_experts: str = "never"  # auto | never | always: compute missing experts on the CPU (hybrid)
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -45,7 +54,16 @@ class GenerationConfig:
             raise InvalidRequestError("prefill_chunk must be at least 1.")
         if any(not s for s in self.stop_strings):
             raise InvalidRequestError("Stop strings cannot be empty.")
+        if self.prefetch not in PREFETCH_POLICIES:
+            raise InvalidRequestError(
+                f"Unknown prefetch policy {self.prefetch!r}; choose one of {', '.join(PREFETCH_POLICIES)}."
+            )
+        if self.cpu_experts not in CPU_EXPERT_MODES:
+            raise InvalidRequestError(
+                f"Unknown cpu_experts {self.cpu_experts!r}; choose one of {', '.join(CPU_EXPERT_MODES)}."
+            )
         self.sampling.validate()
+        self.spec.validate()
 
 
 @dataclass(frozen=True)
@@ -123,39 +141,49 @@ def generate(
     detok = IncrementalDetokenizer(model.tokenizer) if model.tokenizer is not None else None
     stops = StopStringMatcher(config.stop_strings)
     before = cache_snapshot(model.cache)
-    kv_cache = model.new_kv_cache()
+    kv_cache = model.new_kv_cache(rewindable=config.spec.mode != "none")
+    decoder = open_decoder(model, config.spec, config.prefetch, config.cutoff, sampler, config.cpu_experts)
+    try:
+        logits = _prefill(model, history, kv_cache, config.prefill_chunk)
+        prefilled = time.perf_counter()
+        after_prefill = cache_snapshot(model.cache)
 
-    logits = _prefill(model, history, kv_cache, config.prefill_chunk)
-    prefilled = time.perf_counter()
-    after_prefill = cache_snapshot(model.cache)
-
-    generated: list[int] = []
-    text_parts: list[str] = []
-    last = started  # the first token's latency counts from the request
-    while True:
-        token = sampler.sample(logits, history)
-        generated.append(token)
-        history = torch.cat([history, history.new_tensor([token])])
-        delta, stopped = _text_delta(detok, stops, token, token in eos)
-        text_parts.append(delta)
-        now = time.perf_counter()
-        yield TokenEvent(token, delta, len(generated) - 1, (now - last) * 1e3)
-        last = now
-        reason = _end_reason(stopped, token in eos, len(generated), config.max_new_tokens, cancel)
-        if reason is not None:
-            break
-        logits = model.forward(history[-1:], kv_cache)[-1]
-    finished = time.perf_counter()
+        generated: list[int] = []
+        text_parts: list[str] = []
+        last = started  # the first token's latency counts from the request
+        new_tokens = [sampler.sample(logits, history)]
+        reason = None
+        while reason is None:
+            for token in new_tokens:
+                generated.append(token)
+                history = torch.cat([history, history.new_tensor([token])])
+                delta, stopped = _text_delta(detok, stops, token, token in eos)
+                text_parts.append(delta)
+                now = time.perf_counter()
+                yield TokenEvent(token, delta, len(generated) - 1, (now - last) * 1e3)
+                last = now
+                reason = _end_reason(stopped, token in eos, len(generated), config.max_new_tokens, cancel)
+                if reason is not None:
+                    break
+            if reason is None:
+                new_tokens = decoder.step(history, kv_cache)
+        finished = time.perf_counter()
+    finally:
+        decoder.close()  # uninstalls the prefetch policy; unused prefetches are counted as wasted
 
     tail, reason = _held_back_text(detok, stops, reason)
+    end = cache_snapshot(model.cache)
     stats = GenerationStats.build(
         prompt_tokens=len(prompt_ids),
         generated_tokens=len(generated),
         prefill_s=prefilled - started,
         decode_s=finished - prefilled,
-        prefill=phase_delta(before, after_prefill, "prefill"),
-        decode=phase_delta(after_prefill, cache_snapshot(model.cache), "decode"),
+        phases={
+            "prefill": phase_delta(before, after_prefill, "prefill"),
+            **{phase: phase_delta(after_prefill, end, phase) for phase in ("decode", "draft", "verify")},
+        },
         simulated_link=model.simulated_link,
+        speculation=decoder.summary(),
     )
     yield FinishedEvent(reason, "".join(text_parts) + tail, tail, tuple(generated), stats)
 

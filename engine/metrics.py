@@ -3,6 +3,9 @@
 - `tpot_ms`: decode wall time / tokens produced by decode steps (prefill excluded).
 - `tokens_per_s`: 1000 / tpot_ms; `prefill_tokens_per_s` separately.
 - `hit_rate`: expert uses served from the device cache / all expert uses, per phase.
+- `accept_len`: mean tokens emitted per verify step (the bonus token included).
+- `prefetch_precision`: prefetched experts used before leaving the cache / prefetched.
+- `prefetch_recall`: verify-phase uses that were a prefetched expert's first use / verify uses.
 - `h2d_gbps`: bytes the engine copied host→device / wall time (counted, not sampled).
 
 Every figure carries `simulated_link`: on a machine without a GPU the link is
@@ -11,7 +14,7 @@ simulated, and so is anything timed over it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from engine.expert_cache import ExpertCache, PhaseCounters
 
@@ -24,12 +27,7 @@ def cache_snapshot(cache: ExpertCache) -> Snapshot:
 
 def phase_delta(before: Snapshot, after: Snapshot, phase: str) -> PhaseCounters:
     a, b = after.get(phase, PhaseCounters()), before.get(phase, PhaseCounters())
-    return PhaseCounters(
-        hits=a.hits - b.hits,
-        misses=a.misses - b.misses,
-        bytes_copied=a.bytes_copied - b.bytes_copied,
-        copies=a.copies - b.copies,
-    )
+    return PhaseCounters(**{f.name: getattr(a, f.name) - getattr(b, f.name) for f in fields(PhaseCounters)})
 
 
 @dataclass(frozen=True)
@@ -38,10 +36,34 @@ class PhaseStats:
     misses: int
     h2d_bytes: int
     hit_rate: float | None
+    prefetched: int
+    prefetch_hits: int
 
     @classmethod
     def of(cls, counters: PhaseCounters) -> PhaseStats:
-        return cls(counters.hits, counters.misses, counters.bytes_copied, counters.hit_rate)
+        return cls(
+            counters.hits,
+            counters.misses,
+            counters.bytes_copied,
+            counters.hit_rate,
+            counters.prefetched,
+            counters.prefetch_hits,
+        )
+
+
+@dataclass(frozen=True)
+class SpecSummary:
+    """What the decoder did: `spec` 'none' for plain decoding."""
+
+    spec: str = "none"
+    prefetch: str = "none"
+    lossless: bool = True
+    verify_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -58,10 +80,22 @@ class GenerationStats:
     hit_rate: float | None
     h2d_bytes: int
     h2d_gbps: float | None
-    bytes_per_token: float | None  # decode-phase bytes copied per generated token
+    bytes_per_token: float | None  # bytes copied after the prefill, per generated token
     simulated_link: bool
+    spec: str
+    prefetch: str
+    lossless: bool  # False only with SS-MoE adaptive acceptance
+    accept_len: float | None  # mean tokens emitted per verify step, bonus included
+    acceptance_rate: float | None  # accepted draft tokens / drafted tokens
+    draft_len: float | None  # mean draft tokens per verify step
+    verify_steps: int
+    prefetch_precision: float | None  # prefetched experts used before leaving the cache / prefetched
+    prefetch_recall: float | None  # verify (plain: decode) uses that were a prefetch's first use / uses
+    hit_rate_verify: float | None
     prefill: PhaseStats
     decode: PhaseStats
+    draft: PhaseStats
+    verify: PhaseStats
 
     @classmethod
     def build(
@@ -71,19 +105,21 @@ class GenerationStats:
         generated_tokens: int,
         prefill_s: float,
         decode_s: float,
-        prefill: PhaseCounters,
-        decode: PhaseCounters,
+        phases: dict[str, PhaseCounters],
         simulated_link: bool,
+        speculation: SpecSummary | None = None,
     ) -> GenerationStats:
+        spec = speculation or SpecSummary()
+        phase = {name: phases.get(name, PhaseCounters()) for name in ("prefill", "decode", "draft", "verify")}
         decode_steps = generated_tokens - 1  # the first token comes from the prefill's logits
         tpot_ms = decode_s * 1e3 / decode_steps if decode_steps > 0 else None
-        total = PhaseCounters(
-            hits=prefill.hits + decode.hits,
-            misses=prefill.misses + decode.misses,
-            bytes_copied=prefill.bytes_copied + decode.bytes_copied,
-            copies=prefill.copies + decode.copies,
-        )
+        total, after_prefill = PhaseCounters(), PhaseCounters()
+        for name, counters in phase.items():
+            total.add(counters)
+            if name != "prefill":
+                after_prefill.add(counters)
         wall = prefill_s + decode_s
+        recall_phase = phase["verify"] if spec.spec != "none" else phase["decode"]
         return cls(
             prompt_tokens=prompt_tokens,
             generated_tokens=generated_tokens,
@@ -97,10 +133,22 @@ class GenerationStats:
             hit_rate=total.hit_rate,
             h2d_bytes=total.bytes_copied,
             h2d_gbps=total.bytes_copied / wall / 1e9 if wall > 0 else None,
-            bytes_per_token=decode.bytes_copied / decode_steps if decode_steps > 0 else None,
+            bytes_per_token=after_prefill.bytes_copied / decode_steps if decode_steps > 0 else None,
             simulated_link=simulated_link,
-            prefill=PhaseStats.of(prefill),
-            decode=PhaseStats.of(decode),
+            spec=spec.spec,
+            prefetch=spec.prefetch,
+            lossless=spec.lossless,
+            accept_len=spec.emitted_tokens / spec.verify_steps if spec.verify_steps else None,
+            acceptance_rate=spec.accepted_tokens / spec.drafted_tokens if spec.drafted_tokens else None,
+            draft_len=spec.drafted_tokens / spec.verify_steps if spec.verify_steps else None,
+            verify_steps=spec.verify_steps,
+            prefetch_precision=total.prefetch_used / total.prefetched if total.prefetched else None,
+            prefetch_recall=recall_phase.prefetch_hits / recall_phase.uses if recall_phase.uses else None,
+            hit_rate_verify=phase["verify"].hit_rate,
+            prefill=PhaseStats.of(phase["prefill"]),
+            decode=PhaseStats.of(phase["decode"]),
+            draft=PhaseStats.of(phase["draft"]),
+            verify=PhaseStats.of(phase["verify"]),
         )
 
     def to_dict(self) -> dict:

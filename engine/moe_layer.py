@@ -8,21 +8,47 @@ expert from its slot with the original module's activation (`_apply_gate`,
 `act_fn`, transposed or biased weights as the family has them).
 
 The router's logits of the latest forward are kept per layer (`RoutingTrace`)
-for the cache policy and, later, the expert predictors.
+for the cache policy. `ExpertControl`, shared by every layer, carries what
+changes per phase: observers (the prefetch predictors see each layer's hidden
+state and routes before its experts run) and, while drafting, a `DraftRouting`
+(SS-MoE top-r self-draft, optionally from cached experts only, or SubSpec's
+resident low-bit substitutes, which never touch the cache).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine import quant
 from engine.errors import BudgetTooSmallError
 from engine.expert_cache import ExpertCache, NoEvictableSlot
+from engine.expert_store import ExpertStore
 from engine.models.base import Architecture
+
+LayerObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, hidden [T, H], top-k [T, K])
+
+
+@dataclass(frozen=True)
+class DraftRouting:
+    """How MoE layers route while drafting with the target itself."""
+
+    top_r: int | None = None  # SS-MoE: each token uses its top-r experts (r < k), weights rescaled
+    cached_only: bool = False  # zero-I/O drafting: only experts already on the device
+    substitute: ExpertStore | None = None  # SubSpec: device-resident low-bit copies of every expert
+
+
+@dataclass
+class ExpertControl:
+    """Per-phase behaviour shared by every `OffloadedExperts` of a model."""
+
+    observers: list[LayerObserver] = field(default_factory=list)
+    draft: DraftRouting | None = None
+    hybrid: object | None = None  # engine.cpu_experts.HybridExecutor: misses computed on the CPU
 
 
 class RoutingTrace:
@@ -61,7 +87,14 @@ def _group_by_expert(flat_experts: list[int]) -> dict[int, list[int]]:
 class OffloadedExperts(nn.Module):
     """Drop-in for a transformers fused experts module, backed by the expert cache."""
 
-    def __init__(self, original: nn.Module, layer: int, cache: ExpertCache, trace: RoutingTrace):
+    def __init__(
+        self,
+        original: nn.Module,
+        layer: int,
+        cache: ExpertCache,
+        trace: RoutingTrace,
+        control: ExpertControl | None = None,
+    ):
         super().__init__()
         # The original (weights on the meta device) supplies the activation and layout flags;
         # kept out of the module tree so it is never moved or saved.
@@ -70,6 +103,7 @@ class OffloadedExperts(nn.Module):
         self.num_experts = original.num_experts
         self.cache = cache
         self.trace = trace
+        self.control = control or ExpertControl()
         self.has_gate = getattr(original, "has_gate", True)
         self.has_bias = getattr(original, "has_bias", False)
         self.is_transposed = getattr(original, "is_transposed", False)
@@ -77,12 +111,22 @@ class OffloadedExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        for observe in self.control.observers:  # predictors start prefetches before this layer computes
+            observe(self.layer, hidden_states, top_k_index)
+        draft = self.control.draft
+        if draft is not None and draft.substitute is not None:
+            return self._forward_substitute(hidden_states, top_k_index, top_k_weights, draft.substitute)
+        if draft is not None and draft.top_r is not None:
+            top_k_index, top_k_weights = self._draft_routes(top_k_index, top_k_weights, draft)
         out = torch.zeros_like(hidden_states)  # [T, H]
         if self.cache.policy.uses_scores and self.layer in self.trace.logits:
             scores = self.trace.logits[self.layer].float().softmax(dim=-1).mean(dim=0)  # [E]
             self.cache.policy.observe_scores(self.layer, scores.tolist())
         routes = _group_by_expert(top_k_index.reshape(-1).tolist())  # expert -> flat [T*K] positions
         step = _Step(hidden_states, top_k_weights.reshape(-1), top_k_index.shape[-1], out)
+        if self.control.hybrid is not None and draft is None:
+            for expert in self.control.hybrid.cpu_experts(self.layer, routes):
+                self._compute_on_cpu(routes.pop(expert), expert, step)
         # Hits first (their compute overlaps the misses' copies); busy experts first within each.
         order = sorted(routes, key=lambda e: ((self.layer, e) not in self.cache, -len(routes[e])))
         pending: deque = deque()
@@ -93,7 +137,9 @@ class OffloadedExperts(nn.Module):
                         pending.append((routes[expert], self.cache.acquire((self.layer, expert))))
                         break
                     except NoEvictableSlot:
-                        if not pending:  # every slot is held by other work (prefetches in flight)
+                        if not pending and self.cache.wait_for_a_copy():
+                            continue  # a prefetch in flight landed: its slot can be evicted now
+                        if not pending:  # every slot is pinned by other work
                             raise BudgetTooSmallError(
                                 f"Every expert cache slot is busy; layer {self.layer} cannot load "
                                 f"expert {expert}. Raise --expert-budget."
@@ -105,40 +151,87 @@ class OffloadedExperts(nn.Module):
         finally:
             for _, slot in pending:  # only after an error: never leave a slot pinned
                 self.cache.release(slot)
+        self.cache.trim_layer(self.layer, len(order))
         return out
 
     def _compute(self, positions: list[int], slot, step: _Step) -> None:
-        """One expert on the tokens routed to it, weighted and added into the output."""
+        """One expert on the tokens routed to it, from its cache slot."""
         try:
-            weights = self.cache.wait(slot)
-            if len(positions) == 1:  # decode: one token, plain slices instead of gathers
-                pos = positions[0]
-                token = pos // step.top_k
-                y = self.expert_forward(step.hidden[token : token + 1], weights)
-                y = y * step.weights[pos : pos + 1, None]  # [1, 1]: promotes as transformers does
-                step.out[token : token + 1] += y.to(step.out.dtype)
-            else:
-                flat = torch.tensor(positions, device=step.hidden.device)
-                token_idx = flat // step.top_k
-                y = self.expert_forward(step.hidden[token_idx], weights) * step.weights[flat, None]
-                # index_put_ rather than index_add_: no thread-pool round trip for a few rows.
-                step.out.index_put_((token_idx,), y.to(step.out.dtype), accumulate=True)
+            self._accumulate(positions, self.cache.wait(slot), step)
         finally:
             self.cache.release(slot)
 
+    def _accumulate(self, positions: list[int], weights: dict[str, torch.Tensor], step: _Step) -> None:
+        """One expert on the tokens routed to it, weighted and added into the output."""
+        if len(positions) == 1:  # decode: one token, plain slices instead of gathers
+            pos = positions[0]
+            token = pos // step.top_k
+            y = self.expert_forward(step.hidden[token : token + 1], weights)
+            y = y * step.weights[pos : pos + 1, None]  # [1, 1]: promotes as transformers does
+            step.out[token : token + 1] += y.to(step.out.dtype)
+        else:
+            flat = torch.tensor(positions, device=step.hidden.device)
+            token_idx = flat // step.top_k
+            y = self.expert_forward(step.hidden[token_idx], weights) * step.weights[flat, None]
+            # index_put_ rather than index_add_: no thread-pool round trip for a few rows.
+            step.out.index_put_((token_idx,), y.to(step.out.dtype), accumulate=True)
+
+    def _compute_on_cpu(self, positions: list[int], expert: int, step: _Step) -> None:
+        """A missing expert computed on the CPU from the host store (Fiddler/HybriMoE): no copy."""
+        flat = torch.tensor(positions, device=step.hidden.device)
+        token_idx = flat // step.top_k
+        x = step.hidden[token_idx].to("cpu")
+        y = self.expert_forward(x, self.cache.store.views(self.layer, expert)).to(step.hidden.device)
+        step.out.index_put_((token_idx,), (y * step.weights[flat, None]).to(step.out.dtype), accumulate=True)
+        self.cache.count_cpu_use()
+
+    def _forward_substitute(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, store: ExpertStore
+    ) -> torch.Tensor:
+        """SubSpec drafting: every expert from its resident low-bit copy; the cache is not touched."""
+        out = torch.zeros_like(hidden)
+        step = _Step(hidden, top_k_weights.reshape(-1), top_k_index.shape[-1], out)
+        for expert, positions in _group_by_expert(top_k_index.reshape(-1).tolist()).items():
+            self._accumulate(positions, store.views(self.layer, expert), step)
+        return out
+
+    def _draft_routes(
+        self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, draft: DraftRouting
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """SS-MoE self-draft routes: each token's r best experts (r < k), weights rescaled to the
+        top-k's total; with `cached_only`, the r best among those already on the device."""
+        order = top_k_weights.argsort(dim=-1, descending=True)  # [T, K]
+        index, weights = top_k_index.gather(-1, order), top_k_weights.gather(-1, order)
+        r = min(draft.top_r, index.shape[-1])
+        if draft.cached_only:
+            index, weights = self._cached_routes(index, weights, r)
+        else:
+            index, weights = index[:, :r], weights[:, :r]
+        scale = top_k_weights.sum(-1, keepdim=True) / weights.sum(-1, keepdim=True).clamp_min(1e-9)
+        return index, (weights * scale).to(top_k_weights.dtype)
+
+    def _cached_routes(
+        self, index: torch.Tensor, weights: torch.Tensor, r: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token, the r best resident experts of its ranked top-k (its own best if none is)."""
+        resident = {e for (layer, e) in self.cache.resident() if layer == self.layer}
+        rows = []
+        for experts in index.tolist():
+            cached = [k for k, e in enumerate(experts) if e in resident][:r]
+            rows.append(cached + [k for k in range(len(experts)) if k not in cached][: r - len(cached)])
+        picks = torch.tensor(rows, device=index.device)  # [T, r] positions within the ranked top-k
+        return index.gather(-1, picks), weights.gather(-1, picks)
+
     def expert_forward(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         """One expert on its tokens `x [n, H]`, exactly as transformers' experts compute it."""
-        up = self._linear(x, w["gate_up_proj"] if self.has_gate else w["up_proj"])
+        up = quant.linear(x, w, "gate_up_proj" if self.has_gate else "up_proj", self.is_transposed)
         if self.has_bias:
             up = up + w["gate_up_proj_bias" if self.has_gate else "up_proj_bias"]
         act = self.template._apply_gate(up) if self.has_gate else self.template.act_fn(up)
-        y = self._linear(act, w["down_proj"])
+        y = quant.linear(act, w, "down_proj", self.is_transposed)
         if self.has_bias:
             y = y + w["down_proj_bias"]
         return y
-
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x @ weight if self.is_transposed else F.linear(x, weight)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, num_experts={self.num_experts}, offloaded"

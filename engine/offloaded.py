@@ -16,11 +16,11 @@ import torch
 from transformers import DynamicCache
 
 from engine.config import OffloadConfig
-from engine.errors import DeviceOutOfMemoryError
+from engine.errors import DeviceOutOfMemoryError, InvalidRequestError
 from engine.expert_cache import ExpertCache
 from engine.expert_store import ExpertStore
 from engine.models.base import Architecture
-from engine.moe_layer import RoutingTrace
+from engine.moe_layer import ExpertControl, OffloadedExperts, RoutingTrace
 from engine.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class ModelInfo:
     simulated_link: bool
     resident_nbytes: int
     store_nbytes: int
+    expert_dtype: str = "native"  # native | int8 | int4: the routed experts' precision in the store
 
 
 class OffloadedModel:
@@ -77,6 +78,14 @@ class OffloadedModel:
         self.trace = trace
         self.top_k = top_k
         self.disk_layout = disk_layout
+        self.control = ExpertControl()  # shared by every MoE layer: observers, draft routing
+        self.draft_models: dict[Path, torch.nn.Module] = {}  # loaded once, reused by every run
+        self._substitutes: dict[int, ExpertStore] = {}
+        self.experts: dict[int, OffloadedExperts] = {}
+        for module in hf_model.modules():
+            if isinstance(module, OffloadedExperts):
+                module.control = self.control
+                self.experts[module.layer] = module
 
     @property
     def hf_config(self):
@@ -103,10 +112,37 @@ class OffloadedModel:
             simulated_link=self.simulated_link,
             resident_nbytes=resident,
             store_nbytes=self.store.nbytes,
+            expert_dtype=self.store.layout.quant.name if self.store.layout.quant else "native",
         )
 
-    def new_kv_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.hf_config)
+    def substitutes(self, bits: int) -> ExpertStore:
+        """SubSpec's low-bit copies of every routed expert, resident on the device (built once)."""
+        if bits not in self._substitutes:
+            from engine.expert_store import quantize_store
+            from engine.quant import QuantSpec
+
+            spec, stored = QuantSpec(bits), self.store.layout.quant
+            if stored is not None and stored != spec:
+                raise InvalidRequestError(
+                    f"int{bits} substitutes need the experts at full precision or int{bits}, but this "
+                    f"model was loaded with {stored.name} experts. Reload with --expert-dtype native."
+                )
+            try:
+                if stored == spec:  # the store already is the low-bit copy: put it on the device
+                    self._substitutes[bits] = self.store.to(self.device)
+                else:
+                    self._substitutes[bits] = quantize_store(self.store, spec, device=self.device)
+            except torch.OutOfMemoryError as err:
+                raise DeviceOutOfMemoryError(
+                    f"Out of device memory for the int{bits} substitute experts "
+                    f"({self.store.total_experts} experts). Lower --expert-budget or use another --spec."
+                ) from err
+        return self._substitutes[bits]
+
+    def new_kv_cache(self, rewindable: bool = False) -> DynamicCache:
+        """A KV cache; `rewindable` keeps every position of sliding-window layers (the window is
+        still applied by the attention mask) so speculative decoding can crop rejected drafts."""
+        return DynamicCache() if rewindable else DynamicCache(config=self.hf_config)
 
     @torch.inference_mode()
     def forward(

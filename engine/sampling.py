@@ -107,6 +107,11 @@ class Sampler:
             self._generator.manual_seed(config.seed)
         logger.debug("sampler %s with processors %s", config, [type(p).__name__ for p in self._processors])
 
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The seeded generator draws come from (None: torch's global one)."""
+        return self._generator
+
     def _scores(self, logits: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         """Processed float32 scores [1, V], as generate() computes them before the softmax."""
         scores = logits.to(dtype=torch.float32).reshape(1, -1)  # [1, V]

@@ -106,6 +106,12 @@ def runs(chat_model, raw_model, llama_folder, tmp_path_factory):
         "missing folder": generate_args(tmp_path_factory.mktemp("cli") / "nowhere"),
         "unsupported architecture": generate_args(llama_folder),
         "make-tiny": ["make-tiny", tmp_path_factory.mktemp("cli") / "made", "--arch", "mixtral"],
+        "speculative": generate_args(
+            chat_model,
+            *("--greedy", "--json", "--max-new-tokens", MAX_NEW, "--expert-budget", "4"),
+            *("--spec", "self", "--top-r", "1", "--draft-len", "3", "--prefetch", "spmoe", "--cutoff", "0"),
+        ),
+        "bad cutoff": generate_args(chat_model, "--spec", "self", "--prefetch", "spmoe", "--cutoff", "9"),
     }
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         yield {name: pool.submit(run_cli, *args) for name, args in commands.items()}
@@ -228,3 +234,18 @@ def test_make_tiny_writes_a_loadable_folder(runs):
 def test_make_tiny_offers_every_tiny_architecture():
     # The CLI lists SUPPORTED_MODEL_TYPES (a light import) as the choices of make-tiny --arch.
     assert set(SUPPORTED_MODEL_TYPES) == set(TINY_ARCHITECTURES)
+
+
+def test_speculative_options_give_the_same_text_and_report_speculation(runs, greedy):
+    spec = result(runs, "speculative").json()
+    assert spec["token_ids"] == greedy["token_ids"]  # greedy speculation is lossless
+    stats = spec["stats"]
+    assert stats["spec"] == "self" and stats["prefetch"].startswith("spmoe (cutoff 0 of 2")
+    assert stats["accept_len"] >= 1 and stats["lossless"] is True
+    for key in ("prefetch_precision", "prefetch_recall", "hit_rate_verify"):
+        assert key in stats
+
+
+def test_out_of_range_cutoff_is_a_clear_error(runs):
+    bad = result(runs, "bad cutoff")
+    assert bad.returncode == 2 and "--cutoff must be from -1" in bad.stderr and bad.stdout == ""

@@ -1,0 +1,288 @@
+"""Decoding steps: plain (one token per target forward) and speculative (draft, verify, accept).
+
+A decoder's `step(history, kv_cache)` takes every committed token (`history [L]`,
+whose last token the target has not seen yet: the KV cache holds L−1 positions)
+and returns the next tokens. A speculative step reads top to bottom:
+
+    draft     the drafter proposes up to γ tokens (prefetching verification's experts meanwhile)
+    verify    one target forward over [last, d1 … dγ] gives γ+1 next-token distributions
+    accept    greedy exact match, or rejection sampling (both lossless), or SS-MoE's
+              adaptive rule (opt-in, not lossless); plus the correction or bonus token
+    rewind    the target's and the drafter's KV caches drop everything past the accepted
+              prefix; a try/finally rewinds even when a step fails, so the caches always
+              hold exactly the committed tokens but the last
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+from transformers import DynamicCache
+
+from engine.acceptance import Verdict, adaptive_accept, greedy_accept, rejection_accept
+from engine.cpu_experts import HybridExecutor
+from engine.cutoff import CutoffInputs, choose_cutoff
+from engine.draft_len import DraftLengthController, unique_experts
+from engine.drafters import Drafter, ModelDrafter, SelfDrafter, SubstituteDrafter, rewind_cache
+from engine.errors import InvalidRequestError
+from engine.metrics import SpecSummary
+from engine.prefetch import Prefetch, SpMoePredictor, install_prefetch
+from engine.sampling import Sampler, SamplingConfig
+
+log = logging.getLogger(__name__)
+
+SPEC_MODES = ("none", "draft", "self", "substitute")
+ACCEPTANCE_RULES = ("lossless", "adaptive")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings (mode 'none' decodes one token per target forward)."""
+
+    mode: str = "none"  # none | draft | self | substitute
+    draft_model: str | None = None  # folder of the draft model (mode 'draft')
+    draft_len: int = 4  # γ: draft tokens per verify step (the start value when adapting)
+    adapt_draft_len: bool = True  # adapt γ online from the acceptance seen
+    max_draft_len: int = 16
+    top_r: int = 1  # self: experts per token while drafting (r < k)
+    cached_only: bool = False  # self: draft only from experts already cached (zero I/O)
+    substitute_bits: int = 4  # substitute: bits of the resident expert copies
+    confidence_tau: float = 0.0  # stop drafting when the draft's max probability < tau (0: off)
+    acceptance: str = "lossless"  # lossless | adaptive (SS-MoE; NOT lossless)
+    adaptive_tau: float = 0.5
+    adaptive_tolerance: float = 0.1
+
+    def validate(self) -> None:
+        if self.mode not in SPEC_MODES:
+            raise InvalidRequestError(f"Unknown --spec {self.mode!r}; choose one of {', '.join(SPEC_MODES)}.")
+        if self.mode == "draft" and not self.draft_model:
+            raise InvalidRequestError(
+                "--spec draft needs --draft-model DIR (a small model with the same tokenizer)."
+            )
+        if not 1 <= self.draft_len <= self.max_draft_len:
+            raise InvalidRequestError(
+                f"--draft-len must be between 1 and {self.max_draft_len}, got {self.draft_len}."
+            )
+        if self.top_r < 1:
+            raise InvalidRequestError(f"--top-r must be at least 1, got {self.top_r}.")
+        if self.substitute_bits not in (4, 8):
+            raise InvalidRequestError(f"Substitute experts are int4 or int8, not {self.substitute_bits}-bit.")
+        if not 0 <= self.confidence_tau < 1:
+            raise InvalidRequestError(
+                f"The confidence threshold must be in [0, 1), got {self.confidence_tau}."
+            )
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise InvalidRequestError(
+                f"Unknown acceptance rule {self.acceptance!r}; choose one of {', '.join(ACCEPTANCE_RULES)}."
+            )
+
+    @property
+    def lossless(self) -> bool:
+        return self.acceptance == "lossless"
+
+
+@dataclass
+class SpecCounters:
+    """What speculation did over a run."""
+
+    steps: int = 0  # verify steps
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    emitted: int = 0  # tokens returned by verify steps (accepted + one correction or bonus each)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    draft_lens: list[int] = field(default_factory=list)
+
+    @property
+    def accept_len(self) -> float | None:
+        return self.emitted / self.steps if self.steps else None
+
+
+class PlainDecoder:
+    """One target forward per token."""
+
+    def __init__(self, model, sampler: Sampler, prefetch: Prefetch):
+        self.model, self.sampler, self.prefetch = model, sampler, prefetch
+        self.counters = None
+
+    def step(self, history: torch.Tensor, kv_cache: DynamicCache) -> list[int]:
+        self.prefetch.begin_step()
+        try:
+            logits = self.model.forward(history[-1:], kv_cache)[-1]
+        finally:
+            self.prefetch.end_step()
+        return [self.sampler.sample(logits, history)]
+
+    def summary(self) -> SpecSummary:
+        return SpecSummary(prefetch=self.prefetch.description)
+
+    def close(self) -> None:
+        self.prefetch.close(self.model)
+        self.model.control.hybrid = None
+
+
+class SpeculativeDecoder:
+    """Draft γ tokens, verify them in one target forward, keep the accepted prefix."""
+
+    def __init__(
+        self,
+        model,
+        drafter: Drafter,
+        sampler: Sampler,
+        spec: SpecConfig,
+        prefetch: Prefetch,
+        length: DraftLengthController,
+    ):
+        self.model, self.drafter, self.sampler = model, drafter, sampler
+        self.spec, self.prefetch, self.length = spec, prefetch, length
+        self.counters = SpecCounters()
+
+    def step(self, history: torch.Tensor, kv_cache: DynamicCache) -> list[int]:
+        committed = len(history) - 1  # positions in the target's KV cache
+        verdict: Verdict | None = None
+        self.prefetch.begin_step()
+        try:
+            started = time.perf_counter()
+            draft = self._draft(history, kv_cache)
+            drafted = time.perf_counter()
+            target_probs = self._verify(history, draft.tokens, kv_cache)
+            verdict = self._accept(draft, target_probs)
+            self._count(draft.tokens, verdict, drafted - started, time.perf_counter() - drafted)
+            self._tune_cutoff(len(draft.tokens), drafted - started)
+            self.length.update(verdict.accepted, len(draft.tokens))
+        finally:
+            kept = committed + (verdict.accepted + 1 if verdict is not None else 0)
+            rewind_cache(kv_cache, kept)  # after a failure: back to where the step began
+            self.drafter.rewind(kept)
+            self.prefetch.end_step()
+        return list(verdict.tokens)
+
+    def _tune_cutoff(self, drafted: int, draft_s: float) -> None:
+        """SP-MoE 4.2.1, when no cutoff was given: the deepest layer whose predicted experts both
+        fit the cache beside one layer's verify and copy within the draft's measured time."""
+        predictor = self.prefetch.predictor
+        if not isinstance(predictor, SpMoePredictor) or self.prefetch.manual_cutoff or not drafted:
+            return
+        model = self.model
+        per_layer = unique_experts(model.store.num_experts, model.top_k, drafted + 1)
+        cached_fraction = model.cache.n_slots / model.store.total_experts
+        inputs = CutoffInputs(
+            moe_layers=len(predictor.layers),
+            experts_per_layer=per_layer * (1 - cached_fraction),
+            expert_nbytes=model.store.layout.nbytes,
+            free_nbytes=int(max(model.cache.n_slots - per_layer, 0) * model.store.layout.nbytes),
+            t_load_ms=self.prefetch.load_ms(model),
+            draft_ms=draft_s * 1e3,
+        )
+        choice = choose_cutoff(inputs)
+        if choice.layer != predictor.cutoff:
+            log.info("SP-MoE cutoff layer %d: %s", choice.layer, choice.reason)
+        predictor.cutoff = choice.layer
+        self.prefetch.description = (
+            f"spmoe (cutoff {choice.layer} of {len(predictor.layers)} MoE layers, auto)"
+        )
+
+    def _draft(self, history: torch.Tensor, kv_cache: DynamicCache):
+        cache, phase = self.model.cache, self.model.cache.phase
+        cache.phase = "draft"  # expert uses and prefetches while drafting count as the draft's
+        try:
+            return self.drafter.propose(history, self.length.draft_len, kv_cache)
+        finally:
+            cache.phase = phase
+
+    def _verify(self, history: torch.Tensor, draft: list[int], kv_cache: DynamicCache) -> torch.Tensor:
+        """Target distributions `[γ+1, V]` after the last committed token and after each draft token."""
+        cache, phase = self.model.cache, self.model.cache.phase
+        cache.phase = "verify"
+        try:
+            ids = torch.cat([history[-1:], history.new_tensor(draft)])
+            logits = self.model.forward(ids, kv_cache, logits_to_keep=0)  # [γ+1, V]
+        finally:
+            cache.phase = phase
+        context = torch.cat([history, history.new_tensor(draft)])
+        committed = len(history)
+        rows = [self.sampler.probs(logits[i], context[: committed + i]) for i in range(len(draft) + 1)]
+        return torch.stack(rows)  # [γ+1, V]
+
+    def _accept(self, draft, target_probs: torch.Tensor) -> Verdict:
+        if self.sampler.config.is_greedy:
+            return greedy_accept(draft.tokens, target_probs)  # rows are one-hot argmaxes
+        if self.spec.lossless:
+            return rejection_accept(draft.tokens, draft.probs, target_probs, self.sampler.generator)
+        return adaptive_accept(
+            draft.tokens,
+            draft.probs,
+            target_probs,
+            self.spec.adaptive_tau,
+            self.spec.adaptive_tolerance,
+            self.sampler.generator,
+        )
+
+    def _count(self, draft: list[int], verdict: Verdict, draft_s: float, verify_s: float) -> None:
+        c = self.counters
+        c.steps += 1
+        c.drafted += len(draft)
+        c.accepted += verdict.accepted
+        c.emitted += len(verdict.tokens)
+        c.draft_s += draft_s
+        c.verify_s += verify_s
+        c.draft_lens.append(len(draft))
+
+    def summary(self) -> SpecSummary:
+        c = self.counters
+        return SpecSummary(
+            spec=self.drafter.name,
+            prefetch=self.prefetch.description,
+            lossless=self.spec.lossless,
+            verify_steps=c.steps,
+            drafted_tokens=c.drafted,
+            accepted_tokens=c.accepted,
+            emitted_tokens=c.emitted,
+            draft_ms=c.draft_s * 1e3,
+            verify_ms=c.verify_s * 1e3,
+        )
+
+    def close(self) -> None:
+        self.prefetch.close(self.model)
+        self.model.control.hybrid = None
+        self.drafter.close()
+
+
+def open_decoder(
+    model,
+    spec: SpecConfig,
+    prefetch_policy: str,
+    cutoff: int | None,
+    sampler: Sampler,
+    cpu_experts: str = "never",
+):
+    """The decoder for one run, with its drafter, prefetch policy and CPU execution installed on `model`."""
+    spec.validate()
+    model.control.hybrid = HybridExecutor(model, cpu_experts) if cpu_experts != "never" else None
+    if spec.mode == "none":
+        return PlainDecoder(model, sampler, install_prefetch(model, prefetch_policy, cutoff=cutoff))
+    draft_sampler = Sampler(_draft_sampling(sampler.config), device=model.device)
+    drafter = make_drafter(model, spec, draft_sampler)
+    draft_model = drafter.model if isinstance(drafter, ModelDrafter) else None
+    prefetch = install_prefetch(
+        model, prefetch_policy, cutoff=cutoff, speculative=True, draft_model=draft_model
+    )
+    length = DraftLengthController(spec.draft_len, max_len=spec.max_draft_len, adapt=spec.adapt_draft_len)
+    return SpeculativeDecoder(model, drafter, sampler, spec, prefetch, length)
+
+
+def _draft_sampling(config: SamplingConfig) -> SamplingConfig:
+    """The draft samples as the target does, from its own generator (seeded apart when seeded)."""
+    return replace(config, seed=None if config.seed is None else config.seed + 1)
+
+
+def make_drafter(model, spec: SpecConfig, sampler: Sampler) -> Drafter:
+    tau = spec.confidence_tau
+    if spec.mode == "draft":
+        return ModelDrafter(model, spec.draft_model, sampler, tau)
+    if spec.mode == "self":
+        return SelfDrafter(model, sampler, spec.top_r, spec.cached_only, tau)
+    return SubstituteDrafter(model, model.substitutes(spec.substitute_bits), sampler, tau)
