@@ -10,12 +10,14 @@ cache holding exactly the committed tokens but the last.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 
 import pytest
 import torch
 
+from engine.errors import EngineError
 from engine.generation import FinishedEvent, GenerationConfig, TokenEvent, generate, generate_text
 from engine.metrics import cache_snapshot
 from engine.prefetch import PREFETCH_POLICIES
@@ -47,15 +49,14 @@ def spec_for(drafter: str, models: TinyModels, model_type: str, **settings) -> S
     return SpecConfig(mode="self", top_r=1, cached_only=drafter == "self-cached", **settings)
 
 
-def matrix() -> list[tuple[str, str, str]]:
-    """Every drafter × policy on qwen3_moe; on the other architectures every drafter once, with
-    the policies rotating so that each architecture meets every policy and each drafter too."""
-    cases = [("qwen3_moe", d, p) for d in DRAFTERS for p in PREFETCH_POLICIES]
-    others = [t for t in TINY_ARCHITECTURES if t != "qwen3_moe"]
-    for a, model_type in enumerate(others):
-        for d, drafter in enumerate(DRAFTERS):
-            cases.append((model_type, drafter, PREFETCH_POLICIES[(a + d) % len(PREFETCH_POLICIES)]))
-    return cases
+@pytest.fixture(scope="module", autouse=True)
+def one_compute_thread():
+    """Tiny matrices gain nothing from intra-op threads, whose spinning starves the link and
+    prefetch threads on a small machine (a run takes 5 to 20 times longer)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,9 @@ def target(models):
 # -- losslessness and accounting ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("model_type", "drafter", "prefetch"), matrix())
+@pytest.mark.parametrize("prefetch", PREFETCH_POLICIES)
+@pytest.mark.parametrize("drafter", DRAFTERS)
+@pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
 def test_speculative_greedy_is_plain_greedy(
     models, plain, target, monkeypatch, model_type, drafter, prefetch
 ):
@@ -190,6 +193,20 @@ def test_a_dense_draft_of_another_width_is_lossless_and_spmoe_falls_back(models,
     assert finished.stats.prefetch.startswith("next-layer (spmoe fallback")
 
 
+@pytest.mark.parametrize(
+    ("spec", "prefetch"),
+    [(SpecConfig(), "spmoe"), (SpecConfig(mode="draft", draft_model="/nonexistent/draft"), "none")],
+    ids=["spmoe-without-speculation", "missing-draft-model"],
+)
+def test_a_rejected_request_leaves_nothing_installed(target, spec, prefetch):
+    model = target("qwen3_moe")
+    config = dataclasses.replace(greedy(spec, prefetch), cpu_experts="always")
+    with pytest.raises(EngineError):
+        generate_text(model, prompt_for(0), config)
+    assert model.control.observers == [] and model.control.draft is None
+    assert model.control.hybrid is None, "CPU execution stayed installed after a rejected request"
+
+
 # -- sampling -------------------------------------------------------------------------------------
 
 
@@ -235,7 +252,7 @@ def test_adaptive_acceptance_is_labelled_lossy(models, target):
 
 def prefill(model, prompt: list[int]) -> tuple[torch.Tensor, object]:
     """As generate() starts: the prompt in the KV cache, the first token appended to the history."""
-    kv_cache = model.new_kv_cache()
+    kv_cache = model.new_kv_cache(rewindable=True)
     history = torch.tensor(prompt)
     model.cache.phase = "prefill"
     logits = model.forward(history, kv_cache)[-1]
