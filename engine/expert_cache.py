@@ -197,16 +197,17 @@ class ExpertCache:
         False when no such copy exists: every slot is pinned."""
         with self.lock:
             loading = [s for s in self.slots if s.state is SlotState.LOADING and s.pins == 0 and s.copy]
-        if not loading:
-            return False
+            if not loading:
+                return False
+            slot, copy = loading[0], loading[0].copy
         try:
-            loading[0].copy.wait()
+            copy.wait()
         except Exception as err:  # a failed prefetch: its slot is dropped, which also makes room
             log.debug("A prefetch copy failed: %s", err)
             with self.lock:
-                if loading[0].key is not None and loading[0].pins == 0:
-                    self._unmap(loading[0])
-                    self._free.append(loading[0])
+                if slot.copy is copy and slot.pins == 0:  # still that copy's slot
+                    self._unmap(slot)
+                    self._free.append(slot)
         return True
 
     # -- background loads (prefetch) ---------------------------------------------------------

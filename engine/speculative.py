@@ -261,7 +261,14 @@ def open_decoder(
 ):
     """The decoder for one run, with its drafter, prefetch policy and CPU execution installed on `model`."""
     spec.validate()
-    model.control.hybrid = HybridExecutor(model, cpu_experts) if cpu_experts != "never" else None
+    hybrid = HybridExecutor(model, cpu_experts) if cpu_experts != "never" else None  # validates the mode
+    model.control.hybrid = None
+    decoder = _build_decoder(model, spec, prefetch_policy, cutoff, sampler)
+    model.control.hybrid = hybrid  # installed only once nothing else can fail
+    return decoder
+
+
+def _build_decoder(model, spec: SpecConfig, prefetch_policy: str, cutoff: int | None, sampler: Sampler):
     if spec.mode == "none":
         return PlainDecoder(model, sampler, install_prefetch(model, prefetch_policy, cutoff=cutoff))
     draft_sampler = Sampler(_draft_sampling(sampler.config), device=model.device)
