@@ -115,7 +115,7 @@ def bench_configuration(conf: Configuration, folder: str, offload: OffloadConfig
         for _ in range(args.repeats):
             runs = [generate_text(model, ids, gen) for ids in prompt_ids]
             passes.append(runs)
-        drafter_bytes = _drafter_bytes(model, conf)
+        drafter_bytes = model.drafter_nbytes()
     finally:
         model.close()
     median = sorted(passes, key=_pass_tpot)[len(passes) // 2]
@@ -124,14 +124,6 @@ def bench_configuration(conf: Configuration, folder: str, offload: OffloadConfig
 
 def _pass_tpot(runs) -> float:
     return sum(r.stats.decode_ms for r in runs) / sum(r.stats.generated_tokens - 1 for r in runs)
-
-
-def _drafter_bytes(model, conf: Configuration) -> int:
-    if conf.spec == "draft":
-        return sum(p.numel() * p.element_size() for m in model.draft_models.values() for p in m.parameters())
-    if conf.spec == "substitute":
-        return sum(store.nbytes for store in model._substitutes.values())
-    return 0
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -148,14 +140,9 @@ def _row(conf: Configuration, runs, drafter_bytes: int) -> CompareRow:
     hits = {p: sum(getattr(s, p).hits for s in stats) for p in ("decode", "draft", "verify")}
     steps = sum(s.verify_steps for s in stats)
     recall_phase = "verify" if conf.spec != "none" else "decode"
-    prefetched = sum(
-        sum(getattr(s, p).prefetched for p in ("prefill", "decode", "draft", "verify")) for s in stats
-    )
-    used = sum(
-        (s.prefetch_precision or 0)
-        * sum(getattr(s, p).prefetched for p in ("prefill", "decode", "draft", "verify"))
-        for s in stats
-    )
+    all_phases = [getattr(s, p) for s in stats for p in ("prefill", "decode", "draft", "verify")]
+    prefetched = sum(phase.prefetched for phase in all_phases)
+    used = sum(phase.prefetch_used for phase in all_phases)
     tpot = _pass_tpot(runs)
     return CompareRow(
         name=conf.name,

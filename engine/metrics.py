@@ -36,7 +36,9 @@ class PhaseStats:
     misses: int
     h2d_bytes: int
     hit_rate: float | None
-    prefetched: int
+    prefetched: int  # experts this phase prefetched; each ends up used or wasted
+    prefetch_used: int
+    prefetch_wasted: int
     prefetch_hits: int
 
     @classmethod
@@ -47,6 +49,8 @@ class PhaseStats:
             counters.bytes_copied,
             counters.hit_rate,
             counters.prefetched,
+            counters.prefetch_used,
+            counters.prefetch_wasted,
             counters.prefetch_hits,
         )
 

@@ -139,6 +139,11 @@ class OffloadedModel:
                 ) from err
         return self._substitutes[bits]
 
+    def drafter_nbytes(self) -> int:
+        """Device memory held by loaded draft models and substitute experts."""
+        drafts = sum(p.numel() * p.element_size() for m in self.draft_models.values() for p in m.parameters())
+        return drafts + sum(store.nbytes for store in self._substitutes.values())
+
     def new_kv_cache(self, rewindable: bool = False) -> DynamicCache:
         """A KV cache; `rewindable` keeps every position of sliding-window layers (the window is
         still applied by the attention mask) so speculative decoding can crop rejected drafts."""

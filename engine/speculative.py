@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache
@@ -94,7 +94,6 @@ class SpecCounters:
     emitted: int = 0  # tokens returned by verify steps (accepted + one correction or bonus each)
     draft_s: float = 0.0
     verify_s: float = 0.0
-    draft_lens: list[int] = field(default_factory=list)
 
     @property
     def accept_len(self) -> float | None:
@@ -106,7 +105,6 @@ class PlainDecoder:
 
     def __init__(self, model, sampler: Sampler, prefetch: Prefetch):
         self.model, self.sampler, self.prefetch = model, sampler, prefetch
-        self.counters = None
 
     def step(self, history: torch.Tensor, kv_cache: DynamicCache) -> list[int]:
         self.prefetch.begin_step()
@@ -229,7 +227,6 @@ class SpeculativeDecoder:
         c.emitted += len(verdict.tokens)
         c.draft_s += draft_s
         c.verify_s += verify_s
-        c.draft_lens.append(len(draft))
 
     def summary(self) -> SpecSummary:
         c = self.counters

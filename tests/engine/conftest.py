@@ -2,9 +2,11 @@
 
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.expert_store import ExpertStore
 from engine.tiny_models import make_tiny_model
@@ -47,3 +49,28 @@ def link():
     link = SimulatedLink(gbps=None)
     yield link
     link.close()
+
+
+@pytest.fixture(scope="module")
+def one_compute_thread():
+    """Tiny matrices gain nothing from intra-op threads, whose spinning starves the link and
+    prefetch threads on a small machine (a run takes 5 to 20 times longer)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "expert-prefetch"]
+
+
+@pytest.fixture
+def no_worker_left():
+    """Fails the test if a prefetch worker thread outlives it."""
+    before = set(prefetch_threads())
+    yield
+    deadline = time.monotonic() + 5
+    while set(prefetch_threads()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not set(prefetch_threads()) - before, "a prefetch worker outlived its test"

@@ -32,13 +32,7 @@ POLICIES = ("lru", "lfu", "mrs")
 COPY_MS, LATENCY_US = 1.0, 200.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_compute_thread():
-    """Intra-op threads would only add spinning threads to the ones under test."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_compute_thread")
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,9 @@ DRAFTERS = ("draft", "self", "self-cached", "substitute")
 PROMPT_LEN = 24  # prompt_for's default
 
 
+pytestmark = pytest.mark.usefixtures("one_compute_thread")
+
+
 def spec_for(drafter: str, models: TinyModels, model_type: str, **settings) -> SpecConfig:
     """`drafter`'s SpecConfig; 'draft' uses the near draft, which both accepts and rejects."""
     if drafter == "substitute":
@@ -47,16 +50,6 @@ def spec_for(drafter: str, models: TinyModels, model_type: str, **settings) -> S
     if drafter == "draft":
         return SpecConfig(mode="draft", draft_model=str(models.near(model_type)), **settings)
     return SpecConfig(mode="self", top_r=1, cached_only=drafter == "self-cached", **settings)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_compute_thread():
-    """Tiny matrices gain nothing from intra-op threads, whose spinning starves the link and
-    prefetch threads on a small machine (a run takes 5 to 20 times longer)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
