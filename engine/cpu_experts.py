@@ -24,11 +24,11 @@ from collections.abc import Callable
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.generation_config import CPU_EXPERT_MODES
 from engine.hybrid import CostModel, schedule
 
 log = logging.getLogger(__name__)
 
-CPU_EXPERT_MODES = ("auto", "never", "always")
 _SAMPLE_TOKENS = (1, 4, 16)
 
 

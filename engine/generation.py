@@ -16,54 +16,22 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig as HFGenerationConfig
 
-from engine.cpu_experts import CPU_EXPERT_MODES
 from engine.errors import InvalidRequestError
+from engine.generation_config import GenerationConfig
 from engine.metrics import GenerationStats, cache_snapshot, phase_delta
 from engine.offloaded import OffloadedModel
-from engine.prefetch import PREFETCH_POLICIES
-from engine.sampling import Sampler, SamplingConfig
-from engine.speculative import SpecConfig, open_decoder
+from engine.sampling import Sampler
+from engine.speculative import open_decoder
 from engine.textstream import IncrementalDetokenizer, StopStringMatcher
 
 log = logging.getLogger(__name__)
 
 Message = dict[str, str]
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 256
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop_strings: tuple[str, ...] = ()
-    prefill_chunk: int = 512
-    ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
-    spec: SpecConfig = field(default_factory=SpecConfig)
-    prefetch: str = "none"  # none | next-layer | hybrimoe | spmoe
-    cutoff: int | None = None  # spmoe: last MoE layer (0-based, in order) prefetched; None: auto
-    cpu_experts: str = "never"  # auto | never | always: compute missing experts on the CPU (hybrid)
-
-    def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise InvalidRequestError("max_new_tokens must be at least 1.")
-        if self.prefill_chunk < 1:
-            raise InvalidRequestError("prefill_chunk must be at least 1.")
-        if any(not s for s in self.stop_strings):
-            raise InvalidRequestError("Stop strings cannot be empty.")
-        if self.prefetch not in PREFETCH_POLICIES:
-            raise InvalidRequestError(
-                f"Unknown prefetch policy {self.prefetch!r}; choose one of {', '.join(PREFETCH_POLICIES)}."
-            )
-        if self.cpu_experts not in CPU_EXPERT_MODES:
-            raise InvalidRequestError(
-                f"Unknown cpu_experts {self.cpu_experts!r}; choose one of {', '.join(CPU_EXPERT_MODES)}."
-            )
-        self.sampling.validate()
-        self.spec.validate()
 
 
 @dataclass(frozen=True)

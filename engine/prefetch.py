@@ -38,11 +38,11 @@ from torch import nn
 from engine.errors import InvalidRequestError
 from engine.eviction import ExpertKey
 from engine.expert_cache import ExpertCache
+from engine.generation_config import PREFETCH_POLICIES
 from engine.moe_layer import moe_blocks
 
 log = logging.getLogger(__name__)
 
-PREFETCH_POLICIES = ("none", "next-layer", "hybrimoe", "spmoe")
 HYBRIMOE_DEPTH = 3
 
 

@@ -19,8 +19,6 @@ sampling can reuse `probs` for both the draft and the target.
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
 
 import torch
 from transformers.generation.logits_process import (
@@ -31,46 +29,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from engine.errors import InvalidRequestError
+from engine.generation_config import SamplingConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How the next token is chosen; the defaults match a typical chat setting."""
-
-    temperature: float = 0.7  # 0 (or greedy=True) means greedy decoding
-    top_p: float = 1.0  # nucleus mass in (0, 1]; 1.0 = off
-    top_k: int = 0  # 0 = off
-    repetition_penalty: float = 1.0  # 1.0 = off; > 1 discourages tokens already in the history
-    seed: int | None = None  # None = torch's global generator
-    greedy: bool = False
-
-    def validate(self) -> None:
-        """Raise `InvalidRequestError` naming the first option outside its allowed range."""
-        if not _is_real(self.temperature) or not self.temperature >= 0:
-            raise InvalidRequestError(
-                f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}"
-            )
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
-        if not _is_real(self.repetition_penalty) or not self.repetition_penalty > 0:
-            raise InvalidRequestError(
-                f"repetition_penalty must be a number > 0 (1 turns it off), got {self.repetition_penalty!r}"
-            )
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.greedy or self.temperature == 0
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def build_logits_processors(config: SamplingConfig) -> LogitsProcessorList:

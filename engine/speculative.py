@@ -27,61 +27,12 @@ from engine.cpu_experts import HybridExecutor
 from engine.cutoff import CutoffInputs, choose_cutoff
 from engine.draft_len import DraftLengthController, unique_experts
 from engine.drafters import Drafter, ModelDrafter, SelfDrafter, SubstituteDrafter, rewind_cache
-from engine.errors import InvalidRequestError
+from engine.generation_config import SPEC_MODES, SamplingConfig, SpecConfig  # noqa: F401  (re-exported)
 from engine.metrics import SpecSummary
 from engine.prefetch import Prefetch, SpMoePredictor, install_prefetch
-from engine.sampling import Sampler, SamplingConfig
+from engine.sampling import Sampler
 
 log = logging.getLogger(__name__)
-
-SPEC_MODES = ("none", "draft", "self", "substitute")
-ACCEPTANCE_RULES = ("lossless", "adaptive")
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """Speculative decoding settings (mode 'none' decodes one token per target forward)."""
-
-    mode: str = "none"  # none | draft | self | substitute
-    draft_model: str | None = None  # folder of the draft model (mode 'draft')
-    draft_len: int = 4  # γ: draft tokens per verify step (the start value when adapting)
-    adapt_draft_len: bool = True  # adapt γ online from the acceptance seen
-    max_draft_len: int = 16
-    top_r: int = 1  # self: experts per token while drafting (r < k)
-    cached_only: bool = False  # self: draft only from experts already cached (zero I/O)
-    substitute_bits: int = 4  # substitute: bits of the resident expert copies
-    confidence_tau: float = 0.0  # stop drafting when the draft's max probability < tau (0: off)
-    acceptance: str = "lossless"  # lossless | adaptive (SS-MoE; NOT lossless)
-    adaptive_tau: float = 0.5
-    adaptive_tolerance: float = 0.1
-
-    def validate(self) -> None:
-        if self.mode not in SPEC_MODES:
-            raise InvalidRequestError(f"Unknown --spec {self.mode!r}; choose one of {', '.join(SPEC_MODES)}.")
-        if self.mode == "draft" and not self.draft_model:
-            raise InvalidRequestError(
-                "--spec draft needs --draft-model DIR (a small model with the same tokenizer)."
-            )
-        if not 1 <= self.draft_len <= self.max_draft_len:
-            raise InvalidRequestError(
-                f"--draft-len must be between 1 and {self.max_draft_len}, got {self.draft_len}."
-            )
-        if self.top_r < 1:
-            raise InvalidRequestError(f"--top-r must be at least 1, got {self.top_r}.")
-        if self.substitute_bits not in (4, 8):
-            raise InvalidRequestError(f"Substitute experts are int4 or int8, not {self.substitute_bits}-bit.")
-        if not 0 <= self.confidence_tau < 1:
-            raise InvalidRequestError(
-                f"The confidence threshold must be in [0, 1), got {self.confidence_tau}."
-            )
-        if self.acceptance not in ACCEPTANCE_RULES:
-            raise InvalidRequestError(
-                f"Unknown acceptance rule {self.acceptance!r}; choose one of {', '.join(ACCEPTANCE_RULES)}."
-            )
-
-    @property
-    def lossless(self) -> bool:
-        return self.acceptance == "lossless"
 
 
 @dataclass

@@ -1,0 +1,132 @@
+"""What a generation request asks for: sampling, speculation, prefetch and limits.
+
+Frozen, validated dataclasses and the names of the choices they allow. This
+module imports neither torch nor transformers, so the worker protocol (and the
+GUI through it) can carry these configs as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+SPEC_MODES = ("none", "draft", "self", "substitute")
+ACCEPTANCE_RULES = ("lossless", "adaptive")
+PREFETCH_POLICIES = ("none", "next-layer", "hybrimoe", "spmoe")
+CPU_EXPERT_MODES = ("auto", "never", "always")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen; the defaults match a typical chat setting."""
+
+    temperature: float = 0.7  # 0 (or greedy=True) means greedy decoding
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1.0 = off
+    top_k: int = 0  # 0 = off
+    repetition_penalty: float = 1.0  # 1.0 = off; > 1 discourages tokens already in the history
+    seed: int | None = None  # None = torch's global generator
+    greedy: bool = False
+
+    def validate(self) -> None:
+        """Raise `InvalidRequestError` naming the first option outside its allowed range."""
+        if not _is_real(self.temperature) or not self.temperature >= 0:
+            raise InvalidRequestError(
+                f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}"
+            )
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
+        if not _is_real(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be a number > 0 (1 turns it off), got {self.repetition_penalty!r}"
+            )
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings (mode 'none' decodes one token per target forward)."""
+
+    mode: str = "none"  # none | draft | self | substitute
+    draft_model: str | None = None  # folder of the draft model (mode 'draft')
+    draft_len: int = 4  # γ: draft tokens per verify step (the start value when adapting)
+    adapt_draft_len: bool = True  # adapt γ online from the acceptance seen
+    max_draft_len: int = 16
+    top_r: int = 1  # self: experts per token while drafting (r < k)
+    cached_only: bool = False  # self: draft only from experts already cached (zero I/O)
+    substitute_bits: int = 4  # substitute: bits of the resident expert copies
+    confidence_tau: float = 0.0  # stop drafting when the draft's max probability < tau (0: off)
+    acceptance: str = "lossless"  # lossless | adaptive (SS-MoE; NOT lossless)
+    adaptive_tau: float = 0.5
+    adaptive_tolerance: float = 0.1
+
+    def validate(self) -> None:
+        if self.mode not in SPEC_MODES:
+            raise InvalidRequestError(f"Unknown --spec {self.mode!r}; choose one of {', '.join(SPEC_MODES)}.")
+        if self.mode == "draft" and not self.draft_model:
+            raise InvalidRequestError(
+                "--spec draft needs --draft-model DIR (a small model with the same tokenizer)."
+            )
+        if not 1 <= self.draft_len <= self.max_draft_len:
+            raise InvalidRequestError(
+                f"--draft-len must be between 1 and {self.max_draft_len}, got {self.draft_len}."
+            )
+        if self.top_r < 1:
+            raise InvalidRequestError(f"--top-r must be at least 1, got {self.top_r}.")
+        if self.substitute_bits not in (4, 8):
+            raise InvalidRequestError(f"Substitute experts are int4 or int8, not {self.substitute_bits}-bit.")
+        if not 0 <= self.confidence_tau < 1:
+            raise InvalidRequestError(
+                f"The confidence threshold must be in [0, 1), got {self.confidence_tau}."
+            )
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise InvalidRequestError(
+                f"Unknown acceptance rule {self.acceptance!r}; choose one of {', '.join(ACCEPTANCE_RULES)}."
+            )
+
+    @property
+    def lossless(self) -> bool:
+        return self.acceptance == "lossless"
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_strings: tuple[str, ...] = ()
+    prefill_chunk: int = 512
+    ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    prefetch: str = "none"  # none | next-layer | hybrimoe | spmoe
+    cutoff: int | None = None  # spmoe: last MoE layer (0-based, in order) prefetched; None: auto
+    cpu_experts: str = "never"  # auto | never | always: compute missing experts on the CPU (hybrid)
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InvalidRequestError("max_new_tokens must be at least 1.")
+        if self.prefill_chunk < 1:
+            raise InvalidRequestError("prefill_chunk must be at least 1.")
+        if any(not s for s in self.stop_strings):
+            raise InvalidRequestError("Stop strings cannot be empty.")
+        if self.prefetch not in PREFETCH_POLICIES:
+            raise InvalidRequestError(
+                f"Unknown prefetch policy {self.prefetch!r}; choose one of {', '.join(PREFETCH_POLICIES)}."
+            )
+        if self.cpu_experts not in CPU_EXPERT_MODES:
+            raise InvalidRequestError(
+                f"Unknown cpu_experts {self.cpu_experts!r}; choose one of {', '.join(CPU_EXPERT_MODES)}."
+            )
+        self.sampling.validate()
+        self.spec.validate()
