@@ -39,6 +39,8 @@ class BudgetTooSmallError(EngineError):
 
 class DeviceOutOfMemoryError(EngineError):
     kind = "device_out_of_memory"
+    cache_slots: int | None = None  # the expert cache size that did not fit, when one was tried
+    tokens_sent: int = 0  # tokens of the reply already streamed when generation ran out of memory
 
 
 class InvalidRequestError(EngineError):

@@ -345,6 +345,17 @@ class ExpertCache:
             self._table.clear()
             self._free = list(reversed(self.slots))
 
+    def resize(self, n_slots: int) -> None:
+        """Forget every resident expert and rebuild the pool with `n_slots` slots (after the device
+        ran out of memory, a smaller cache lets the same model go on)."""
+        with self.lock:
+            self.clear()
+            self.slots, self._free, self.pool = [], [], None  # drop the old pool before allocating
+            self.pool = _allocate_pool(n_slots, self.expert_nbytes, self.device)
+            self.n_slots = n_slots
+            self.slots = [Slot(i, self.store.layout.views(self.pool[i])) for i in range(n_slots)]
+            self._free = list(reversed(self.slots))
+
 
 def _allocate_pool(n_slots: int, expert_nbytes: int, device: torch.device) -> torch.Tensor:
     try:

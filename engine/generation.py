@@ -23,7 +23,7 @@ from transformers import GenerationConfig as HFGenerationConfig
 
 from engine.errors import InvalidRequestError
 from engine.generation_config import GenerationConfig
-from engine.metrics import GenerationStats, cache_snapshot, phase_delta
+from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot, phase_delta
 from engine.offloaded import OffloadedModel
 from engine.sampling import Sampler
 from engine.speculative import open_decoder
@@ -99,21 +99,29 @@ def generate(
     prompt: str | Sequence[Message] | Sequence[int],
     config: GenerationConfig = GenerationConfig(),
     cancel: threading.Event | None = None,
+    live: LiveGeneration | None = None,
 ) -> Iterator[TokenEvent | FinishedEvent]:
+    """Stream the reply to `prompt`; `cancel` stops it between steps; `live`, when given, is kept
+    up to date for a telemetry thread."""
     config.validate()
     started = time.perf_counter()
+    live = live or LiveGeneration(started)
+    live.started = started
     prompt_ids = encode_prompt(model, prompt)
     eos = set() if config.ignore_eos else eos_token_ids(model)
     sampler = Sampler(config.sampling, device=model.device)
     history = torch.tensor(prompt_ids, dtype=torch.long, device=model.device)
     detok = IncrementalDetokenizer(model.tokenizer) if model.tokenizer is not None else None
     stops = StopStringMatcher(config.stop_strings)
-    before = cache_snapshot(model.cache)
+    before = live.before = cache_snapshot(model.cache)
+    live.prompt_tokens = len(prompt_ids)
     kv_cache = model.new_kv_cache(rewindable=config.spec.mode != "none")
-    decoder = open_decoder(model, config.spec, config.prefetch, config.cutoff, sampler, config.cpu_experts)
+    decoder = live.decoder = open_decoder(
+        model, config.spec, config.prefetch, config.cutoff, sampler, config.cpu_experts
+    )
     try:
         logits = _prefill(model, history, kv_cache, config.prefill_chunk)
-        prefilled = time.perf_counter()
+        prefilled = live.prefilled = time.perf_counter()
 
         generated: list[int] = []
         text_parts: list[str] = []
@@ -123,6 +131,7 @@ def generate(
         while reason is None:
             for token in new_tokens:
                 generated.append(token)
+                live.generated = len(generated)
                 history = torch.cat([history, history.new_tensor([token])])
                 delta, stopped = _text_delta(detok, stops, token, token in eos)
                 text_parts.append(delta)
@@ -134,7 +143,7 @@ def generate(
                     break
             if reason is None:
                 new_tokens = decoder.step(history, kv_cache)
-        finished = time.perf_counter()
+        finished = live.finished = time.perf_counter()
     finally:
         decoder.close()  # uninstalls the prefetch policy; unused prefetches are counted as wasted
 

@@ -68,7 +68,7 @@ def load_model(
     _reject_quantized(hf_config)
     device = resolve_device(config.device)
     checkpoint = Checkpoint(folder)
-    transfer = None
+    transfer = n_slots = None
     try:
         dtype = resolve_dtype(config.dtype, checkpoint, device)
         with torch.device("meta"):
@@ -96,9 +96,11 @@ def load_model(
         _load_resident_weights(hf_model, checkpoint, expert_names, device, progress)
         hf_model.eval()
         tokenizer = load_tokenizer(folder)
-    except BaseException:
+    except BaseException as err:
         if transfer is not None:
             transfer.close()  # else a failed load leaves the simulated link's thread running
+        if isinstance(err, DeviceOutOfMemoryError) and n_slots is not None:
+            err.cache_slots = n_slots  # the worker retries once with fewer slots
         raise
     finally:
         checkpoint.close()

@@ -15,6 +15,7 @@ simulated, and so is anything timed over it.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from engine.expert_cache import ExpertCache, PhaseCounters
 
@@ -157,3 +158,34 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class LiveGeneration:
+    """What a running `generate()` shares with a telemetry thread, which only reads it.
+
+    `generate` fills it as it goes; `stats(now)` builds the same `GenerationStats` the run will
+    end with, from the counters so far."""
+
+    started: float
+    prompt_tokens: int = 0
+    prefilled: float | None = None  # perf_counter when the prefill ended
+    generated: int = 0
+    finished: float | None = None
+    before: Snapshot | None = None  # the cache's counters when the run began
+    decoder: Any = None  # PlainDecoder | SpeculativeDecoder once built
+
+    def stats(self, cache: ExpertCache, now: float, simulated_link: bool) -> GenerationStats:
+        end = self.finished or now
+        prefilled = self.prefilled or end
+        after = cache_snapshot(cache)
+        before = self.before or after
+        return GenerationStats.build(
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=self.generated,
+            prefill_s=prefilled - self.started,
+            decode_s=end - prefilled,
+            phases={p: phase_delta(before, after, p) for p in ("prefill", "decode", "draft", "verify")},
+            simulated_link=simulated_link,
+            speculation=self.decoder.summary() if self.decoder is not None else None,
+        )

@@ -229,6 +229,11 @@ class Prefetch:
             self._load_ms = measure_load_ms(model)
         return self._load_ms
 
+    @property
+    def cutoff_layer(self) -> int | None:
+        """SP-MoE's current cutoff (a position in MoE-layer order); None for other policies."""
+        return self.predictor.cutoff if isinstance(self.predictor, SpMoePredictor) else None
+
     def begin_step(self) -> None:
         if self.predictor is not None:
             self.predictor.begin_step()
