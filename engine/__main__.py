@@ -2,4 +2,5 @@ import sys
 
 from engine.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # the spawn start method re-imports the main module
+    sys.exit(main())
