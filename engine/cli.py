@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict
 
 from engine.errors import EngineError
+from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +88,44 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def spec_config(args: argparse.Namespace):
-    from engine.speculative import SpecConfig
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
+    """Sampling and length options of a generation request."""
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="always generate --max-new-tokens (benchmarks, tests)"
+    )
 
+
+def generation_config(args: argparse.Namespace) -> GenerationConfig:
+    """The GenerationConfig the sampling and speculation options say (imports no torch)."""
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingConfig(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+            greedy=args.greedy,
+        ),
+        stop_strings=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+        spec=spec_config(args),
+        prefetch=args.prefetch,
+        cutoff=args.cutoff,
+        cpu_experts=args.cpu_experts,
+    )
+
+
+def spec_config(args: argparse.Namespace) -> SpecConfig:
+    """The SpecConfig the options say; `--spec draft` on the demo model drafts with the demo draft."""
     draft_model = args.draft_model
     if args.spec == "draft" and draft_model is None and not args.model:
         from engine.resources import demo_draft_dir
@@ -137,14 +173,7 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate a reply to one prompt")
     add_offload_arguments(p)
     p.add_argument("--prompt", required=True, help="one user message (raw text if the model has no template)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_sampling_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
     add_spec_arguments(p)
 
@@ -164,26 +193,10 @@ def run_generate(args: argparse.Namespace) -> int:
     offload = offload_config(args)
     offload.validate()  # before the heavy imports below: a bad option fails at once
 
-    from engine.generation import FinishedEvent, GenerationConfig, generate
+    from engine.generation import FinishedEvent, generate
     from engine.loader import load_model
-    from engine.sampling import SamplingConfig
 
-    gen_config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens,
-        sampling=SamplingConfig(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            repetition_penalty=args.repetition_penalty,
-            seed=args.seed,
-            greedy=args.greedy,
-        ),
-        stop_strings=tuple(args.stop),
-        spec=spec_config(args),
-        prefetch=args.prefetch,
-        cutoff=args.cutoff,
-        cpu_experts=args.cpu_experts,
-    )
+    gen_config = generation_config(args)
     gen_config.validate()
     model = load_model(model_folder(args), offload)
     try:

@@ -210,9 +210,9 @@ class EngineSession:
         """Stream the reply: Token events, then one Finished. Closing the iterator early cancels."""
         with self._lock:
             request_id = self.next_id()
-            self.worker.send(Generate(request_id, tuple(messages), config))
             finished = False
             try:
+                self.worker.send(Generate(request_id, tuple(messages), config))
                 for event in self._events(request_id):
                     if isinstance(event, Token | Finished):
                         finished = isinstance(event, Finished)

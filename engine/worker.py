@@ -243,6 +243,7 @@ class Worker:
         try:
             for event in generate(self.model, messages, config, cancel, live):
                 if isinstance(event, FinishedEvent):
+                    self.telemetry.end()  # a GetStats answered after Finished must not say generating
                     self.send(
                         Finished(
                             request_id,

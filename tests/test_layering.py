@@ -41,7 +41,14 @@ def test_the_checker_sees_nested_and_aliased_imports(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("package", "forbidden"), [("app", "torch"), ("engine", "PySide6"), ("engine.cli", "PySide6")]
+    ("package", "forbidden"),
+    [
+        ("app", "torch"),
+        ("app.terminal_chat", "torch"),
+        ("app.openai_server", "torch"),
+        ("engine", "PySide6"),
+        ("engine.cli", "PySide6"),
+    ],
 )
 def test_importing_a_package_does_not_load_the_other_side(package, forbidden):
     code = f"import sys, {package}; print({forbidden!r} in sys.modules)"
