@@ -210,6 +210,7 @@ def test_stats_arrive_at_4_hz_while_generating_and_agree_with_the_final_stats(fr
     live = [e for e in events if isinstance(e, Stats) and e.generating]
     last = events[-1]
     duration = finished.stats["prefill_ms"] / 1e3 + finished.stats["decode_ms"] / 1e3
+    print(f"{len(live)} Stats events in {duration:.2f} s of generation ({len(live) / duration:.1f} Hz)")
     assert duration > 1.5, "the slow link should make this run last a while"
     assert 3.0 * duration - 2 <= len(live) <= 4.5 * duration + 2  # ~4 Hz
     gaps = [b.time_s - a.time_s for a, b in itertools.pairwise(live)]
