@@ -291,7 +291,7 @@ class Dashboard(QWidget):
             self._set_simulated(False)
             self._show_empty()
             return
-        self.title.setText(Path(str(info.get("path") or "model")).name)
+        self.title.setText(info.get("name") or Path(str(info.get("path") or "model")).name)
         self.summary.setText(model_summary(info))
         self._set_simulated(bool(info.get("simulated_link")))
 
