@@ -48,6 +48,7 @@ class MainWindow(QMainWindow):
         self.client = client or EngineClient(self)
         self.model_info: dict | None = None
         self._load_id: str | None = None
+        self.downloads = None  # app.downloads.DownloadManager, made when the model picker first opens
 
         self.banners = BannerArea(self)
         self.conversations = ConversationList(self.store, self)
@@ -248,20 +249,24 @@ class MainWindow(QMainWindow):
             self.load_model()
 
     def open_model_picker(self) -> None:
+        from app.downloads import DownloadManager
         from app.model_picker import ModelPicker
 
+        if self.downloads is None:  # one manager for the app: downloads go on when the picker closes
+            self.downloads = DownloadManager(self)
         vram = self.client.ready.device.total_memory_bytes if self.client.ready else None
-        picker = ModelPicker(self, vram_bytes=vram)
+        picker = ModelPicker(self, manager=self.downloads, vram_bytes=vram)
         picker.sig_model_chosen.connect(self._use_model)
         picker.exec()
 
     def _use_model(self, path: str) -> None:
         from engine.resources import demo_model_dir
 
-        model_path = None if path == str(demo_model_dir()) else path
+        model_path = None if Path(path) == demo_model_dir() else path
+        same = model_path == self.settings.model_path
         self.apply_settings(replace(self.settings, model_path=model_path))
-        if self.settings.model_path == model_path and self.model_info is None:
-            self.load_model()
+        if same and self.model_info is None and self.client.state is ConnectionState.READY:
+            self.load_model()  # the same model again, after it failed to load
 
     # -- window ------------------------------------------------------------------------------------
 
@@ -274,6 +279,8 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event) -> None:
         self.session.abandon_reply("The app was closed.")
         self.client.shutdown()
+        if self.downloads is not None:
+            self.downloads.shutdown()
         self.store.close()
         super().closeEvent(event)
 

@@ -160,3 +160,16 @@ def test_the_window_opens_in_under_2_s_without_importing_torch(dirs):
     print(f"window shown {float(seconds):.2f} s after start (process total {total:.2f} s)")
     assert torch_imported == "False"
     assert float(seconds) < 2.0
+
+
+def test_the_model_picker_opens_from_the_window_and_keeps_one_download_manager(qtbot, dirs, monkeypatch):
+    from app import model_picker
+
+    shown = []
+    monkeypatch.setattr(model_picker.ModelPicker, "exec", lambda picker: shown.append(picker) or 0)
+    window = MainWindow(client=None)
+    qtbot.addWidget(window)
+    window.open_model_picker()
+    window.open_model_picker()
+    assert len(shown) == 2 and shown[0].manager is shown[1].manager is window.downloads
+    window.close()
