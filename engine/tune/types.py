@@ -1,0 +1,93 @@
+"""What auto-tune measures, predicts and chooses: frozen dataclasses of plain values.
+
+Torch-free and JSON-able (`dataclasses.asdict`), so the worker protocol can carry a
+`TuneResult` and the GUI can plot it. Times are milliseconds, sizes bytes; a field
+is None when this machine cannot tell (no GPU, no NVML, no draft model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The machine: GPU, link and CPU, as measured (or simulated, and said so)."""
+
+    device_kind: str  # cuda | cpu
+    gpu_name: str | None
+    gpu_uuid: str | None
+    vram_total_bytes: int | None
+    vram_free_bytes: int | None
+    pcie_gen_max: int | None
+    pcie_gen_current: int | None
+    pcie_width_max: int | None
+    pcie_width_current: int | None
+    h2d_gbps: float  # measured pinned host→device bandwidth for expert-sized copies (or the simulated link's)
+    h2d_latency_us: float  # fixed cost of one copy
+    simulated_link: bool
+    cpu_cores: int
+    ram_total_bytes: int
+    ram_available_bytes: int
+    cpu_expert_ms: float | None  # CPU time of one expert for one token (hybrid execution), if measured
+    note: str  # e.g. "No GPU: probed the CPU and a simulated link of 16 GB/s"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The chosen model on this machine."""
+
+    model: str  # folder
+    model_type: str
+    moe_layers: int
+    num_experts: int  # routed experts per layer (E)
+    top_k: int  # K
+    expert_nbytes: int  # one packed expert
+    target_layer_ms: float  # one decode step of one layer, its experts resident
+    draft_token_ms: float | None  # one draft token (the whole drafter), None without a drafter
+    expert_load_ms: float  # one expert copy host→device
+    verify_ms: tuple[float, ...]  # [t-1]: one target forward over t tokens (t = 1…16), experts resident
+    non_expert_bytes: int  # resident weights
+    kv_bytes_per_token: int
+    context_tokens: int  # the context length memory was planned for
+    peak_non_expert_bytes: int  # measured peak device memory without the expert cache
+    acceptance_rate: float | None  # α of the drafter on the calibration prompts
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    cutoff_layer: int  # -1: no prefetch
+    draft_len: int
+    tpot_ms: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The papers' models applied to the probe and the profile."""
+
+    cache_experts: int
+    cutoff_layer: int
+    draft_len: int
+    expected_tpot_ms: float
+    expected_tokens_per_s: float
+    curve: tuple[CurvePoint, ...]  # predicted TPOT per (cutoff, draft length) considered
+    reasons: tuple[str, ...]  # why, in words a user can read
+
+
+@dataclass(frozen=True)
+class TuneChoice:
+    cutoff_layer: int
+    draft_len: int
+    cache_experts: int
+    expected_tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    probe: Probe
+    profile: Profile
+    prediction: Prediction
+    measured: tuple[CurvePoint, ...]
+    choice: TuneChoice
+    key: str  # what the result is stored under: GPU, model, budget, precision
+    reused: bool  # read back from the store, not measured now
