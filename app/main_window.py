@@ -61,6 +61,9 @@ class MainWindow(QMainWindow):
         self.conversations.refresh()
         self._open_latest_conversation()
         self._show_engine_state("Starting the engine…")
+        if self.settings_store.problems:  # a damaged settings file: what fell back to defaults
+            text = "Some settings were reset: " + " ".join(self.settings_store.problems)
+            self.banners.show_banner(text, "warning", [("Settings…", self.open_settings)], key="settings")
 
     # -- layout ------------------------------------------------------------------------------------
 

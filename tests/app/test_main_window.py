@@ -173,3 +173,14 @@ def test_the_model_picker_opens_from_the_window_and_keeps_one_download_manager(q
     window.open_model_picker()
     assert len(shown) == 2 and shown[0].manager is shown[1].manager is window.downloads
     window.close()
+
+
+def test_a_damaged_settings_file_gives_a_banner_and_defaults(qtbot, dirs):
+    store = SettingsStore()
+    store.path.parent.mkdir(parents=True, exist_ok=True)
+    store.path.write_text('{"device": "quantum", "draft_len": 6}')
+    window = MainWindow()
+    qtbot.addWidget(window)
+    assert window.settings.device == "auto" and window.settings.draft_len == 6
+    assert any("reset" in b.message and "device" in b.message.lower() for b in window.banners.banners())
+    window.close()
