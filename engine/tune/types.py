@@ -52,6 +52,7 @@ class Profile:
     context_tokens: int  # the context length memory was planned for
     peak_non_expert_bytes: int  # measured peak device memory without the expert cache
     acceptance_rate: float | None  # α of the drafter on the calibration prompts
+    peak_is_estimate: bool = False  # True: peak_non_expert_bytes was computed (CPU device), not measured
 
 
 @dataclass(frozen=True)

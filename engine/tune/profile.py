@@ -1,0 +1,273 @@
+"""Profile a loaded model on this machine: the times and sizes auto-tune's models need.
+
+`profile_model(model, drafter_dir)` measures, on a loaded `OffloadedModel`:
+
+- one decoder layer's decode time with its experts resident (one token's forward over a
+  short prompt, divided by the layer count, as `engine.bench_compare.calibrate_link` does);
+- one draft token of the drafter (loaded with the engine's own `load_draft_model`);
+- one expert's host→device copy (`engine.prefetch.measure_load_ms`);
+- one target forward over t = 1…16 tokens, as verification runs it;
+- the resident (non-expert) weights, the KV cache per token (measured from the cache a
+  short prompt produces, so every attention layout counts right) and the peak device
+  memory other than the expert cache for `context_tokens` of context;
+- the drafter's greedy acceptance rate α on a few calibration prompts.
+
+Timed forwards run on a KV cache that is rewound after each run; each input is run
+once before timing, so its experts are resident (a cache that holds every expert is
+filled first). Every time is the median of a few runs. On a CUDA device the peak is
+`torch.cuda.max_memory_allocated` over a chunked prefill of the context (at most
+`PEAK_TOKENS` tokens; the KV of the rest is added) less the expert cache's pool; a
+loaded drafter counts, as it needs the same memory. On a CPU device it is estimated
+as weights + drafter + KV (`Profile.peak_is_estimate`). `progress(stage, done, total)`
+is called as each stage starts; `cancel` raises `GenerationCancelled` between stages.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from engine.bench import PROMPTS
+from engine.drafters import load_draft_model, rewind_cache
+from engine.errors import GenerationCancelled
+from engine.generation import FinishedEvent, generate
+from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
+from engine.prefetch import measure_load_ms
+from engine.tune.types import Profile
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+STAGES = ("layer", "draft", "copy", "verify", "memory", "acceptance")
+MAX_VERIFY_TOKENS = 16
+PROMPT_TOKENS = 16  # the short prompt timed forwards continue
+TIMED_RUNS = 5
+PEAK_TOKENS = 8192  # the longest context actually prefilled to measure the peak
+PREFILL_CHUNK = GenerationConfig().prefill_chunk
+ALPHA_TOKENS = 24  # generated per calibration prompt to measure α
+ALPHA_DRAFT_LEN = 4
+
+
+def profile_model(
+    model,
+    drafter_dir: str | None = None,
+    context_tokens: int = 4096,
+    progress: Progress | None = None,
+    cancel: threading.Event | None = None,
+) -> Profile:
+    """Measure `model` (an `OffloadedModel`) and, when `drafter_dir` is given, its draft model."""
+    if context_tokens < 1:
+        raise ValueError(f"context_tokens must be at least 1, got {context_tokens}")
+    info = model.info()
+    ids = _token_ids(model.hf_config.vocab_size, PROMPT_TOKENS + MAX_VERIFY_TOKENS, model.device)
+    prompt, continuation = ids[:PROMPT_TOKENS], ids[PROMPT_TOKENS:]
+
+    stage = _stage_reporter(progress, cancel)
+    stage(0)
+    _warm_cache(model)
+    kv_cache = model.new_kv_cache(rewindable=True)  # keeps every position: exact per-token bytes
+    model.forward(prompt, kv_cache)
+    kv_bytes_per_token = _kv_nbytes(kv_cache) // PROMPT_TOKENS
+    layer_ms = _forward_ms(model, kv_cache, continuation[:1], logits_to_keep=1)
+    layer_ms /= model.hf_config.num_hidden_layers
+    stage(1)
+    draft_ms = _draft_token_ms(model, drafter_dir, prompt, continuation[:1]) if drafter_dir else None
+    stage(2)
+    load_ms = measure_load_ms(model)
+    stage(3)
+    verify_ms = tuple(
+        _forward_ms(model, kv_cache, continuation[:t], logits_to_keep=0)
+        for t in range(1, MAX_VERIFY_TOKENS + 1)
+    )
+    stage(4)
+    peak, estimated = _peak_non_expert_bytes(model, info.resident_nbytes, kv_bytes_per_token, context_tokens)
+    stage(5)
+    alpha = _acceptance_rate(model, drafter_dir, cancel) if drafter_dir else None
+    if progress is not None:
+        progress("done", len(STAGES), len(STAGES))
+    return Profile(
+        model=info.path,
+        model_type=info.model_type,
+        moe_layers=info.moe_layers,
+        num_experts=info.num_experts,
+        top_k=info.top_k,
+        expert_nbytes=info.expert_nbytes,
+        target_layer_ms=layer_ms,
+        draft_token_ms=draft_ms,
+        expert_load_ms=load_ms,
+        verify_ms=verify_ms,
+        non_expert_bytes=info.resident_nbytes,
+        kv_bytes_per_token=kv_bytes_per_token,
+        context_tokens=context_tokens,
+        peak_non_expert_bytes=peak,
+        acceptance_rate=alpha,
+        peak_is_estimate=estimated,
+    )
+
+
+def _stage_reporter(progress: Progress | None, cancel: threading.Event | None) -> Callable[[int], None]:
+    """`stage(i)`: stop if cancelled, else report that stage i starts."""
+
+    def stage(index: int) -> None:
+        if cancel is not None and cancel.is_set():
+            raise GenerationCancelled("Profiling was cancelled.")
+        if progress is not None:
+            progress(STAGES[index], index, len(STAGES))
+
+    return stage
+
+
+def _token_ids(vocab_size: int, n: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    """`n` fixed pseudo-random token ids `[n]` (timing does not depend on which)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab_size, (n,), generator=generator).to(device)
+
+
+def _warm_cache(model) -> None:
+    """Copy every expert in when the cache holds them all (else timed inputs warm their own)."""
+    cache, store = model.cache, model.store
+    if cache.n_slots < store.total_experts:
+        return
+    for layer in store.layer_indices:
+        for expert in range(store.num_experts):
+            slot = cache.acquire((layer, expert))
+            try:
+                cache.wait(slot)
+            finally:
+                cache.release(slot)
+
+
+def _kv_nbytes(kv_cache: DynamicCache) -> int:
+    """Bytes of every key and value tensor the cache holds (layers without attention hold none)."""
+    total = 0
+    for layer in kv_cache.layers:
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _forward_ms(model, kv_cache: DynamicCache, ids: torch.Tensor, logits_to_keep: int) -> float:
+    """Median ms of one target forward of `ids` after the cached prompt; the cache is rewound after each."""
+    base = kv_cache.get_seq_length()
+    misses_before = model.cache.stats.total().misses
+
+    def run() -> None:
+        try:
+            model.forward(ids, kv_cache, logits_to_keep=logits_to_keep)
+        finally:
+            rewind_cache(kv_cache, base)
+
+    run()  # warm-up: the same tokens route to the same experts, now resident
+    misses_warm = model.cache.stats.total().misses
+    ms = _median_ms(run, model.device)
+    misses = model.cache.stats.total().misses - misses_warm
+    if misses:
+        log.warning(
+            "Profiling a forward of %d token(s) missed the expert cache %d time(s) (%d on warm-up): "
+            "the cache is too small to keep its experts resident, so the time includes copies.",
+            len(ids),
+            misses,
+            misses_warm - misses_before,
+        )
+    return ms
+
+
+def _median_ms(fn: Callable[[], object], device: torch.device, runs: int = TIMED_RUNS) -> float:
+    times = []
+    for _ in range(runs):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def _draft_token_ms(model, drafter_dir: str, prompt: torch.Tensor, token: torch.Tensor) -> float:
+    """Median ms of one draft token: the whole draft model's forward of one token after the prompt."""
+    draft = load_draft_model(drafter_dir, model)
+    kv_cache = DynamicCache()
+    draft(input_ids=prompt.view(1, -1), past_key_values=kv_cache, use_cache=True, logits_to_keep=1)
+    base = kv_cache.get_seq_length()
+
+    def run() -> None:
+        draft(input_ids=token.view(1, -1), past_key_values=kv_cache, use_cache=True, logits_to_keep=1)
+        rewind_cache(kv_cache, base)
+
+    run()  # warm-up
+    return _median_ms(run, model.device)
+
+
+def _peak_non_expert_bytes(
+    model, resident_nbytes: int, kv_bytes_per_token: int, context_tokens: int
+) -> tuple[int, bool]:
+    """(peak device bytes other than the expert cache, whether it is an estimate)."""
+    if model.device.type != "cuda":
+        return resident_nbytes + model.drafter_nbytes() + kv_bytes_per_token * context_tokens, True
+    limit = getattr(model.hf_config, "max_position_embeddings", None) or PEAK_TOKENS
+    measured_tokens = min(context_tokens, PEAK_TOKENS, limit)
+    ids = _token_ids(model.hf_config.vocab_size, measured_tokens, model.device)
+    torch.cuda.synchronize(model.device)
+    torch.cuda.reset_peak_memory_stats(model.device)
+    kv_cache = model.new_kv_cache(rewindable=True)  # as speculative decoding keeps it: every position
+    for start in range(0, measured_tokens, PREFILL_CHUNK):
+        model.forward(ids[start : start + PREFILL_CHUNK], kv_cache)
+    torch.cuda.synchronize(model.device)
+    peak = torch.cuda.max_memory_allocated(model.device)
+    del kv_cache
+    pool = model.cache.pool.numel() * model.cache.pool.element_size()
+    unmeasured = kv_bytes_per_token * (context_tokens - measured_tokens)
+    return peak - pool + unmeasured, False
+
+
+def _acceptance_rate(model, drafter_dir: str, cancel: threading.Event | None) -> float | None:
+    """Greedy α over the calibration prompts: accepted draft tokens / drafted tokens."""
+    config = GenerationConfig(
+        max_new_tokens=ALPHA_TOKENS,
+        sampling=SamplingConfig(greedy=True),
+        ignore_eos=True,
+        spec=SpecConfig(
+            mode="draft",
+            draft_model=str(Path(drafter_dir)),
+            draft_len=ALPHA_DRAFT_LEN,
+            adapt_draft_len=False,
+        ),
+    )
+    drafted = accepted = 0.0
+    for prompt in _calibration_prompts(model):
+        events = list(generate(model, prompt, config, cancel))
+        finished = events[-1]
+        assert isinstance(finished, FinishedEvent)
+        if finished.reason == "cancelled":
+            raise GenerationCancelled("Profiling was cancelled.")
+        stats = finished.stats
+        if stats.acceptance_rate is None or stats.draft_len is None:
+            continue
+        steps_drafted = stats.draft_len * stats.verify_steps
+        drafted += steps_drafted
+        accepted += stats.acceptance_rate * steps_drafted
+    return accepted / drafted if drafted else None
+
+
+def _calibration_prompts(model) -> list:
+    if model.tokenizer is not None:
+        return list(PROMPTS)
+    vocab = model.hf_config.vocab_size
+    return [
+        _token_ids(vocab, PROMPT_TOKENS, torch.device("cpu"), seed).tolist() for seed in range(len(PROMPTS))
+    ]
