@@ -189,6 +189,63 @@ def _make_tiny_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _tune_parser(sub) -> None:
+    p = sub.add_parser("tune", help="measure this machine and model; choose cutoff, draft length and cache")
+    add_offload_arguments(p)
+    p.add_argument("--sim-link", dest="sim_link_gbps", type=float, help="same as --sim-link-gbps")
+    p.add_argument(
+        "--draft-model", default=None, help="draft model folder (default: the demo draft for the demo model)"
+    )
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens per calibration prompt and point")
+    p.add_argument("--retune", action="store_true", help="measure again even if a stored result matches")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    offload = offload_config(args)
+    offload.validate()
+
+    from engine.loader import load_model
+    from engine.tune.run import TuneConfig, tune
+
+    draft_model = args.draft_model
+    if draft_model is None and not args.model:
+        from engine.resources import demo_draft_dir
+
+        draft_model = str(demo_draft_dir())
+    config = TuneConfig(draft_model=draft_model, new_tokens=args.new_tokens, retune=args.retune)
+    model = load_model(model_folder(args), offload)
+    try:
+        result = tune(model, config, progress=_tune_progress(args.json))
+    finally:
+        model.close()
+    report = {
+        "probe": asdict(result.probe),
+        "profile": asdict(result.profile),
+        "prediction": asdict(result.prediction),
+        "measured": [asdict(point) for point in result.measured],
+        "choice": asdict(result.choice),
+        "reused": result.reused,
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        c = result.choice
+        print(
+            f"cutoff layer {c.cutoff_layer}, draft length {c.draft_len}, {c.cache_experts} cached experts: "
+            f"{c.expected_tokens_per_s:.1f} tok/s expected" + (" (stored result)" if result.reused else "")
+        )
+    return 0
+
+
+def _tune_progress(quiet: bool):
+    def report(stage: str, done: int, total: int) -> None:
+        if not quiet:
+            print(f"\r{stage}: {done}/{total}", end="", file=sys.stderr, flush=True)
+
+    return report
+
+
 def run_generate(args: argparse.Namespace) -> int:
     offload = offload_config(args)
     offload.validate()  # before the heavy imports below: a bad option fails at once
@@ -235,11 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _make_tiny_parser(sub)
+    _tune_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "tune":
+            return run_tune(args)
         from engine.tiny_models import make_tiny_model
 
         path = make_tiny_model(args.out, model_type=args.arch, seed=args.seed)

@@ -1,0 +1,143 @@
+"""One auto-tune run: probe → profile → predict → measured search → choice, remembered.
+
+`tune(model, config)` works on a loaded `OffloadedModel`: a stored result for the
+same (GPU, model, budget, precision) is returned as it is (`reused=True`) unless
+`config.retune`; otherwise it probes the machine, profiles the model, applies the
+papers' models (`engine.tune.analytic`) and measures TPOT on a short calibration
+set at the cutoffs and draft lengths around the analytic choice
+(`engine.tune.search`), keeps the fastest and stores it. Progress is reported as
+(stage, done, total); `cancel` stops between measurements.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from engine.generation import encode_prompt, generate_text
+from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
+from engine.tune.analytic import predict
+from engine.tune.probe import probe
+from engine.tune.profile import profile_model
+from engine.tune.search import candidate_points, choose, search
+from engine.tune.store import TuneStore, model_fingerprint, tune_key
+from engine.tune.types import TuneChoice, TuneResult
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_PROMPTS = (
+    "What sound does a cow make?",
+    "Tell me a short story about a red fox.",
+    "What is the capital of France?",
+)
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """What to tune for: the drafter, the calibration length, and whether to ignore a stored result."""
+
+    draft_model: str | None = None  # None: self-speculation (SS-MoE), no separate drafter
+    new_tokens: int = 32  # generated per calibration prompt and point
+    context_tokens: int = 4096  # the context the memory plan must hold
+    retune: bool = False
+    sim_link_gbps: float | None = None  # the probe's link without a GPU (the model's own, when simulated)
+
+
+def tune(
+    model,
+    config: TuneConfig = TuneConfig(),
+    progress: Progress | None = None,
+    cancel: threading.Event | None = None,
+    store: TuneStore | None = None,
+) -> TuneResult:
+    store = store or TuneStore()
+    report = progress or (lambda stage, done, total: None)
+    hardware = probe(
+        str(model.device),
+        sim_link_gbps=config.sim_link_gbps or _model_link_gbps(model),
+        expert_nbytes=model.store.layout.nbytes,  # fit the link on this model's own expert size
+    )
+    budget = model.cache.n_slots * model.store.layout.nbytes
+    key = tune_key(
+        hardware.gpu_uuid,
+        str(model.path),
+        model_fingerprint(str(model.path)),
+        str(budget),
+        model.info().expert_dtype,
+    )
+    stored = None if config.retune else store.get(key)
+    if stored is not None:
+        log.info("Auto-tune: reusing the stored result for %s", key)
+        return stored
+
+    report("profile", 0, 1)
+    with _resident_experts_on_cpu(model):
+        profile = profile_model(model, config.draft_model, config.context_tokens, progress, cancel)
+    prediction = predict(profile, hardware, budget + profile.peak_non_expert_bytes)
+    points = candidate_points(prediction, profile.moe_layers)
+    prompts = [encode_prompt(model, text) for text in CALIBRATION_PROMPTS]
+
+    def measure(cutoff: int, draft_len: int) -> float:
+        return _measure_tpot(model, prompts, config, cutoff, draft_len)
+
+    def on_point(done: int, total: int, point) -> None:
+        report("search", done, total)
+
+    measured = search(points, measure, on_point, cancel)
+    best = choose(measured)
+    choice = TuneChoice(best.cutoff_layer, best.draft_len, model.cache.n_slots, 1e3 / best.tpot_ms)
+    result = TuneResult(hardware, profile, prediction, measured, choice, key, reused=False)
+    store.put(result)
+    return result
+
+
+def _measure_tpot(model, prompts, config: TuneConfig, cutoff: int, draft_len: int) -> float:
+    """Median TPOT over the calibration prompts, speculative with a fixed draft length."""
+    spec = (
+        SpecConfig()
+        if draft_len == 0
+        else SpecConfig(  # draft length 0: plain decoding
+            mode="draft" if config.draft_model else "self",
+            draft_model=config.draft_model,
+            draft_len=draft_len,
+            adapt_draft_len=False,
+            max_draft_len=max(draft_len, 16),
+        )
+    )
+    gen = GenerationConfig(
+        max_new_tokens=config.new_tokens,
+        sampling=SamplingConfig(greedy=True),
+        ignore_eos=True,
+        spec=spec,
+        prefetch="spmoe" if cutoff >= 0 else "none",
+        cutoff=cutoff if cutoff >= 0 else None,
+    )
+    generate_text(model, prompts[0], replace(gen, max_new_tokens=4))  # warm-up: drafter, caches
+    tpots = [generate_text(model, ids, gen).stats.tpot_ms for ids in prompts]
+    return statistics.median(t for t in tpots if t is not None)
+
+
+@contextlib.contextmanager
+def _resident_experts_on_cpu(model):
+    """On a CPU device the "device" cache is host memory: hold every expert while profiling, so
+    compute is timed without copies (on a GPU the profiler subtracts the copies it saw instead)."""
+    slots = model.cache.n_slots
+    if model.device.type != "cpu" or slots >= model.store.total_experts:
+        yield
+        return
+    model.cache.resize(model.store.total_experts)
+    try:
+        yield
+    finally:
+        model.cache.resize(slots)
+
+
+def _model_link_gbps(model) -> float | None:
+    link = model.transfer
+    return getattr(link, "gbps", None) if model.simulated_link else None
