@@ -40,6 +40,9 @@ from engine.protocol import (
     Request,
     Stats,
     Token,
+    Tune,
+    TuneProgress,
+    TuneResult,
 )
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,10 @@ class EngineClient(QObject):
     """A reply ended: request id, the `Finished` event (reason, whole text, stats)."""
     sig_stats = Signal(object)
     """The newest telemetry (a `Stats` event)."""
+    sig_tune_progress = Signal(str, str, int, int)
+    """Auto-tune progress: request id, stage, done, total."""
+    sig_tune_result = Signal(str, dict)
+    """Auto-tune finished: request id, the result (probe, profile, prediction, measured, choice …)."""
     sig_error = Signal(str, str, str)
     """A request failed: request id, error kind, message (the worker goes on)."""
     sig_worker_died = Signal(str)
@@ -141,6 +148,10 @@ class EngineClient(QObject):
 
     def generate(self, messages: Sequence[ChatMessage], config: GenerationConfig = GenerationConfig()) -> str:
         return self._request(lambda rid: Generate(rid, tuple(messages), config))
+
+    def tune(self, draft_model: str | None = None, new_tokens: int = 32, retune: bool = False) -> str:
+        """Auto-tune the loaded model; returns the request id (cancel it with `cancel`)."""
+        return self._request(lambda rid: Tune(rid, draft_model, new_tokens, retune))
 
     def cancel(self, request_id: str) -> None:
         self._request(lambda rid: Cancel(rid, request_id))
@@ -224,6 +235,10 @@ class EngineClient(QObject):
                 self.sig_notice.emit(rid, message)
             case Finished(request_id=rid):
                 self.sig_finished.emit(rid, event)
+            case TuneProgress(request_id=rid, stage=stage, done=done, total=total):
+                self.sig_tune_progress.emit(rid, stage, done, total)
+            case TuneResult(request_id=rid, result=result):
+                self.sig_tune_result.emit(rid, result)
             case Error(request_id=rid, kind=kind, message=message):
                 self.sig_error.emit(rid, kind, message)
             case _Died(message=message):

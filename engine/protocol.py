@@ -25,7 +25,7 @@ from engine.config import OffloadConfig
 from engine.errors import EngineError
 from engine.generation_config import GenerationConfig
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Tune, TuneProgress, TuneResult
 
 
 class ProtocolError(EngineError):
@@ -79,13 +79,26 @@ class GetStats:
 
 
 @dataclass(frozen=True)
+class Tune:
+    """Auto-tune the loaded model on this machine; answered by TuneProgress events and a TuneResult.
+
+    A stored result for the same GPU, model, budget and precision is returned at once unless
+    `retune`; `Cancel` stops it between measurements."""
+
+    request_id: str
+    draft_model: str | None = None  # None: the demo draft for the demo model, else self-speculation
+    new_tokens: int = 32  # generated per calibration prompt and measured point
+    retune: bool = False
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Cancel what runs, free the model and exit with status 0."""
 
     request_id: str
 
 
-Request = LoadModel | Generate | Cancel | GetStats | Shutdown
+Request = LoadModel | Generate | Cancel | GetStats | Tune | Shutdown
 
 # ---- events (worker → client) --------------------------------------------------------------------
 
@@ -190,16 +203,31 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class TuneProgress:
+    request_id: str
+    stage: str  # probe | profile stages (copy, layer, draft, verify, memory, acceptance) | search
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    request_id: str
+    result: dict[str, Any]  # engine.tune.types.TuneResult as a dict: probe, profile, prediction,
+    #                         measured, choice, key, reused
+
+
+@dataclass(frozen=True)
 class Error:
     request_id: str
     kind: str  # EngineError.kind: invalid_request, model_not_found, protocol, internal, …
     message: str
 
 
-Event = Ready | LoadProgress | Loaded | Notice | Token | Finished | Stats | Error
+Event = Ready | LoadProgress | Loaded | Notice | Token | Finished | Stats | TuneProgress | TuneResult | Error
 
-_REQUEST_TYPES = (LoadModel, Generate, Cancel, GetStats, Shutdown)
-_EVENT_TYPES = (Ready, LoadProgress, Loaded, Notice, Token, Finished, Stats, Error)
+_REQUEST_TYPES = (LoadModel, Generate, Cancel, GetStats, Tune, Shutdown)
+_EVENT_TYPES = (Ready, LoadProgress, Loaded, Notice, Token, Finished, Stats, TuneProgress, TuneResult, Error)
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (*_REQUEST_TYPES, *_EVENT_TYPES)}
 REQUESTS = frozenset(cls.__name__ for cls in _REQUEST_TYPES)
 

@@ -26,6 +26,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -51,6 +52,9 @@ from engine.protocol import (
     Ready,
     Shutdown,
     Token,
+    Tune,
+    TuneProgress,
+    TuneResult,
     dumps,
     loads,
 )
@@ -86,7 +90,7 @@ def _exit_with_parent() -> None:
 
 @dataclass
 class _Job:
-    request: LoadModel | Generate
+    request: LoadModel | Generate | Tune
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -139,7 +143,7 @@ class Worker:
                 self.send(self.telemetry.sample(request_id))
             case Shutdown():
                 return False
-            case LoadModel() | Generate():
+            case LoadModel() | Generate() | Tune():
                 if request.request_id in self._active:
                     self.send(Error(request.request_id, "protocol", "This request id is already in use."))
                 else:
@@ -169,10 +173,13 @@ class Worker:
         while (job := self._jobs.get()) is not None:
             request_id = job.request.request_id
             try:
-                if isinstance(job.request, LoadModel):
-                    self._load(job.request, job.cancel)
-                else:
-                    self._generate(job.request, job.cancel)
+                match job.request:
+                    case LoadModel():
+                        self._load(job.request, job.cancel)
+                    case Generate():
+                        self._generate(job.request, job.cancel)
+                    case Tune():
+                        self._tune(job.request, job.cancel)
             except EngineError as err:
                 self.send(Error(request_id, err.kind, str(err)))
             except Exception as err:  # a bug: report it, keep serving
@@ -185,7 +192,9 @@ class Worker:
         request.offload.validate()
         self._unload()  # free the old model's memory before the new one takes it
         folder = request.model_dir or str(demo_model_dir())
-        progress = _ProgressSender(self, request.request_id, cancel)
+        progress = _Throttled(
+            lambda *a: self.send(LoadProgress(request.request_id, *a)), cancel, self, "Loading"
+        )
         started = time.perf_counter()
         try:
             model = load_model(folder, request.offload, progress)
@@ -262,6 +271,21 @@ class Worker:
             err.tokens_sent = sent
             raise
 
+    def _tune(self, request: Tune, cancel: threading.Event) -> None:
+        from engine.tune.run import TuneConfig, tune  # imported on first use: the worker starts faster
+
+        if self.model is None:
+            raise InvalidRequestError("No model is loaded: load one before tuning.")
+        draft_model = request.draft_model
+        if draft_model is None and self.model_is_demo:
+            draft_model = str(demo_draft_dir())
+        config = TuneConfig(draft_model=draft_model, new_tokens=request.new_tokens, retune=request.retune)
+        progress = _Throttled(
+            lambda *a: self.send(TuneProgress(request.request_id, *a)), cancel, self, "Tuning"
+        )
+        result = tune(self.model, config, progress=progress, cancel=cancel)
+        self.send(TuneResult(request.request_id, asdict(result)))
+
     def _shrink_cache(self) -> int | None:
         """Halve the expert cache (never below one token's experts); None when it cannot shrink."""
         cache = self.model.cache
@@ -285,20 +309,23 @@ class Worker:
                 log.exception("Telemetry sample failed")
 
 
-class _ProgressSender:
-    """The loader's progress callback: LoadProgress events (throttled) and cancellation."""
+class _Throttled:
+    """A progress callback: sends (stage, done, total) at most every PROGRESS_INTERVAL_S (and at
+    each stage's end), and raises `GenerationCancelled` once the request is cancelled."""
 
-    def __init__(self, worker: Worker, request_id: str, cancel: threading.Event):
-        self.worker, self.request_id, self.cancel = worker, request_id, cancel
+    def __init__(
+        self, send: Callable[[str, int, int], None], cancel: threading.Event, worker: Worker, what: str
+    ):
+        self.send, self.cancel, self.worker, self.what = send, cancel, worker, what
         self._last = 0.0
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         if self.cancel.is_set() or self.worker._stopping.is_set():
-            raise GenerationCancelled("Loading was cancelled.")
+            raise GenerationCancelled(f"{self.what} was cancelled.")
         now = time.perf_counter()
         if done >= total or now - self._last >= PROGRESS_INTERVAL_S:
             self._last = now
-            self.worker.send(LoadProgress(self.request_id, stage, done, total))
+            self.send(stage, done, total)
 
 
 def smaller_budget(budget: ExpertBudget, tried_slots: int | None) -> ExpertBudget | None:

@@ -28,6 +28,9 @@ from engine.protocol import (
     Shutdown,
     Stats,
     Token,
+    Tune,
+    TuneProgress,
+    TuneResult,
     decode,
     dumps,
     encode,
@@ -88,6 +91,7 @@ EXAMPLES = [
     ),
     Cancel("r4", "r3"),
     GetStats("r5"),
+    Tune("r8", "/models/draft", 16, True),
     Shutdown("r6"),
     Ready("", PROTOCOL_VERSION, 4242, DeviceInfo("cpu", "x86_64", None, "2.13.0")),
     LoadProgress("r1", "experts", 5, 96),
@@ -96,6 +100,8 @@ EXAMPLES = [
     Token("r3", "moo", 1234, 3, 12.5),
     Finished("r3", "eos", "A cow says moo.", "", 20, 6, {"tpot_ms": 5.0, "accept_len": None}),
     STATS,
+    TuneProgress("r8", "verify", 3, 16),
+    TuneResult("r8", {"choice": {"cutoff_layer": 2, "draft_len": 4}, "measured": [], "reused": False}),
     Error("r3", "invalid_request", "temperature must be >= 0"),
 ]
 

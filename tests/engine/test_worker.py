@@ -24,6 +24,9 @@ from engine.protocol import (
     Notice,
     Stats,
     Token,
+    Tune,
+    TuneProgress,
+    TuneResult,
     encode,
 )
 from engine.worker import smaller_budget
@@ -246,3 +249,35 @@ def test_stats_arrive_at_1_hz_when_idle(worker):
 def test_encode_refuses_what_is_not_a_message():
     with pytest.raises(Exception, match="not a protocol message"):
         encode(object())
+
+
+@pytest.mark.slow
+def test_tune_reports_progress_and_a_result_then_reuses_it(fresh_worker, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_CHAT_CONFIG_DIR", str(tmp_path))
+    fresh_worker.send(Tune("early", new_tokens=4))
+    assert "No model is loaded" in fresh_worker.next_of(Error, "early").message
+    fresh_worker.load("l", SLOW_LINK)
+    fresh_worker.send(Tune("t", new_tokens=4))
+    events = fresh_worker.until(lambda e: e.request_id == "t" and isinstance(e, TuneResult | Error), 180)
+    result = events[-1]
+    assert isinstance(result, TuneResult), result
+    stages = {e.stage for e in events if isinstance(e, TuneProgress)}
+    assert {"verify", "search"} <= stages
+    choice = result.result["choice"]
+    assert choice["cache_experts"] == 24 and not result.result["reused"]
+    assert min(p["tpot_ms"] for p in result.result["measured"]) == pytest.approx(
+        1e3 / choice["expected_tokens_per_s"]
+    )
+    fresh_worker.send(Tune("again", new_tokens=4))
+    again = fresh_worker.next_of(TuneResult, "again")
+    assert again.result["reused"] and again.result["choice"] == choice
+
+
+def test_cancelling_a_tune_reports_it(fresh_worker, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_CHAT_CONFIG_DIR", str(tmp_path))
+    fresh_worker.load("l", SLOW_LINK)
+    fresh_worker.send(Tune("t", new_tokens=4))
+    fresh_worker.next_of(TuneProgress, "t")
+    fresh_worker.send(Cancel("c", "t"))
+    error = fresh_worker.next_of(Error, "t", timeout_s=60)
+    assert error.kind == "cancelled" and "was cancelled" in error.message
