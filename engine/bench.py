@@ -241,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         choices=("calibrated",),
         help="calibrated: a simulated link where one expert's copy takes 3× one layer's decode",
     )
+    parser.add_argument(
+        "--tuned", action="store_true", help="auto-tune, then time the tuned settings against the defaults"
+    )
+    parser.add_argument("--retune", action="store_true", help="--tuned: ignore a stored tuning result")
     add_spec_arguments(parser)
     args = parser.parse_args(argv)
     if args.new_tokens < 2 or args.repeats < 1 or not 1 <= args.prompts <= len(PROMPTS):
@@ -248,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.compare:
         return _main_compare(args)
+    if args.tuned:
+        return _main_tuned(args)
     try:
         result = run(args)
     except EngineError as err:
@@ -262,6 +268,20 @@ def main(argv: list[str] | None = None) -> int:
             f"decode speed with {result['compared_budget']} cached: "
             f"{result['speed_vs_transformers']:.1%} of transformers' generate"
         )
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _main_tuned(args: argparse.Namespace) -> int:
+    from engine.bench_tuned import format_tuned, run_tuned
+
+    try:
+        result = run_tuned(args)
+    except EngineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_tuned(result))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2))
     return 0

@@ -90,12 +90,13 @@ def choose(measured: Iterable[CurvePoint]) -> CurvePoint:
 def _draft_lens_around(prediction: Prediction) -> list[int]:
     """The predicted draft length and its neighbours among those the curve considered.
 
-    Predicted plain decoding (0) is measured beside the shortest draft the curve considered,
-    in case the acceptance rate was underestimated.
+    Three lengths, shifted inward at either end of the range: predicted plain decoding (0) is
+    measured beside the two shortest drafts, in case the acceptance was underestimated.
     """
     plain = {0} if prediction.draft_len == 0 else set()
     considered = sorted({point.draft_len for point in prediction.curve} | plain)
     if prediction.draft_len not in considered:
         return sorted({max(1, prediction.draft_len - 2), prediction.draft_len, prediction.draft_len + 2})
     at = considered.index(prediction.draft_len)
-    return considered[max(0, at - 1) : at + 2]
+    start = max(0, min(at - 1, len(considered) - 3))  # three lengths, shifted inward at either end
+    return considered[start : start + 3]

@@ -50,15 +50,15 @@ def test_candidates_stay_in_range_and_take_given_draft_lengths() -> None:
     assert points == [(c, d) for d in (3, 5) for c in (-1, 0, 1, 9)]
     at_end = candidate_points(_prediction(cutoff_layer=9, draft_len=8), MOE_LAYERS, cutoff_span=1)
     assert sorted({c for c, _ in at_end}) == [-1, 8, 9]
-    assert sorted({d for _, d in at_end}) == [6, 8]  # 8 is the longest the curve considered
+    assert sorted({d for _, d in at_end}) == [4, 6, 8]  # 8 is the longest considered: shifted inward
 
 
 def test_candidates_for_plain_decoding_and_unknown_draft_lengths() -> None:
     # no drafter: the prediction's curve is the single plain point
     assert candidate_points(_prediction(-1, 0, curve_lens=(0,)), MOE_LAYERS) == [(-1, 0)]
-    # plain predicted faster, a drafter measured: plain and the shortest draft are both measured
+    # plain predicted faster, a drafter measured: plain and the two shortest drafts are measured
     plain_wins = candidate_points(_prediction(cutoff_layer=-1, draft_len=0), MOE_LAYERS)
-    assert plain_wins == [(-1, 0)] + [(c, 2) for c in (-1, 0, 1, 9)]
+    assert plain_wins == [(-1, 0)] + [(c, d) for d in (2, 4) for c in (-1, 0, 1, 9)]
     unknown = candidate_points(_prediction(2, 5, curve_lens=()), MOE_LAYERS)
     assert sorted({d for _, d in unknown}) == [3, 5, 7]
 

@@ -1,0 +1,115 @@
+"""`python -m engine.bench --tuned`: tuned settings against the defaults, side by side in one run.
+
+Loads the model once, auto-tunes it (or reuses the stored result), then times the
+default configuration (no speculation, no prefetch) and the tuned one (its draft
+length, cutoff and cache) in alternating passes over the same prompts, and sets
+the analytic prediction of the tuned TPOT beside the measurement. Every figure
+carries `simulated_link`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, replace
+
+from engine.generation_config import GenerationConfig, SpecConfig
+from engine.tune.types import TuneChoice
+
+
+def run_tuned(args) -> dict:
+    from engine.bench import PROMPTS, _greedy, _prompt_ids
+    from engine.bench_compare import LINK_RATIO, calibrate_link
+    from engine.cli import model_folder, offload_config
+    from engine.generation import generate_text
+    from engine.loader import load_model
+    from engine.resources import demo_draft_dir
+    from engine.tune.analytic import predict_plain_tpot, predict_tpot
+    from engine.tune.run import TuneConfig, tune
+
+    folder = model_folder(args)
+    offload = offload_config(args)
+    calibration = None
+    if args.sim_link == "calibrated":
+        probe_model = load_model(folder, offload)
+        try:
+            prompt_ids = _prompt_ids(probe_model, PROMPTS[: args.prompts])
+        finally:
+            probe_model.close()
+        gbps, layer_ms = calibrate_link(folder, offload, prompt_ids, args.new_tokens)
+        offload = replace(offload, sim_link_gbps=gbps)
+        calibration = {"layer_ms": layer_ms, "link_gbps": gbps, "copy_over_layer": LINK_RATIO}
+    draft_model = args.draft_model or (None if args.model else str(demo_draft_dir()))
+    model = load_model(folder, offload)
+    try:
+        result = tune(model, TuneConfig(draft_model=draft_model, retune=args.retune))
+        choice = result.choice
+        prompt_ids = _prompt_ids(model, PROMPTS[: args.prompts])
+        default = _greedy(args.new_tokens)
+        tuned = tuned_config(default, choice, draft_model)
+        generate_text(model, prompt_ids[0], replace(tuned, max_new_tokens=4))  # warm-up: the drafter
+        passes = {"default": [], "tuned": []}
+        outputs = {}
+        for _ in range(args.repeats):  # alternating, so drift on a shared host hits both alike
+            for name, gen in (("default", default), ("tuned", tuned)):
+                runs = [generate_text(model, ids, gen) for ids in prompt_ids]
+                passes[name].append(statistics.median(r.stats.tpot_ms for r in runs))
+                outputs[name] = [r.token_ids for r in runs]
+        if choice.draft_len > 0:
+            predicted = predict_tpot(
+                result.profile, result.probe, choice.cache_experts, choice.cutoff_layer, choice.draft_len
+            )
+        else:
+            predicted = predict_plain_tpot(result.profile, result.probe, choice.cache_experts)
+        info = model.info()
+    finally:
+        model.close()
+    default_ms, tuned_ms = (statistics.median(passes[name]) for name in ("default", "tuned"))
+    return {
+        "model": asdict(info),
+        "simulated_link": info.simulated_link,
+        "calibration": calibration,
+        "choice": asdict(choice),
+        "reused_tuning": result.reused,
+        "rows": [
+            {"name": "default", "tpot_ms": default_ms, "tokens_per_s": 1e3 / default_ms},
+            {"name": "tuned", "tpot_ms": tuned_ms, "tokens_per_s": 1e3 / tuned_ms},
+        ],
+        "speedup": default_ms / tuned_ms,
+        "predicted_tuned_tpot_ms": predicted,
+        "prediction_error": abs(predicted - tuned_ms) / tuned_ms,
+        "same_tokens": outputs["default"] == outputs["tuned"],
+    }
+
+
+def tuned_config(base: GenerationConfig, choice: TuneChoice, draft_model: str | None) -> GenerationConfig:
+    """The generation settings a tune choice stands for (draft length fixed, as it was measured)."""
+    if choice.draft_len == 0:
+        return base
+    spec = SpecConfig(
+        mode="draft" if draft_model else "self",
+        draft_model=draft_model,
+        draft_len=choice.draft_len,
+        adapt_draft_len=False,
+        max_draft_len=max(choice.draft_len, 16),
+    )
+    spmoe = choice.cutoff_layer >= 0
+    return replace(
+        base, spec=spec, prefetch="spmoe" if spmoe else "none", cutoff=choice.cutoff_layer if spmoe else None
+    )
+
+
+def format_tuned(result: dict) -> str:
+    c = result["choice"]
+    lines = [
+        f"tuned: cutoff layer {c['cutoff_layer']}, draft length {c['draft_len']}, "
+        f"{c['cache_experts']} cached experts" + (" (stored tuning)" if result["reused_tuning"] else ""),
+        f"{'configuration':<14}{'tpot_ms':>10}{'tok/s':>9}",
+    ]
+    lines += [f"{r['name']:<14}{r['tpot_ms']:>10.2f}{r['tokens_per_s']:>9.1f}" for r in result["rows"]]
+    lines.append(
+        f"speedup {result['speedup']:.2f}×; predicted tuned tpot {result['predicted_tuned_tpot_ms']:.2f} ms "
+        f"({result['prediction_error']:.0%} off); same tokens: {'yes' if result['same_tokens'] else 'NO'}"
+    )
+    if result["simulated_link"]:
+        lines.append("SIMULATED link (no GPU): these timings are simulated, not a real PCIe measurement.")
+    return "\n".join(lines)
