@@ -49,6 +49,7 @@ class MainWindow(QMainWindow):
         self.model_info: dict | None = None
         self._load_id: str | None = None
         self.downloads = None  # app.downloads.DownloadManager, made when the model picker first opens
+        self.latest_stats: Stats | None = None
 
         self.banners = BannerArea(self)
         self.conversations = ConversationList(self.store, self)
@@ -98,6 +99,7 @@ class MainWindow(QMainWindow):
         chat_menu = self.menuBar().addMenu("&Chat")
         self._action(chat_menu, "Chat &settings…", self.open_chat_settings, "Ctrl+Shift+S")
         engine_menu = self.menuBar().addMenu("&Engine")
+        self._action(engine_menu, "&Auto-tune for this machine…", self.open_tune_wizard)
         self._action(engine_menu, "&Restart engine", self.restart_engine)
         view_menu = self.menuBar().addMenu("&View")
         view_menu.addAction(self.dashboard_dock.toggleViewAction())
@@ -164,6 +166,7 @@ class MainWindow(QMainWindow):
         self._show_engine_state(f"{name} · {model.get('cache_slots')} cached experts · {link}")
 
     def _on_stats(self, stats: Stats) -> None:
+        self.latest_stats = stats
         self.dashboard.update_stats(stats)
 
     def _on_finished(self, request_id: str, finished: Finished) -> None:
@@ -243,7 +246,20 @@ class MainWindow(QMainWindow):
         gpu = self.client.ready is not None and self.client.ready.device.kind == "cuda"
         dialog = SettingsDialog(self.settings, self, gpu_available=gpu)
         dialog.sig_applied.connect(self.apply_settings)
+        dialog.set_tune_available(self.model_info is not None)
+        dialog.sig_tune_requested.connect(lambda: (dialog.reject(), self.open_tune_wizard()))
         dialog.exec()
+
+    def open_tune_wizard(self) -> None:
+        """The auto-tune wizard for the loaded model; its result is applied like settings."""
+        from app.tune_wizard import TuneWizard
+
+        if self.model_info is None:
+            self.banners.show_banner("Load a model before tuning.", "warning", key="tune")
+            return
+        wizard = TuneWizard(self.client, self.settings, self, stats=self.latest_stats)
+        wizard.sig_apply.connect(self.apply_settings)
+        wizard.exec()
 
     def apply_settings(self, settings: AppSettings) -> None:
         old, self.settings = self.settings, settings

@@ -48,6 +48,7 @@ SETTINGS_FILE = "settings.json"
 SCHEMA_VERSION = 1
 MAX_DRAFT_LEN = SpecConfig().max_draft_len
 MAX_SIM_LINK_GBPS = 1000.0
+MAX_CUTOFF_LAYER = 1000  # no model has this many MoE layers; the engine clamps to its own
 
 
 class SettingsError(InvalidConfigError):
@@ -157,6 +158,15 @@ FIELDS: dict[str, FieldInfo] = {
         "verification will need and copy them in the background (SP-MoE; needs speculative decoding).",
         "choice", _choices(PREFETCH_POLICIES, {"none": "none", "spmoe": "spmoe (from the draft)"}),
     ),
+    "cutoff_layer": FieldInfo(
+        "Prefetch cutoff layer",
+        "For spmoe: the last MoE layer prefetched from the draft (auto: the engine picks; -1: none).",
+        "SP-MoE prefetches the experts of the first layers only, up to this cutoff layer (0-based, "
+        "counting MoE layers), so that the copies finish while the draft still runs. auto lets the "
+        "engine choose; -1 prefetches nothing. The auto-tune wizard measures the best value for this "
+        "machine. It matters only with the spmoe prefetch.",
+        "int", minimum=-1, maximum=MAX_CUTOFF_LAYER, optional=True, placeholder="auto",
+    ),
     "cpu_experts": FieldInfo(
         "Experts on the CPU",
         "Compute a missing expert on the CPU when that is sooner than copying it (GPU only).",
@@ -186,6 +196,7 @@ class AppSettings:
     expert_dtype: str = "native"
     policy: str = "lru"
     sim_link_gbps: float | None = None  # only without a GPU
+    cutoff_layer: int | None = None  # spmoe: last MoE layer prefetched; None: automatic, -1: no prefetch
 
     def validate(self, check_folders: bool = False) -> None:
         """Raise `SettingsError` naming the first invalid field; `check_folders` also requires
@@ -249,7 +260,31 @@ class AppSettings:
             spec=self.to_spec_config(),
             prefetch=self.prefetch,
             cpu_experts=self.cpu_experts,
+            cutoff=self.cutoff_layer,
         )
+
+    def with_tune(self, choice: dict[str, Any]) -> AppSettings:
+        """These settings with an auto-tune choice applied (`engine.tune.types.TuneChoice` as a dict).
+
+        The cache gets `cache_experts` experts; a draft length of 0 means plain decoding (speculation
+        and prefetch off), else speculation drafts that many tokens (draft mode where a drafter is
+        at hand) and a cutoff of 0 or more turns on the spmoe prefetch up to that layer."""
+        draft_len = int(choice["draft_len"])
+        cutoff_layer = int(choice["cutoff_layer"])
+        changes: dict[str, Any] = {
+            "expert_budget": str(int(choice["cache_experts"])),
+            "cutoff_layer": cutoff_layer,
+        }
+        if draft_len <= 0:
+            changes.update(spec_mode="none", prefetch="none")
+        else:
+            spec_mode = self.spec_mode
+            if spec_mode == "none" and (self.model_path is None or self.draft_model):
+                spec_mode = "draft"
+            changes.update(spec_mode=spec_mode, draft_len=max(1, draft_len))
+            if cutoff_layer >= 0 and spec_mode != "none":
+                changes["prefetch"] = "spmoe"
+        return replace(self, **changes)
 
 
 def needs_reload(old: AppSettings, new: AppSettings) -> bool:

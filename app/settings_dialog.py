@@ -69,7 +69,10 @@ class _Editor(QObject):
             return self.combo
         if info.kind == "int":
             self.spin = QSpinBox(parent)
-            self.spin.setRange(int(info.minimum or 0), int(info.maximum or 1_000_000))
+            low = int(info.minimum or 0)
+            self.spin.setRange(low - 1 if info.optional else low, int(info.maximum or 1_000_000))
+            if info.optional:  # one below the minimum stands for None, shown as the placeholder
+                self.spin.setSpecialValueText(info.placeholder or "auto")
             self.spin.valueChanged.connect(self.sig_changed)
             return self.spin
         if info.kind == "float":
@@ -98,7 +101,9 @@ class _Editor(QObject):
         if kind == "choice":
             return self.combo.currentData()
         if kind == "int":
-            return self.spin.value()
+            return (
+                None if self.info.optional and self.spin.value() == self.spin.minimum() else self.spin.value()
+            )
         if kind == "float":
             return (
                 None if self.spin.value() == self.spin.minimum() and self.info.optional else self.spin.value()
@@ -114,7 +119,7 @@ class _Editor(QObject):
             index = self.combo.findData(value)
             self.combo.setCurrentIndex(max(index, 0))
         elif kind == "int":
-            self.spin.setValue(int(value))
+            self.spin.setValue(self.spin.minimum() if value is None else int(value))
         elif kind == "float":
             self.spin.setValue(self.spin.minimum() if value is None else float(value))
         else:

@@ -184,3 +184,21 @@ def test_a_damaged_settings_file_gives_a_banner_and_defaults(qtbot, dirs):
     assert window.settings.device == "auto" and window.settings.draft_len == 6
     assert any("reset" in b.message and "device" in b.message.lower() for b in window.banners.banners())
     window.close()
+
+
+def test_the_tune_wizard_opens_for_a_loaded_model_and_its_result_is_applied(qtbot, dirs, monkeypatch):
+    from app import tune_wizard
+
+    shown = []
+    monkeypatch.setattr(tune_wizard.TuneWizard, "exec", lambda wizard: shown.append(wizard) or 0)
+    window = MainWindow()
+    qtbot.addWidget(window)
+    window.open_tune_wizard()
+    assert not shown and any("Load a model" in b.message for b in window.banners.banners())
+    window.model_info = {"model_type": "qwen3_moe"}  # as after sig_loaded
+    window.open_tune_wizard()
+    assert len(shown) == 1
+    tuned = window.settings.with_tune({"cutoff_layer": 2, "draft_len": 4, "cache_experts": 24})
+    shown[0].sig_apply.emit(tuned)
+    assert window.settings == tuned and SettingsStore().load() == tuned
+    window.close()
