@@ -67,9 +67,18 @@ def cached_fraction(profile: Profile, cache_experts: int) -> float:
 
 
 def misses_per_layer(profile: Profile, cache_experts: int, tokens: int) -> float:
-    """m = N(tokens)·(1 − f): experts a forward over `tokens` tokens copies per MoE layer."""
-    needed = unique_experts(profile.num_experts, profile.top_k, tokens)
-    return needed * (1.0 - cached_fraction(profile, cache_experts))
+    """m = N(tokens)·(1 − f): experts a forward over `tokens` tokens copies per MoE layer.
+
+    N is the profile's measured unique experts of `tokens` consecutive tokens when it has
+    them (real text reuses experts from token to token), else MoESD's uniform N(t)."""
+    return unique_needed(profile, tokens) * (1.0 - cached_fraction(profile, cache_experts))
+
+
+def unique_needed(profile: Profile, tokens: int) -> float:
+    measured = profile.unique_experts_measured
+    if measured and 1 <= tokens <= len(measured):
+        return measured[tokens - 1]
+    return unique_experts(profile.num_experts, profile.top_k, tokens)
 
 
 def predict_plain_tpot(profile: Profile, probe: Probe, cache_experts: int) -> float:
@@ -132,7 +141,7 @@ def cutoff_inputs(profile: Profile, cache_experts: int, draft_len: int) -> Cutof
     """SP-MoE's cutoff inputs for draft length γ (see the module docstring for the memory rule)."""
     if profile.draft_token_ms is None:
         raise ValueError("the cutoff layer needs a drafter's measured draft time")
-    working_set = math.ceil(unique_experts(profile.num_experts, profile.top_k, draft_len + 1))
+    working_set = math.ceil(unique_needed(profile, draft_len + 1))
     return CutoffInputs(
         moe_layers=profile.moe_layers,
         experts_per_layer=misses_per_layer(profile, cache_experts, draft_len + 1),

@@ -29,6 +29,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from transformers import DynamicCache
 from engine.bench import PROMPTS
 from engine.drafters import load_draft_model, rewind_cache
 from engine.errors import GenerationCancelled
-from engine.generation import FinishedEvent, generate
+from engine.generation import FinishedEvent, encode_prompt, generate, generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
 from engine.prefetch import measure_load_ms
 from engine.tune.types import Profile
@@ -50,6 +51,7 @@ STAGES = ("copy", "layer", "draft", "verify", "memory", "acceptance")
 MAX_VERIFY_TOKENS = 16
 PROMPT_TOKENS = 16  # the short prompt timed forwards continue
 TIMED_RUNS = 5
+UNIQUE_TOKENS = 32  # generated per calibration prompt to measure routing overlap
 PEAK_TOKENS = 8192  # the longest context actually prefilled to measure the peak
 PREFILL_CHUNK = GenerationConfig().prefill_chunk
 ALPHA_TOKENS = 24  # generated per calibration prompt to measure α
@@ -90,6 +92,7 @@ def profile_model(
     peak, estimated = _peak_non_expert_bytes(model, info.resident_nbytes, kv_bytes_per_token, context_tokens)
     stage(5)
     alpha = _acceptance_rate(model, drafter_dir, cancel) if drafter_dir else None
+    unique = _unique_experts_measured(model)
     if progress is not None:
         progress("done", len(STAGES), len(STAGES))
     return Profile(
@@ -109,6 +112,7 @@ def profile_model(
         peak_non_expert_bytes=peak,
         acceptance_rate=alpha,
         peak_is_estimate=estimated,
+        unique_experts_measured=unique,
     )
 
 
@@ -268,6 +272,35 @@ def _acceptance_rate(model, drafter_dir: str, cancel: threading.Event | None) ->
         drafted += steps_drafted
         accepted += stats.acceptance_rate * steps_drafted
     return accepted / drafted if drafted else None
+
+
+@torch.inference_mode()
+def _unique_experts_measured(model) -> tuple[float, ...] | None:
+    """Mean unique experts per MoE layer over windows of t = 1…16 consecutive generated tokens.
+
+    Real text routes consecutive tokens to overlapping experts, so this is below MoESD's
+    uniform N(t); it is read from the router logits of one forward over each calibration
+    prompt and its greedy continuation (top-k of the logits: the routers' own rule for
+    softmax-then-top-k models, an approximation for biased routers)."""
+    windows: list[list[float]] = [[] for _ in range(MAX_VERIFY_TOKENS)]
+    greedy = GenerationConfig(max_new_tokens=UNIQUE_TOKENS, sampling=SamplingConfig(greedy=True))
+    for prompt in _calibration_prompts(model):
+        prompt_ids = encode_prompt(model, prompt)
+        reply = generate_text(model, prompt_ids, replace(greedy, ignore_eos=True))
+        ids = torch.tensor(prompt_ids + list(reply.token_ids), device=model.device)
+        model.trace.clear()
+        model.forward(ids, model.new_kv_cache(), logits_to_keep=1)
+        for logits in model.trace.logits.values():  # [T, E] per MoE layer
+            if logits.dim() != 2 or logits.shape[0] != len(ids):
+                return None  # a router whose output is not per-token logits: not measurable here
+            routes = logits[len(prompt_ids) :].topk(model.top_k, dim=-1).indices.tolist()
+            for t in range(1, MAX_VERIFY_TOKENS + 1):
+                for start in range(len(routes) - t + 1):
+                    windows[t - 1].append(len({e for row in routes[start : start + t] for e in row}))
+    model.trace.clear()
+    if not all(windows):
+        return None
+    return tuple(statistics.fmean(counts) for counts in windows)
 
 
 def _calibration_prompts(model) -> list:

@@ -53,6 +53,9 @@ class Profile:
     peak_non_expert_bytes: int  # measured peak device memory without the expert cache
     acceptance_rate: float | None  # α of the drafter on the calibration prompts
     peak_is_estimate: bool = False  # True: peak_non_expert_bytes was computed (CPU device), not measured
+    # [t-1]: unique experts per MoE layer that t consecutive generated tokens route to, measured on
+    # the calibration text (t = 1…16); None: not measured, MoESD's uniform N(t) is used instead
+    unique_experts_measured: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

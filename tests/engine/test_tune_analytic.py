@@ -17,6 +17,7 @@ from engine.errors import BudgetTooSmallError
 from engine.tune.analytic import (
     cache_experts,
     cutoff_inputs,
+    misses_per_layer,
     predict,
     predict_plain_tpot,
     predict_tpot,
@@ -184,3 +185,12 @@ def test_predict_without_a_drafter() -> None:
 def test_predict_reports_a_budget_too_small() -> None:
     with pytest.raises(BudgetTooSmallError):
         predict(PROFILE, PROBE, 100 * MIB)
+
+
+def test_measured_routing_overlap_replaces_the_uniform_model() -> None:
+    # L=4, E=8, K=2, C=8 cached: f = 8 / 32 = 0.25. Uniform N(3) = 8·(1 − (6/8)³) = 4.625,
+    # measured N(3) = 3.0 → m = 3.0 · 0.75 = 2.25; beyond the measured range the uniform N(t).
+    measured = dataclasses.replace(PROFILE, unique_experts_measured=(2.0, 2.5, 3.0))
+    assert misses_per_layer(PROFILE, 8, 3) == pytest.approx(4.625 * 0.75)
+    assert misses_per_layer(measured, 8, 3) == pytest.approx(2.25)
+    assert misses_per_layer(measured, 8, 4) == pytest.approx(misses_per_layer(PROFILE, 8, 4))

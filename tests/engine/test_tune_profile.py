@@ -1,5 +1,6 @@
 """Profiling the bundled demo model (and its draft) on the CPU, experts all resident."""
 
+import itertools
 import threading
 
 import pytest
@@ -134,3 +135,12 @@ def test_cuda_peak_is_measured():
     assert profile.peak_non_expert_bytes >= profile.non_expert_bytes + profile.kv_bytes_per_token * 512
     assert profile.expert_load_ms > 0
     assert len(profile.verify_ms) == 16 and all(ms > 0 for ms in profile.verify_ms)
+
+
+def test_measured_routing_overlap_starts_at_top_k_and_grows_below_the_uniform_model(demo_model, profiled):
+    profile, _ = profiled
+    measured = profile.unique_experts_measured
+    assert measured is not None and len(measured) == MAX_VERIFY_TOKENS
+    assert measured[0] == demo_model.top_k  # one token: exactly its top-k
+    assert all(a <= b for a, b in itertools.pairwise(measured))
+    assert measured[-1] <= profile.num_experts
