@@ -64,3 +64,19 @@ def test_a_stored_result_is_reused_without_profiling_and_a_new_budget_tunes_agai
             tune(smaller, QUICK, store=store)
     finally:
         smaller.close()
+
+
+def test_tuned_config_is_what_the_app_applies_and_fixed_holds_the_draft_length():
+    from engine.bench import _greedy
+    from engine.bench_tuned import fixed_draft_len, tuned_config
+    from engine.tune.types import TuneChoice
+
+    base = _greedy(16)
+    applied = tuned_config(base, TuneChoice(2, 4, 24, 30.0), "/draft")
+    assert applied.spec.mode == "draft" and applied.spec.draft_len == 4 and applied.spec.adapt_draft_len
+    assert (applied.prefetch, applied.cutoff) == ("spmoe", 2)
+    fixed = fixed_draft_len(applied)
+    assert not fixed.spec.adapt_draft_len and fixed.spec.draft_len == 4 and fixed.cutoff == 2
+    no_prefetch = tuned_config(base, TuneChoice(-1, 4, 24, 30.0), None)
+    assert no_prefetch.spec.mode == "self" and (no_prefetch.prefetch, no_prefetch.cutoff) == ("none", None)
+    assert tuned_config(base, TuneChoice(-1, 0, 24, 30.0), "/draft") == base == fixed_draft_len(base)
