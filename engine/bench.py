@@ -276,26 +276,23 @@ def main(argv: list[str] | None = None) -> int:
 def _main_tuned(args: argparse.Namespace) -> int:
     from engine.bench_tuned import format_tuned, run_tuned
 
-    try:
-        result = run_tuned(args)
-    except EngineError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(format_tuned(result))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2))
-    return 0
+    return _report(args, run_tuned, format_tuned)
 
 
 def _main_compare(args: argparse.Namespace) -> int:
     from engine.bench_compare import format_compare, run_compare
 
+    return _report(args, run_compare, format_compare)
+
+
+def _report(args: argparse.Namespace, run_bench, format_result) -> int:
+    """Run one of the side-by-side benchmarks, print its table, and write its JSON if asked."""
     try:
-        result = run_compare(args)
+        result = run_bench(args)
     except EngineError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(format_compare(result))
+    print(format_result(result))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2))
     return 0
