@@ -25,6 +25,7 @@ import psutil
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.loader import resolve_device
 from engine.tune.types import Probe
 
 log = logging.getLogger(__name__)
@@ -69,14 +70,7 @@ def probe(
 
 
 def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise InvalidRequestError(f"Unknown device {name!r}; use auto, cpu, cuda or cuda:N.") from err
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidRequestError(f"Probing {name} was asked for, but no CUDA GPU is available.")
+    device = resolve_device(name)  # the loader's rule: auto, cpu, cuda[:N], refused without CUDA
     if device.type not in ("cpu", "cuda"):
         raise InvalidRequestError(f"Cannot probe a {device.type} device; use auto, cpu, cuda or cuda:N.")
     return device
