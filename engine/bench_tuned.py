@@ -12,9 +12,6 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, replace
 
-from engine.generation_config import GenerationConfig, SpecConfig
-from engine.tune.types import TuneChoice
-
 
 def run_tuned(args) -> dict:
     from engine.bench import PROMPTS, _greedy, _prompt_ids
@@ -24,7 +21,7 @@ def run_tuned(args) -> dict:
     from engine.loader import load_model
     from engine.resources import demo_draft_dir
     from engine.tune.analytic import predict_plain_tpot, predict_tpot
-    from engine.tune.run import TuneConfig, tune
+    from engine.tune.run import TuneConfig, choice_config, tune
 
     folder = model_folder(args)
     offload = offload_config(args)
@@ -45,8 +42,10 @@ def run_tuned(args) -> dict:
         choice = result.choice
         prompt_ids = _prompt_ids(model, PROMPTS[: args.prompts])
         default = _greedy(args.new_tokens)
-        applied = tuned_config(default, choice, draft_model)
-        fixed = fixed_draft_len(applied)
+        applied = choice_config(default, choice.cutoff_layer, choice.draft_len, draft_model)
+        fixed = choice_config(
+            default, choice.cutoff_layer, choice.draft_len, draft_model, adapt_draft_len=False
+        )
         configs = {"default": default, "tuned, fixed γ": fixed, "tuned, as applied": applied}
         generate_text(model, prompt_ids[0], replace(applied, max_new_tokens=4))  # warm-up: the drafter
         passes = {name: [] for name in configs}
@@ -81,27 +80,6 @@ def run_tuned(args) -> dict:
         "prediction_error": abs(predicted - fixed_ms) / fixed_ms,
         "same_tokens": all(tokens == outputs["default"] for tokens in outputs.values()),
     }
-
-
-def tuned_config(base: GenerationConfig, choice: TuneChoice, draft_model: str | None) -> GenerationConfig:
-    """The generation settings the app applies for a tune choice (`AppSettings.with_tune`): the
-    tuned draft length is where the online draft-length controller starts, as in the app."""
-    if choice.draft_len == 0:
-        return base
-    spec = SpecConfig(
-        mode="draft" if draft_model else "self", draft_model=draft_model, draft_len=choice.draft_len
-    )
-    spmoe = choice.cutoff_layer >= 0
-    return replace(
-        base, spec=spec, prefetch="spmoe" if spmoe else "none", cutoff=choice.cutoff_layer if spmoe else None
-    )
-
-
-def fixed_draft_len(config: GenerationConfig) -> GenerationConfig:
-    """The same settings with the draft length held where it starts (what the search measured)."""
-    if config.spec.mode == "none":
-        return config
-    return replace(config, spec=replace(config.spec, adapt_draft_len=False))
 
 
 def format_tuned(result: dict) -> str:

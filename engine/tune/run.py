@@ -99,28 +99,38 @@ def tune(
 
 def _measure_tpot(model, prompts, config: TuneConfig, cutoff: int, draft_len: int) -> float:
     """Median TPOT over the calibration prompts, speculative with a fixed draft length."""
-    spec = (
-        SpecConfig()
-        if draft_len == 0
-        else SpecConfig(  # draft length 0: plain decoding
-            mode="draft" if config.draft_model else "self",
-            draft_model=config.draft_model,
-            draft_len=draft_len,
-            adapt_draft_len=False,
-            max_draft_len=max(draft_len, 16),
-        )
+    base = GenerationConfig(
+        max_new_tokens=config.new_tokens, sampling=SamplingConfig(greedy=True), ignore_eos=True
     )
-    gen = GenerationConfig(
-        max_new_tokens=config.new_tokens,
-        sampling=SamplingConfig(greedy=True),
-        ignore_eos=True,
-        spec=spec,
-        prefetch="spmoe" if cutoff >= 0 else "none",
-        cutoff=cutoff if cutoff >= 0 else None,
-    )
+    gen = choice_config(base, cutoff, draft_len, config.draft_model, adapt_draft_len=False)
     generate_text(model, prompts[0], replace(gen, max_new_tokens=4))  # warm-up: drafter, caches
     tpots = [generate_text(model, ids, gen).stats.tpot_ms for ids in prompts]
     return statistics.median(t for t in tpots if t is not None)
+
+
+def choice_config(
+    base: GenerationConfig,
+    cutoff_layer: int,
+    draft_len: int,
+    draft_model: str | None,
+    adapt_draft_len: bool = True,
+) -> GenerationConfig:
+    """`base` with the speculation and prefetch of a tune point: draft length 0 is plain decoding,
+    cutoff −1 no prefetch; the drafter is `draft_model`, or the target itself (SS-MoE) without one.
+    With `adapt_draft_len` (as the app applies a choice) the draft length is where the online
+    controller starts; without it, it is held there (as the search measures)."""
+    if draft_len == 0:
+        return base
+    spec = SpecConfig(
+        mode="draft" if draft_model else "self",
+        draft_model=draft_model,
+        draft_len=draft_len,
+        adapt_draft_len=adapt_draft_len,
+    )
+    spmoe = cutoff_layer >= 0
+    return replace(
+        base, spec=spec, prefetch="spmoe" if spmoe else "none", cutoff=cutoff_layer if spmoe else None
+    )
 
 
 @contextlib.contextmanager

@@ -66,17 +66,16 @@ def test_a_stored_result_is_reused_without_profiling_and_a_new_budget_tunes_agai
         smaller.close()
 
 
-def test_tuned_config_is_what_the_app_applies_and_fixed_holds_the_draft_length():
+def test_a_choice_config_is_what_the_app_applies_and_fixed_holds_the_draft_length():
     from engine.bench import _greedy
-    from engine.bench_tuned import fixed_draft_len, tuned_config
-    from engine.tune.types import TuneChoice
+    from engine.tune.run import choice_config
 
     base = _greedy(16)
-    applied = tuned_config(base, TuneChoice(2, 4, 24, 30.0), "/draft")
+    applied = choice_config(base, 2, 4, "/draft")
     assert applied.spec.mode == "draft" and applied.spec.draft_len == 4 and applied.spec.adapt_draft_len
     assert (applied.prefetch, applied.cutoff) == ("spmoe", 2)
-    fixed = fixed_draft_len(applied)
+    fixed = choice_config(base, 2, 4, "/draft", adapt_draft_len=False)
     assert not fixed.spec.adapt_draft_len and fixed.spec.draft_len == 4 and fixed.cutoff == 2
-    no_prefetch = tuned_config(base, TuneChoice(-1, 4, 24, 30.0), None)
+    no_prefetch = choice_config(base, -1, 4, None)
     assert no_prefetch.spec.mode == "self" and (no_prefetch.prefetch, no_prefetch.cutoff) == ("none", None)
-    assert tuned_config(base, TuneChoice(-1, 0, 24, 30.0), "/draft") == base == fixed_draft_len(base)
+    assert choice_config(base, -1, 0, "/draft") == base == choice_config(base, -1, 0, None, False)
