@@ -310,21 +310,22 @@ class Worker:
 
 
 class _Throttled:
-    """A progress callback: sends (stage, done, total) at most every PROGRESS_INTERVAL_S (and at
-    each stage's end), and raises `GenerationCancelled` once the request is cancelled."""
+    """A progress callback: sends (stage, done, total) when the stage changes, at its end, and
+    otherwise at most every PROGRESS_INTERVAL_S; raises `GenerationCancelled` once cancelled."""
 
     def __init__(
         self, send: Callable[[str, int, int], None], cancel: threading.Event, worker: Worker, what: str
     ):
         self.send, self.cancel, self.worker, self.what = send, cancel, worker, what
         self._last = 0.0
+        self._stage = None
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         if self.cancel.is_set() or self.worker._stopping.is_set():
             raise GenerationCancelled(f"{self.what} was cancelled.")
         now = time.perf_counter()
-        if done >= total or now - self._last >= PROGRESS_INTERVAL_S:
-            self._last = now
+        if stage != self._stage or done >= total or now - self._last >= PROGRESS_INTERVAL_S:
+            self._last, self._stage = now, stage
             self.send(stage, done, total)
 
 
