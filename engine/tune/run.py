@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import psutil
+
 from engine.generation import encode_prompt, generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
 from engine.tune.analytic import predict
@@ -136,9 +138,15 @@ def choice_config(
 @contextlib.contextmanager
 def _resident_experts_on_cpu(model):
     """On a CPU device the "device" cache is host memory: hold every expert while profiling, so
-    compute is timed without copies (on a GPU the profiler subtracts the copies it saw instead)."""
+    compute is timed without copies, when that second copy of the experts fits in free RAM twice
+    over (otherwise, as on a GPU, the profiler subtracts the copies it saw)."""
     slots = model.cache.n_slots
-    if model.device.type != "cpu" or slots >= model.store.total_experts:
+    extra_nbytes = (model.store.total_experts - slots) * model.store.layout.nbytes
+    if (
+        model.device.type != "cpu"
+        or extra_nbytes <= 0
+        or extra_nbytes * 2 > psutil.virtual_memory().available  # a large model: subtract copies instead
+    ):
         yield
         return
     model.cache.resize(model.store.total_experts)
