@@ -6,6 +6,9 @@ Contract: pure functions of measured numbers, no model and no clock.
   experts t tokens route to in one layer, each picking K of E uniformly (MoESD).
 - `expected_accept_len(α, γ)`: mean tokens emitted per verify step, bonus included, when each
   draft token is accepted with probability α independently: (1 - α^(γ+1)) / (1 - α).
+- `alpha_from_acceptance(ρ, γ)`: that per-token α from a measured ratio ρ = accepted / drafted
+  at draft length γ. They differ: the draft stops being judged at its first rejection, so
+  ρ = α·(1 - α^γ) / ((1 - α)·γ) is below α for every γ > 1.
 - `best_draft_len`: the γ that maximises expected tokens per unit time,
   E[len](γ) / (γ·draft_token_ms + verify_ms(γ + 1)); ties go to the shorter draft.
 - `verify_cost_model`: verify_ms(n) for an offloaded MoE, from measured per-layer numbers.
@@ -38,6 +41,28 @@ def expected_accept_len(alpha: float, draft_len: int) -> float:
     if alpha == 1.0:
         return float(draft_len + 1)
     return (1.0 - alpha ** (draft_len + 1)) / (1.0 - alpha)
+
+
+def alpha_from_acceptance(rate: float, draft_len: float) -> float:
+    """The per-token α whose expected accepted/drafted ratio at draft length γ is `rate`.
+
+    Solves ρ = α·(1 − α^γ) / ((1 − α)·γ) by bisection (the right side rises from 0 at α = 0
+    to 1 at α = 1); γ may be a mean over verify steps, so it need not be whole.
+    """
+    _check_alpha(rate)
+    if draft_len < 1:
+        raise ValueError(f"draft_len must be >= 1, got {draft_len}")
+    if rate in (0.0, 1.0):
+        return rate
+
+    def ratio(alpha: float) -> float:
+        return alpha * (1.0 - alpha**draft_len) / ((1.0 - alpha) * draft_len)
+
+    low, high = 0.0, 1.0
+    for _ in range(60):  # 2^-60: far below any measured rate's noise
+        mid = (low + high) / 2
+        low, high = (mid, high) if ratio(mid) < rate else (low, mid)
+    return (low + high) / 2
 
 
 def best_draft_len(

@@ -10,7 +10,7 @@
 - the resident (non-expert) weights, the KV cache per token (measured from the cache a
   short prompt produces, so every attention layout counts right) and the peak device
   memory other than the expert cache for `context_tokens` of context;
-- the drafter's greedy acceptance rate α on a few calibration prompts.
+- the drafter's per-token acceptance α on a few calibration prompts (greedy).
 
 Timed forwards run on a KV cache that is rewound after each run; each input is run
 once before timing, so its experts are resident (a cache that holds every expert is
@@ -36,6 +36,7 @@ import torch
 from transformers import DynamicCache
 
 from engine.bench import PROMPTS
+from engine.draft_len import alpha_from_acceptance
 from engine.drafters import load_draft_model, rewind_cache
 from engine.errors import GenerationCancelled
 from engine.generation import FinishedEvent, encode_prompt, generate, generate_text
@@ -246,7 +247,9 @@ def _peak_non_expert_bytes(
 
 
 def _acceptance_rate(model, drafter_dir: str, cancel: threading.Event | None) -> float | None:
-    """Greedy α over the calibration prompts: accepted draft tokens / drafted tokens."""
+    """The drafter's per-token acceptance α (MoESD's model) from greedy runs on the calibration
+    prompts: fitted to their accepted / drafted ratio at the mean draft length, since that ratio
+    counts the positions after a rejection as failures too and would understate α."""
     config = GenerationConfig(
         max_new_tokens=ALPHA_TOKENS,
         sampling=SamplingConfig(greedy=True),
@@ -259,6 +262,7 @@ def _acceptance_rate(model, drafter_dir: str, cancel: threading.Event | None) ->
         ),
     )
     drafted = accepted = 0.0
+    steps = 0
     for prompt in _calibration_prompts(model):
         events = list(generate(model, prompt, config, cancel))
         finished = events[-1]
@@ -269,9 +273,12 @@ def _acceptance_rate(model, drafter_dir: str, cancel: threading.Event | None) ->
         if stats.acceptance_rate is None or stats.draft_len is None:
             continue
         steps_drafted = stats.draft_len * stats.verify_steps
+        steps += stats.verify_steps
         drafted += steps_drafted
         accepted += stats.acceptance_rate * steps_drafted
-    return accepted / drafted if drafted else None
+    if not drafted:
+        return None
+    return alpha_from_acceptance(accepted / drafted, drafted / steps)
 
 
 @torch.inference_mode()

@@ -1,7 +1,7 @@
 """Tune results remembered per (GPU, model, budget, precision), so the next load skips tuning.
 
 Contract: one JSON file, `tune.json` in the user config folder ($MOE_CHAT_CONFIG_DIR, else
-platformdirs' `user_config_dir("MoE Chat")`), holding {"version": 1, "results": {key: result}}.
+platformdirs' `user_config_dir("MoE Chat")`), holding {"version": FORMAT_VERSION, "results": {key: result}}.
 Writes go to a temporary file in the same folder and replace the old one in one step, so a
 crash never leaves half a file. `get` rebuilds the frozen dataclasses and marks the result
 `reused=True`; an unreadable file or an entry of another format is a miss, logged, never an
@@ -30,7 +30,7 @@ from engine.tune.types import TuneResult
 log = logging.getLogger(__name__)
 
 CONFIG_DIR_ENV = "MOE_CHAT_CONFIG_DIR"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: Profile.acceptance_rate is the per-token α, not accepted / drafted
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 

@@ -51,7 +51,7 @@ class Profile:
     kv_bytes_per_token: int
     context_tokens: int  # the context length memory was planned for
     peak_non_expert_bytes: int  # measured peak device memory without the expert cache
-    acceptance_rate: float | None  # α of the drafter on the calibration prompts
+    acceptance_rate: float | None  # the drafter's per-token acceptance α (MoESD's model), fitted
     peak_is_estimate: bool = False  # True: peak_non_expert_bytes was computed (CPU device), not measured
     # [t-1]: unique experts per MoE layer that t consecutive generated tokens route to, measured on
     # the calibration text (t = 1…16); None: not measured, MoESD's uniform N(t) is used instead

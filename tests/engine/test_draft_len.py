@@ -7,6 +7,7 @@ import pytest
 
 from engine.draft_len import (
     DraftLengthController,
+    alpha_from_acceptance,
     best_draft_len,
     expected_accept_len,
     unique_experts,
@@ -31,6 +32,35 @@ def test_expected_accept_len() -> None:
     assert expected_accept_len(0.8, 0) == 1.0
     with pytest.raises(ValueError, match="alpha"):
         expected_accept_len(1.2, 3)
+
+
+def test_alpha_from_acceptance_inverts_the_accepted_over_drafted_ratio() -> None:
+    # by hand: α = 0.5, γ = 2 accepts 0.5 + 0.25 = 0.75 of 2 drafted tokens per step, ρ = 0.375
+    assert alpha_from_acceptance(0.375, 2) == pytest.approx(0.5)
+    assert alpha_from_acceptance(0.6, 1) == pytest.approx(0.6)  # one draft token: ρ is α
+    assert alpha_from_acceptance(0.0, 4) == 0.0 and alpha_from_acceptance(1.0, 4) == 1.0
+    for rate in (0.1, 0.45, 0.71, 0.93):
+        for draft_len in (2, 4, 5.5, 12):
+            alpha = alpha_from_acceptance(rate, draft_len)
+            assert alpha > rate  # a rejection also fails the positions after it
+            # the fitted α gives back the measured accepted tokens per step, γ·ρ
+            assert alpha * (1 - alpha**draft_len) / (1 - alpha) == pytest.approx(rate * draft_len)
+    with pytest.raises(ValueError, match="alpha"):
+        alpha_from_acceptance(1.5, 4)
+    with pytest.raises(ValueError, match="draft_len"):
+        alpha_from_acceptance(0.5, 0)
+
+
+def test_alpha_from_acceptance_recovers_alpha_from_simulated_chains() -> None:
+    rng = random.Random(1)
+    alpha, draft_len, steps = 0.8, 4, 20_000
+    accepted = 0
+    for _ in range(steps):
+        n = 0
+        while n < draft_len and rng.random() < alpha:
+            n += 1
+        accepted += n
+    assert alpha_from_acceptance(accepted / (steps * draft_len), draft_len) == pytest.approx(alpha, abs=0.01)
 
 
 def test_expected_accept_len_is_the_mean_of_simulated_chains() -> None:
