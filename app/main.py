@@ -2,7 +2,8 @@
 
 Opens the main window at once (no torch in this process) and starts the engine
 worker in the background; a second start brings the running window to the
-front instead of opening another.
+front instead of opening another. `--self-test` checks the installation instead
+(see `app.self_test`).
 """
 
 from __future__ import annotations
@@ -11,23 +12,44 @@ import argparse
 import logging
 import multiprocessing
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
     multiprocessing.freeze_support()  # the frozen app runs the worker through this executable
     parser = argparse.ArgumentParser(prog="moe-chat", description="Chat with Mixture-of-Experts models")
     parser.add_argument("-v", "--verbose", action="store_true")
+    test = parser.add_argument_group("self-test")
+    test.add_argument(
+        "--self-test",
+        action="store_true",
+        help="start the engine, load the demo model, generate a few tokens, print one line; exit 0 or 1",
+    )
+    test.add_argument("--window", action="store_true", help="with --self-test: chat through the main window")
+    test.add_argument("--screenshot", type=Path, help="with --self-test --window: save the window as a PNG")
+    test.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"), help="with --self-test")
+    desktop = parser.add_argument_group("Linux desktop integration").add_mutually_exclusive_group()
+    desktop.add_argument(
+        "--install-desktop-entry", action="store_true", help="add MoE Chat to the application menu"
+    )
+    desktop.add_argument("--uninstall-desktop-entry", action="store_true", help="remove it again")
     args, qt_args = parser.parse_known_args(argv if argv is not None else sys.argv[1:])
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    if args.install_desktop_entry or args.uninstall_desktop_entry:
+        return desktop_entry(args.install_desktop_entry)
+    if args.self_test:
+        from app import self_test
 
-    from PySide6.QtWidgets import QApplication
+        if args.window:
+            return self_test.window_self_test(args.device, args.screenshot)
+        return self_test.engine_self_test(args.device)
+    if args.window or args.screenshot:
+        parser.error("--window and --screenshot go with --self-test")
 
     from app.main_window import MainWindow
     from app.single_instance import SingleInstance
 
-    app = QApplication.instance() or QApplication([sys.argv[0], *qt_args])
-    app.setApplicationName("MoE Chat")
-    app.setOrganizationName("MoE Chat")
+    app = application(qt_args)
     instance = SingleInstance()
     if instance.ask_running_instance():
         logging.getLogger(__name__).info("MoE Chat is already running: brought it to the front.")
@@ -41,3 +63,46 @@ def main(argv: list[str] | None = None) -> int:
         return app.exec()
     finally:
         instance.close()
+
+
+def desktop_entry(install: bool) -> int:
+    from app import desktop_entry
+
+    if not sys.platform.startswith("linux"):
+        sys.stderr.write("Desktop entries are for Linux; on Windows and macOS the installer adds the icon.\n")
+        return 2
+    try:
+        if install:
+            path = desktop_entry.install()
+            sys.stdout.write(f"Added MoE Chat to the application menu: {path}\n")
+        else:
+            removed = desktop_entry.uninstall()
+            sys.stdout.write(f"Removed {len(removed)} files of MoE Chat's desktop entry.\n")
+    except OSError as err:
+        sys.stderr.write(f"error: could not write the desktop entry: {err}\n")
+        return 1
+    return 0
+
+
+def application(qt_args: list[str]):
+    """The QApplication, named, with the icon and the desktop entry's name."""
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication([sys.argv[0], *qt_args])
+    app.setApplicationName("MoE Chat")
+    app.setOrganizationName("MoE Chat")
+    app.setDesktopFileName("moe-chat")  # Wayland and the taskbar match the window to moe-chat.desktop
+    app.setWindowIcon(app_icon())
+    return app
+
+
+def app_icon():
+    """The MoE Chat icon in every size shipped in resources/icons (Qt picks the nearest)."""
+    from PySide6.QtGui import QIcon
+
+    from engine.resources import resources_dir
+
+    icon = QIcon()
+    for png in sorted((resources_dir() / "icons").glob("moe-chat-*.png")):
+        icon.addFile(str(png))
+    return icon
