@@ -1,0 +1,100 @@
+"""Build the PyInstaller bundle (packaging/build.py) and run the frozen app: ~5 min on 2 cores.
+
+The first test's output (`pytest -s`) gives the build time and the folder's size.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.models import SUPPORTED_MODEL_TYPES
+
+pytest.importorskip("PyInstaller", reason="the bundle needs PyInstaller: pip install -e '.[dev]'")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD_SCRIPT = ROOT / "packaging" / "build.py"
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> dict:
+    """Build once for the module: build.py's JSON report (time, size, executable, self-test)."""
+    folder = tmp_path_factory.mktemp("bundle")
+    report = folder / "build.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BUILD_SCRIPT),
+            "--dist",
+            str(folder / "dist"),
+            "--work",
+            str(folder / "work"),
+            "--json",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1700,
+    )
+    assert report.is_file(), f"no report; status {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
+    result = json.loads(report.read_text())
+    result["build_output"] = done.stdout
+    return result
+
+
+def frozen_modules(executable: Path) -> set[str]:
+    from PyInstaller.archive.readers import CArchiveReader
+
+    return set(CArchiveReader(str(executable)).open_embedded_archive("PYZ.pyz").toc)
+
+
+def test_the_bundle_builds_and_its_self_test_passes(bundle):
+    print(f"\nbuild: {bundle['seconds'] / 60:.1f} min, {bundle['bytes'] / 2**20:.0f} MiB, {bundle['torch']}")
+    print(bundle["self_test"]["line"])
+    assert bundle["self_test"]["status"] == 0, bundle["build_output"]
+    assert bundle["self_test"]["line"].startswith("self-test passed: worker ")
+    assert "'A cow says moo.'" in bundle["self_test"]["line"]
+
+
+def test_the_bundle_holds_resources_and_every_architecture_but_no_development_files(bundle):
+    executable = Path(bundle["executable"])
+    internal = executable.parent / "_internal"
+    resources = internal / "resources"
+    for model in ("target", "draft"):
+        assert (resources / "demo-moe" / model / "model.safetensors").is_file()
+        assert (resources / "demo-moe" / model / "tokenizer.json").is_file()
+    assert (resources / "catalog.json").is_file() and (resources / "moe-chat.desktop").is_file()
+    assert (resources / "icons" / "moe-chat-256.png").is_file()
+    assert not list(resources.rglob("*.py")), "the demo's training scripts stay out"
+    modules = frozen_modules(executable)
+    for model_type in SUPPORTED_MODEL_TYPES:
+        assert f"engine.models.{model_type}" in modules
+        assert f"transformers.models.{model_type}.modeling_{model_type}" in modules
+    assert "engine.worker" in modules and "app.download_child" in modules
+    development = {"tests", "pytest", "_pytest", "pytestqt", "ruff", "openai"}
+    assert not {module for module in modules if module.split(".")[0] in development}
+    # transformers reads its own source at run time: the .py files ride along
+    assert list((internal / "transformers").rglob("modeling_utils.py"))
+
+
+@pytest.mark.gui
+def test_the_frozen_window_starts_offscreen_and_its_worker_answers(bundle, tmp_path):
+    shot = Path(os.environ.get("MOE_CHAT_SCREENSHOT_DIR") or tmp_path) / "frozen_window.png"
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    shot.unlink(missing_ok=True)
+    done = subprocess.run(
+        [bundle["executable"], "--self-test", "--window", "--device", "cpu", "--screenshot", str(shot)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "QT_QPA_PLATFORM": "offscreen", "MOE_CHAT_DATA_DIR": str(tmp_path / "data")},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.strip().startswith("self-test passed: the window's engine answered 'A cow says moo.'")
+    assert shot.stat().st_size > 10_000
+    assert not (tmp_path / "data").exists()
