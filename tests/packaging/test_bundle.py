@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,32 @@ def test_the_frozen_window_starts_offscreen_and_its_worker_answers(bundle, tmp_p
     assert done.stdout.strip().startswith("self-test passed: the window's engine answered 'A cow says moo.'")
     assert shot.stat().st_size > 10_000
     assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.gui
+def test_the_frozen_app_opens_normally_with_its_worker_beside_it(bundle, tmp_path):
+    import psutil
+
+    env = {
+        **os.environ,
+        "QT_QPA_PLATFORM": "offscreen",
+        "MOE_CHAT_DATA_DIR": str(tmp_path / "data"),
+        "MOE_CHAT_CONFIG_DIR": str(tmp_path / "config"),
+    }
+    executable = Path(bundle["executable"]).resolve()
+    log = tmp_path / "app.log"
+    with log.open("wb") as output:
+        app = subprocess.Popen([str(executable)], env=env, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        workers = []
+        while time.monotonic() < deadline and app.poll() is None and not workers:
+            workers = psutil.Process(app.pid).children(recursive=True)
+            time.sleep(0.5)
+        assert app.poll() is None, log.read_text(errors="replace")[-3000:]
+        # the engine worker is this same executable, started again by multiprocessing's spawn
+        assert workers and all(worker.exe() == str(executable) for worker in workers)
+        assert (tmp_path / "data").is_dir()  # the window opened its conversation store
+    finally:
+        app.terminate()
+        app.wait(30)
