@@ -51,28 +51,27 @@ def test_alpha_from_acceptance_inverts_the_accepted_over_drafted_ratio() -> None
         alpha_from_acceptance(0.5, 0)
 
 
-def test_alpha_from_acceptance_recovers_alpha_from_simulated_chains() -> None:
-    rng = random.Random(1)
-    alpha, draft_len, steps = 0.8, 4, 20_000
-    accepted = 0
-    for _ in range(steps):
-        n = 0
-        while n < draft_len and rng.random() < alpha:
-            n += 1
-        accepted += n
-    assert alpha_from_acceptance(accepted / (steps * draft_len), draft_len) == pytest.approx(alpha, abs=0.01)
-
-
-def test_expected_accept_len_is_the_mean_of_simulated_chains() -> None:
-    rng = random.Random(0)
-    alpha, draft_len, steps = 0.7, 4, 20_000
-    total = 0
+def simulated_accepted(alpha: float, draft_len: int, steps: int, seed: int) -> list[int]:
+    """Accepted draft tokens per verify step: each accepted with probability α, up to the first rejection."""
+    rng = random.Random(seed)
+    counts = []
     for _ in range(steps):
         accepted = 0
         while accepted < draft_len and rng.random() < alpha:
             accepted += 1
-        total += accepted + 1
-    assert total / steps == pytest.approx(expected_accept_len(alpha, draft_len), rel=0.02)
+        counts.append(accepted)
+    return counts
+
+
+def test_alpha_from_acceptance_recovers_alpha_from_simulated_chains() -> None:
+    accepted = simulated_accepted(alpha=0.8, draft_len=4, steps=20_000, seed=1)
+    assert alpha_from_acceptance(sum(accepted) / (len(accepted) * 4), 4) == pytest.approx(0.8, abs=0.01)
+
+
+def test_expected_accept_len_is_the_mean_of_simulated_chains() -> None:
+    accepted = simulated_accepted(alpha=0.7, draft_len=4, steps=20_000, seed=0)
+    emitted = [n + 1 for n in accepted]  # the bonus (or correction) token
+    assert sum(emitted) / len(emitted) == pytest.approx(expected_accept_len(0.7, 4), rel=0.02)
 
 
 def _flat(tokens: int) -> float:
