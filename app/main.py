@@ -3,7 +3,8 @@
 Opens the main window at once (no torch in this process) and starts the engine
 worker in the background; a second start brings the running window to the
 front instead of opening another. `--self-test` checks the installation instead
-(see `app.self_test`).
+(see `app.self_test`); `moe-chat cli [...]` is `moe-chat-cli [...]` (the terminal
+chat, and `cli serve` the local server), for the bundle, which has one executable.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     multiprocessing.freeze_support()  # the frozen app runs the worker through this executable
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["cli"]:  # the bundle's one executable also carries the terminal chat and the server
+        from app.terminal_chat import main as cli_main
+
+        return cli_main(argv[1:])
     parser = argparse.ArgumentParser(prog="moe-chat", description="Chat with Mixture-of-Experts models")
     parser.add_argument("-v", "--verbose", action="store_true")
     test = parser.add_argument_group("self-test")
@@ -33,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         "--install-desktop-entry", action="store_true", help="add MoE Chat to the application menu"
     )
     desktop.add_argument("--uninstall-desktop-entry", action="store_true", help="remove it again")
-    args, qt_args = parser.parse_known_args(argv if argv is not None else sys.argv[1:])
+    args, qt_args = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     if args.install_desktop_entry or args.uninstall_desktop_entry:
         return desktop_entry(args.install_desktop_entry)

@@ -219,3 +219,12 @@ def test_ctrl_c_cancels_the_reply_and_the_chat_goes_on():
         assert chat.proc.wait(30) == 0, "".join(chat.err)
     finally:
         chat.close()
+
+
+def test_moe_chat_cli_subcommand_is_the_terminal_chat(capsys):
+    from app.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["cli", "serve", "--help"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: moe-chat-cli serve")

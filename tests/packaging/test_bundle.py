@@ -83,6 +83,18 @@ def test_the_bundle_holds_resources_and_every_architecture_but_no_development_fi
     assert list((internal / "transformers").rglob("modeling_utils.py"))
 
 
+def test_the_frozen_terminal_chat_answers(bundle):
+    done = subprocess.run(
+        [bundle["executable"], "cli", "--device", "cpu", "--greedy"],
+        input="What sound does a cow make?\n/quit\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("A cow says moo.\n")
+
+
 @pytest.mark.gui
 def test_the_frozen_window_starts_offscreen_and_its_worker_answers(bundle, tmp_path):
     shot = Path(os.environ.get("MOE_CHAT_SCREENSHOT_DIR") or tmp_path) / "frozen_window.png"
