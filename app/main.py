@@ -16,14 +16,13 @@ import sys
 from pathlib import Path
 
 
-def main(argv: list[str] | None = None) -> int:
-    multiprocessing.freeze_support()  # the frozen app runs the worker through this executable
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["cli"]:  # the bundle's one executable also carries the terminal chat and the server
-        from app.terminal_chat import main as cli_main
-
-        return cli_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="moe-chat", description="Chat with Mixture-of-Experts models")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moe-chat",
+        description="Chat with Mixture-of-Experts models",
+        epilog="moe-chat cli [...] runs the terminal chat, and moe-chat cli serve the local server "
+        "(see moe-chat cli --help).",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     test = parser.add_argument_group("self-test")
     test.add_argument(
@@ -39,6 +38,17 @@ def main(argv: list[str] | None = None) -> int:
         "--install-desktop-entry", action="store_true", help="add MoE Chat to the application menu"
     )
     desktop.add_argument("--uninstall-desktop-entry", action="store_true", help="remove it again")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    multiprocessing.freeze_support()  # the frozen app runs the worker through this executable
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["cli"]:  # the bundle's one executable also carries the terminal chat and the server
+        from app.terminal_chat import main as cli_main
+
+        return cli_main(argv[1:])
+    parser = build_parser()
     args, qt_args = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     if args.install_desktop_entry or args.uninstall_desktop_entry:
