@@ -1,12 +1,10 @@
 """Banners: stacking, replace-by-key, actions, close, clear, timeout."""
 
-import os
-from pathlib import Path
-
 import pytest
 from PySide6.QtCore import Qt
 
 from app.banner import BannerArea
+from tests.screenshots import save_screenshot
 
 pytestmark = pytest.mark.gui
 
@@ -91,6 +89,4 @@ def test_screenshot(qtbot, area, tmp_path):
     qtbot.waitExposed(area)
     area.resize(640, area.heightForWidth(640))  # a window's top area is as tall as its banners
     qtbot.wait(20)
-    folder = Path(os.environ.get("MOE_CHAT_SCREENSHOT_DIR") or tmp_path)
-    folder.mkdir(parents=True, exist_ok=True)
-    assert area.grab().save(str(folder / "banners.png"))
+    save_screenshot(area, "banners.png", tmp_path)

@@ -1,8 +1,6 @@
 """ChatView: sending keys, throttled streaming, stats line, Copy / Regenerate / Edit, scrolling, speed."""
 
-import os
 import time
-from pathlib import Path
 
 import pytest
 from PySide6.QtCore import QEvent, QPoint, Qt
@@ -12,6 +10,7 @@ from PySide6.QtWidgets import QApplication, QLabel, QPushButton, QToolButton, QW
 import app.chat_bubbles as chat_bubbles_module
 from app.chat_view import OPEN_BATCH, STREAM_RENDER_MS, ChatView, stats_line
 from app.storage import Conversation, StoredMessage
+from tests.screenshots import save_screenshot
 
 pytestmark = pytest.mark.gui
 
@@ -48,14 +47,6 @@ def _reply_texts(view):
 
 def _buttons(view, name):
     return [b for b in view.findChildren(QToolButton, name) if b.isVisibleTo(view)]
-
-
-def _screenshot(widget, name, tmp_path) -> Path:
-    folder = Path(os.environ.get("MOE_CHAT_SCREENSHOT_DIR") or tmp_path)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
-    assert widget.grab().save(str(path))
-    return path
 
 
 def test_enter_sends_and_shift_enter_adds_a_line(qtbot, view):
@@ -328,7 +319,7 @@ def test_screenshot_of_a_reply_streaming_a_code_block(qtbot, view, tmp_path):
     )
     qtbot.waitUntil(lambda: view.stream_render_count == 1, timeout=2000)
     qtbot.wait(50)
-    path = _screenshot(view, "chat_view_streaming.png", tmp_path)
+    path = save_screenshot(view, "chat_view_streaming.png", tmp_path)
     assert path.stat().st_size > 10_000
     assert "<pre" in _reply_texts(view)[-1] and "```" not in _reply_texts(view)[-1]
 

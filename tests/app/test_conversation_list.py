@@ -1,15 +1,14 @@
 """ConversationList over a real store: listing, selection, search, new / rename / delete, menu."""
 
-import os
 import time
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 from PySide6.QtCore import Qt
 
 from app.conversation_list import SEARCH_DEBOUNCE_MS, ConversationList, relative_time
 from app.storage import ConversationStore
+from tests.screenshots import save_screenshot
 
 pytestmark = pytest.mark.gui
 
@@ -171,6 +170,4 @@ def test_screenshot(qtbot, sidebar, store, chats, tmp_path):
     sidebar.refresh()
     sidebar.select(chats["trip"])
     time.sleep(0.01)
-    folder = Path(os.environ.get("MOE_CHAT_SCREENSHOT_DIR") or tmp_path)
-    folder.mkdir(parents=True, exist_ok=True)
-    assert sidebar.grab().save(str(folder / "conversation_list.png"))
+    save_screenshot(sidebar, "conversation_list.png", tmp_path)

@@ -1,9 +1,7 @@
 """The live dashboard and its sparklines: pure helpers, figures from Stats, no re-layout, screenshot."""
 
-import os
 import random
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from PySide6.QtCore import QEvent, QObject
@@ -11,6 +9,7 @@ from PySide6.QtCore import QEvent, QObject
 from app.dashboard import NA, SIMULATED_TEXT, Dashboard, fmt_gbps, fmt_used_total, model_summary
 from app.sparkline import Sparkline, to_pixels, trim_window, y_scale
 from engine.protocol import Stats
+from tests.screenshots import screenshot_path
 
 GIB = 1024**3
 
@@ -233,12 +232,6 @@ def test_updates_at_4_hz_do_not_re_layout(qtbot):
     assert _text(dash, "link")[0] == "24.0 GB/s"
 
 
-def _screenshot_dir(tmp_path: Path) -> Path:
-    folder = Path(os.environ.get("MOE_CHAT_SCREENSHOT_DIR") or tmp_path)
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
-
-
 @pytest.mark.gui
 def test_screenshot_of_a_simulated_run(qtbot, tmp_path):
     dash = Dashboard()
@@ -269,6 +262,6 @@ def test_screenshot_of_a_simulated_run(qtbot, tmp_path):
             )
         )
     qtbot.wait(400)  # the sparklines' coalesced repaint
-    path = _screenshot_dir(tmp_path) / "dashboard.png"
+    path = screenshot_path("dashboard.png", tmp_path)
     assert dash.grab().save(str(path))
     assert path.stat().st_size > 0

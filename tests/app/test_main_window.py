@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from PySide6.QtCore import QElapsedTimer, QTimer
@@ -12,6 +11,7 @@ from PySide6.QtCore import QElapsedTimer, QTimer
 from app.main_window import MainWindow
 from app.settings import AppSettings, SettingsStore
 from app.storage import ConversationStore
+from tests.screenshots import save_screenshot
 
 pytestmark = [pytest.mark.gui, pytest.mark.slow]
 
@@ -47,14 +47,6 @@ def send(qtbot, window: MainWindow, text: str, settings: dict) -> None:
     window.chat_view.sig_send.emit(text)
 
 
-def screenshot(widget, name: str, tmp_path: Path) -> Path:
-    folder = Path(os.environ.get("MOE_CHAT_SCREENSHOT_DIR") or tmp_path)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
-    assert widget.grab().save(str(path))
-    return path
-
-
 def test_a_message_gets_a_streamed_reply_that_is_stored(qtbot, dirs):
     window = open_window(qtbot)
     chunks = []
@@ -75,7 +67,7 @@ def test_stop_keeps_the_partial_reply_and_regenerate_replaces_it(qtbot, dirs, tm
     with qtbot.waitSignal(window.client.sig_tokens, timeout=60_000):
         send(qtbot, window, "Tell me a long story about a cow.", LONG)
     qtbot.wait(2000)  # streaming re-renders and a few Stats on the dashboard
-    screenshot(window, "main_window_mid_reply.png", tmp_path)
+    save_screenshot(window, "main_window_mid_reply.png", tmp_path)
     with qtbot.waitSignal(window.client.sig_finished, timeout=10_000) as done:
         window.chat_view.sig_stop.emit()
     assert done.args[1].reason == "cancelled"

@@ -3,7 +3,6 @@ against a fake Hub, search, import, delete and choosing a model; screenshots of 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from app.model_picker import FIT_COLOURS, ModelPicker
 from engine.resources import demo_model_dir
 from engine.tiny_models import make_tiny_model
 from tests.app.fake_hub import FakeHub, FakeRepo
+from tests.screenshots import save_screenshot
 
 GRANITE = "ibm-granite/granite-3.1-3b-a800m-instruct"
 OLMOE = "allenai/OLMoE-1B-7B-0924-Instruct"
@@ -65,14 +65,6 @@ def picker(qtbot, hub, tmp_path, monkeypatch):
     picker.show()
     yield picker
     manager.shutdown()
-
-
-def screenshot(widget, name: str, tmp_path: Path) -> Path:
-    folder = Path(os.environ.get("MOE_CHAT_SCREENSHOT_DIR") or tmp_path)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
-    assert widget.grab().save(str(path))
-    return path
 
 
 def row_of(picker: ModelPicker, entry_id: str) -> int:
@@ -212,7 +204,7 @@ def test_search_lists_supported_models_and_downloads_from_a_result(qtbot, picker
     wait_for_status(qtbot, picker, OLMOE, "Installed ✓")
     table.selectRow(row)
     assert picker.selected_model_path() == str(picker.library.folder_for(OLMOE))
-    screenshot(picker, "model_picker_search.png", tmp_path)
+    save_screenshot(picker, "model_picker_search.png", tmp_path)
 
 
 @pytest.mark.slow
@@ -232,7 +224,7 @@ def test_a_local_folder_is_imported_and_can_be_chosen(qtbot, picker, tiny_models
     with qtbot.waitSignal(picker.sig_model_chosen) as chosen:
         click(qtbot, picker.use_button)
     assert chosen.args == [str(tiny_models["olmoe"])]
-    screenshot(picker, "model_picker_local.png", tmp_path)
+    save_screenshot(picker, "model_picker_local.png", tmp_path)
 
 
 @pytest.mark.slow
@@ -249,5 +241,5 @@ def test_screenshot_of_the_catalog_with_an_installed_a_downloading_and_a_failed_
         lambda: picker.manager.state(OLMOE).state is DownloadState.DOWNLOADING, timeout=TIMEOUT_MS
     )
     picker.catalog_table.selectRow(row_of(picker, "granite-3.1-3b-a800m-instruct"))
-    path = screenshot(picker, "model_picker.png", tmp_path)
+    path = save_screenshot(picker, "model_picker.png", tmp_path)
     assert path.stat().st_size > 10_000

@@ -3,9 +3,10 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from tests.screenshots import screenshot_path
 
 pytestmark = pytest.mark.slow
 
@@ -45,8 +46,7 @@ def test_self_test_fails_with_the_reason_when_the_demo_is_missing(tmp_path):
 @pytest.mark.gui
 def test_window_self_test_answers_in_the_window_without_touching_user_data(tmp_path):
     user_data, user_config = tmp_path / "data", tmp_path / "config"
-    shot = Path(os.environ.get("MOE_CHAT_SCREENSHOT_DIR") or tmp_path) / "self_test_window.png"
-    shot.parent.mkdir(parents=True, exist_ok=True)
+    shot = screenshot_path("self_test_window.png", tmp_path)
     shot.unlink(missing_ok=True)
     env = {"MOE_CHAT_DATA_DIR": str(user_data), "MOE_CHAT_CONFIG_DIR": str(user_config)}
     done = run_app("--self-test", "--window", "--device", "cpu", "--screenshot", str(shot), env=env)

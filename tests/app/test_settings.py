@@ -2,7 +2,6 @@
 
 import json
 import logging
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from app.settings import FIELDS, AppSettings, SettingsError, SettingsStore, conf
 from app.settings_dialog import SIM_LINK_WITH_GPU, SettingsDialog
 from engine.config import ExpertBudget
 from engine.generation_config import SPEC_MODES, SamplingConfig
+from tests.screenshots import save_screenshot
 
 # ---- the model ------------------------------------------------------------------------------------
 
@@ -287,6 +287,4 @@ def test_screenshot_of_the_dialog(qtbot, tmp_path):
     qtbot.waitExposed(dialog)
     dialog.apply()  # shows the inline error for the budget
     qtbot.wait(50)
-    folder = Path(os.environ.get("MOE_CHAT_SCREENSHOT_DIR") or tmp_path)
-    folder.mkdir(parents=True, exist_ok=True)
-    assert dialog.grab().save(str(folder / "settings.png"))
+    save_screenshot(dialog, "settings.png", tmp_path)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from app.tune_plot import axis_ranges, nice_ticks, series_by_draft_len
 from app.tune_wizard import NO_GPU_TEXT, TuneWizard
 from engine.generation_config import SamplingConfig
 from engine.protocol import DeviceInfo, Ready
+from tests.screenshots import save_screenshot
 
 RESULT = json.loads((Path(__file__).parent / "tune_result.json").read_text(encoding="utf-8"))
 
@@ -121,9 +121,7 @@ def test_flow_progress_result_and_apply(qtbot, tmp_path):
 
 def _screenshot(wizard: TuneWizard, tmp_path: Path) -> None:
     wizard.resize(900, 760)
-    folder = Path(os.environ.get("MOE_CHAT_SCREENSHOT_DIR") or tmp_path)
-    folder.mkdir(parents=True, exist_ok=True)
-    assert wizard.grab().save(str(folder / "tune_wizard_result.png"))
+    save_screenshot(wizard, "tune_wizard_result.png", tmp_path)
 
 
 @pytest.mark.gui

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.models import SUPPORTED_MODEL_TYPES
+from tests.screenshots import screenshot_path
 
 pytest.importorskip("PyInstaller", reason="the bundle needs PyInstaller: pip install -e '.[dev]'")
 
@@ -97,8 +98,7 @@ def test_the_frozen_terminal_chat_answers(bundle):
 
 @pytest.mark.gui
 def test_the_frozen_window_starts_offscreen_and_its_worker_answers(bundle, tmp_path):
-    shot = Path(os.environ.get("MOE_CHAT_SCREENSHOT_DIR") or tmp_path) / "frozen_window.png"
-    shot.parent.mkdir(parents=True, exist_ok=True)
+    shot = screenshot_path("frozen_window.png", tmp_path)
     shot.unlink(missing_ok=True)
     done = subprocess.run(
         [bundle["executable"], "--self-test", "--window", "--device", "cpu", "--screenshot", str(shot)],
