@@ -97,7 +97,8 @@ class Telemetry:
         self._process = psutil.Process(os.getpid())
 
     def attach(self, model) -> None:
-        self.model, self._previous = model, None
+        # The last run's decoder holds its model: forget it, or an unloaded model stays in memory.
+        self.model, self.live, self._previous = model, None, None
         self._gpu = GpuMonitor.open(model.device) if model is not None else None
 
     def begin(self, live: LiveGeneration) -> None:

@@ -125,7 +125,7 @@ class Worker:
                 if not self._dispatch(data):
                     break
         finally:
-            self._shut_down(engine)
+            self._shut_down(engine, telemetry)
 
     def _dispatch(self, data: bytes) -> bool:
         """Act on one message; False when it was Shutdown."""
@@ -152,12 +152,16 @@ class Worker:
                     self._jobs.put(job)
         return True
 
-    def _shut_down(self, engine: threading.Thread) -> None:
+    def _shut_down(self, engine: threading.Thread, telemetry: threading.Thread) -> None:
+        """Stop both threads before the model goes: a daemon thread still running (or dropping the
+        last reference to a tensor) while the interpreter finalizes aborts the process."""
         self._stopping.set()
         for job in list(self._active.values()):
             job.cancel.set()
         self._jobs.put(None)
+        self._tick.set()
         engine.join(SHUTDOWN_GRACE_S)
+        telemetry.join(SHUTDOWN_GRACE_S)
         self._unload()
 
     def send(self, event) -> None:

@@ -1,7 +1,10 @@
 """The worker loop, in-process over a real pipe: load, stream, cancel, errors, OOM retry, telemetry."""
 
+import gc
 import itertools
+import threading
 import time
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -144,6 +147,23 @@ def test_an_internal_error_is_reported_and_the_worker_survives(worker, monkeypat
     monkeypatch.undo()
     worker.send(Generate("ok", COW, GREEDY))
     assert worker.finish("ok")[-1].reason == "eos"
+
+
+def test_a_new_load_and_a_shutdown_free_the_previous_model_and_stop_the_threads():
+    others = set(threading.enumerate())
+    harness = WorkerHarness()
+    harness.load("first")
+    harness.send(Generate("g", COW, GREEDY))
+    harness.finish("g")
+    first = weakref.ref(harness.worker.model)
+    harness.load("second")
+    gc.collect()
+    assert first() is None, "the first model outlived the load that replaced it"
+    second = weakref.ref(harness.worker.model)
+    harness.close()
+    gc.collect()
+    assert second() is None
+    assert not [t.name for t in set(threading.enumerate()) - others if t.name in ("engine", "telemetry")]
 
 
 def test_cancelling_a_load_reports_it(fresh_worker):
