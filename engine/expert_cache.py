@@ -16,6 +16,11 @@ prefetch_wasted` once `settle_prefetches()` has run. The first use of a
 prefetched expert also counts as a `prefetch_hit` in the phase that used it
 (`prefetch_recall` = verify-phase prefetch hits / verify-phase uses).
 
+Streaming (LRU only): a step that needs more of one layer's experts than the layer's
+share of the slots (a verify over several tokens, a prefill) loads its misses beyond
+what the layer keeps as *transient*; transient slots are evicted before any other, so
+the experts every layer keeps survive the step (see `streams`).
+
 Thread safety: the prefetch worker thread and compute share the cache; every
 table change happens under one lock. Waiting for a copy happens outside it.
 """
@@ -38,6 +43,7 @@ from engine.transfer import CopyHandle, TransferEngine
 log = logging.getLogger(__name__)
 
 PHASES = ("prefill", "decode", "draft", "verify")
+STREAM_DEPTH = 2  # streamed misses pinned at once: one computing while the next is on the link
 
 
 class SlotState(enum.Enum):
@@ -56,6 +62,7 @@ class Slot:
     copy: CopyHandle | None = None
     released: object | None = None  # marker of compute's last use; a new copy waits for it
     prefetch_phase: str | None = None  # set while it holds a prefetched expert not used yet
+    transient: bool = False  # streamed through by a multi-token step: the first to be evicted
 
 
 @dataclass
@@ -117,6 +124,7 @@ class ExpertCache:
         self.slots = [Slot(i, store.layout.views(self.pool[i])) for i in range(n_slots)]
         self._free = list(reversed(self.slots))
         self._table: dict[ExpertKey, Slot] = {}
+        self._kept: dict[int, int] = defaultdict(int)  # layer -> resident experts not transient
         self.stats = CacheStats()
         self.phase = "decode"
         self.lock = threading.RLock()
@@ -134,20 +142,42 @@ class ExpertCache:
     def used_slots(self) -> int:
         return len(self._table)
 
+    def streams(self, layer_experts: int) -> bool:
+        """Whether a step of one layer needing `layer_experts` experts should stream its misses.
+
+        Layers are visited in a cycle. A step that needs more of a layer's experts than the
+        layer's share of the slots (a verify over several tokens, a prefill) would, with every
+        miss kept, evict the experts of the layers coming next, whose turn is nearer: a verify
+        over 7.5 tokens of a 16-expert, top-2 layer needs ~10 experts, and with a 24-slot cache
+        only ~14 slots stayed warm from step to step. Streamed misses instead pass through a
+        few transient slots (compute pins at most `STREAM_DEPTH` of them), so every layer keeps
+        its share (`_keeps`) across steps (LRU only: its per-layer groups are what this keeps)."""
+        return (
+            self.policy.layer_share
+            and self.n_slots < self.store.total_experts
+            and layer_experts > self.n_slots / max(len(self.store.layer_indices), 1)
+        )
+
     # -- use by compute ---------------------------------------------------------------------
 
-    def acquire(self, key: ExpertKey) -> Slot:
+    def acquire(self, key: ExpertKey, streaming: bool = False) -> Slot:
         """Pin `key`'s slot for compute, starting an on-demand copy on a miss.
 
-        Raises NoEvictableSlot when a miss finds every slot loading or pinned.
+        `streaming` (a step that needs more of a layer's experts than it keeps, see `streams`):
+        a miss is loaded as transient, evicted before anything else, once the layer holds its
+        kept share. Raises NoEvictableSlot when a miss finds every slot loading or pinned.
         """
         with self.lock:
             counters = self.stats.phases[self.phase]
             slot = self._table.get(key)
             if slot is None:
-                slot = self._load(key, counters)
+                transient = streaming and not self._keeps(key[0])
+                slot = self._load(key, counters, transient)
                 counters.misses += 1
             else:
+                if slot.transient:  # reused before it was evicted: keep it like any other
+                    slot.transient = False
+                    self._kept[key[0]] += 1
                 counters.hits += 1
                 if slot.prefetch_phase is not None:
                     self.stats.phases[slot.prefetch_phase].prefetch_used += 1
@@ -237,7 +267,14 @@ class ExpertCache:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _load(self, key: ExpertKey, counters: PhaseCounters) -> Slot:
+    def _keeps(self, layer: int) -> bool:
+        """Whether a streamed miss of `layer` is kept: the slots less `STREAM_DEPTH`, split evenly
+        over the layers (the first `room % layers` of them keep one more)."""
+        layers = self.store.layer_indices
+        share, extra = divmod(self.n_slots - STREAM_DEPTH, max(len(layers), 1))
+        return self._kept[layer] < share + (layers.index(layer) < extra)
+
+    def _load(self, key: ExpertKey, counters: PhaseCounters, transient: bool = False) -> Slot:
         slot = self._free.pop() if self._free else self._evict()
         layer, expert = key
         src = self.store.buffer(layer, expert)
@@ -247,7 +284,9 @@ class ExpertCache:
             self._free.append(slot)
             raise
         slot.state = SlotState.LOADING
-        slot.key = key
+        slot.key, slot.transient = key, transient
+        if not transient:
+            self._kept[key[0]] += 1
         self._table[key] = slot
         self.policy.on_insert(key)
         counters.copies += 1
@@ -266,39 +305,6 @@ class ExpertCache:
         self._unmap(victim)
         return victim
 
-    def trim_layer(self, layer: int, working: int) -> None:
-        """Free `layer`'s experts beyond its share once its step is done (LRU first).
-
-        Layers are visited in a cycle: when one step needs more of a layer's experts than its
-        share (a verify over several tokens), keeping them would evict the experts of the layers
-        coming next, whose turn is nearer. The share leaves `working` slots (what this step of
-        a layer needed) free for the next layer's misses, so they evict nobody's share.
-        Prefetched experts still unused are kept."""
-        if (
-            not self.policy.layer_share
-            or len(self._free) >= working
-            or self.n_slots >= self.store.total_experts
-        ):
-            return  # room enough for the next layer's misses without evicting anyone
-        share = max((self.n_slots - working) // max(len(self.store.layer_indices), 1), 1)
-        with self.lock:
-            mine = [k for k in self._table if k[0] == layer]
-            while len(mine) > share:
-                candidates = {
-                    k: self._table[k]
-                    for k in mine
-                    if self._table[k].pins == 0
-                    and self._table[k].prefetch_phase is None
-                    and self._table[k].state is SlotState.READY
-                }
-                if not candidates:
-                    return
-                victim = self.policy.victim(candidates)
-                slot = self._table[victim]
-                self._unmap(slot)
-                self._free.append(slot)
-                mine.remove(victim)
-
     def _preferred_victims(self, candidates: dict[ExpertKey, Slot]) -> dict[ExpertKey, Slot]:
         """Narrow the policy's choice: never a prefetched expert still waiting for its use while
         something else can go, and (LRU) experts of layers holding more than their share of slots.
@@ -309,6 +315,9 @@ class ExpertCache:
         LRU groups do.
         """
         unprefetched = {k: s for k, s in candidates.items() if s.prefetch_phase is None} or candidates
+        transient = {k: s for k, s in unprefetched.items() if s.transient}
+        if transient:
+            return transient
         if not self.policy.layer_share:
             return unprefetched
         per_layer: dict[int, int] = defaultdict(int)
@@ -326,8 +335,10 @@ class ExpertCache:
     def _unmap(self, slot: Slot) -> None:
         self._drop_prefetch(slot)
         del self._table[slot.key]
+        if not slot.transient:
+            self._kept[slot.key[0]] -= 1
         self.policy.on_remove(slot.key)
-        slot.key, slot.state, slot.copy = None, SlotState.FREE, None
+        slot.key, slot.state, slot.copy, slot.transient = None, SlotState.FREE, None, False
 
     def clear(self) -> None:
         """Forget every resident expert (used after an error left slots in doubt)."""
@@ -342,7 +353,9 @@ class ExpertCache:
                     self.policy.on_remove(slot.key)
                 self._drop_prefetch(slot)
                 slot.key, slot.state, slot.copy, slot.pins = None, SlotState.FREE, None, 0
+                slot.transient = False
             self._table.clear()
+            self._kept.clear()
             self._free = list(reversed(self.slots))
 
     def resize(self, n_slots: int) -> None:

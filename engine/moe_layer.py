@@ -5,7 +5,9 @@ model's) and calls `experts(hidden, top_k_index, top_k_weights)`. The
 replacement groups tokens by expert, pins every needed expert's cache slot
 (hits first, so misses' copies overlap the hits' compute), and computes each
 expert from its slot with the original module's activation (`_apply_gate`,
-`act_fn`, transposed or biased weights as the family has them).
+`act_fn`, transposed or biased weights as the family has them). A step that
+streams (see `ExpertCache.streams`) pins at most `STREAM_DEPTH` misses at once,
+computing the oldest before the next miss's copy starts.
 
 The router's logits of the latest forward are kept per layer (`RoutingTrace`)
 for the cache policy. `ExpertControl`, shared by every layer, carries what
@@ -26,7 +28,7 @@ from torch import nn
 
 from engine import quant
 from engine.errors import BudgetTooSmallError
-from engine.expert_cache import ExpertCache, NoEvictableSlot
+from engine.expert_cache import STREAM_DEPTH, ExpertCache, NoEvictableSlot
 from engine.expert_store import ExpertStore
 from engine.models.base import Architecture
 
@@ -129,12 +131,19 @@ class OffloadedExperts(nn.Module):
                 self._compute_on_cpu(routes.pop(expert), expert, step)
         # Hits first (their compute overlaps the misses' copies); busy experts first within each.
         order = sorted(routes, key=lambda e: ((self.layer, e) not in self.cache, -len(routes[e])))
+        streaming = self.cache.streams(len(order))
         pending: deque = deque()
+        misses_pending = 0
         try:
             for expert in order:
+                miss = (self.layer, expert) not in self.cache
+                while streaming and miss and misses_pending >= STREAM_DEPTH:
+                    misses_pending -= self._compute(*pending.popleft(), step)
                 while True:
                     try:
-                        pending.append((routes[expert], self.cache.acquire((self.layer, expert))))
+                        slot = self.cache.acquire((self.layer, expert), streaming)
+                        pending.append((routes[expert], slot, miss))
+                        misses_pending += miss
                         break
                     except NoEvictableSlot:
                         if not pending and self.cache.wait_for_a_copy():
@@ -145,21 +154,21 @@ class OffloadedExperts(nn.Module):
                                 f"expert {expert}. Raise --expert-budget."
                             ) from None
                         # Every slot is pinned by this layer: compute the oldest to free one.
-                        self._compute(*pending.popleft(), step)
+                        misses_pending -= self._compute(*pending.popleft(), step)
             while pending:
                 self._compute(*pending.popleft(), step)
         finally:
-            for _, slot in pending:  # only after an error: never leave a slot pinned
+            for _, slot, _ in pending:  # only after an error: never leave a slot pinned
                 self.cache.release(slot)
-        self.cache.trim_layer(self.layer, len(order))
         return out
 
-    def _compute(self, positions: list[int], slot, step: _Step) -> None:
-        """One expert on the tokens routed to it, from its cache slot."""
+    def _compute(self, positions: list[int], slot, miss: bool, step: _Step) -> bool:
+        """One expert on the tokens routed to it, from its cache slot; returns `miss` (for counting)."""
         try:
             self._accumulate(positions, self.cache.wait(slot), step)
         finally:
             self.cache.release(slot)
+        return miss
 
     def _accumulate(self, positions: list[int], weights: dict[str, torch.Tensor], step: _Step) -> None:
         """One expert on the tokens routed to it, weighted and added into the output."""

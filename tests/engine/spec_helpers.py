@@ -134,8 +134,8 @@ class ExpertUses:
         cache = model.cache
         acquire = cache.acquire
 
-        def counted_acquire(key):
-            slot = acquire(key)  # NoEvictableSlot retries are not uses
+        def counted_acquire(key, streaming=False):
+            slot = acquire(key, streaming)  # NoEvictableSlot retries are not uses
             uses.acquired[cache.phase] += 1
             return slot
 

@@ -58,8 +58,8 @@ class SlotChecker:
         compute = OffloadedExperts._compute
         expert_forward = OffloadedExperts.expert_forward
 
-        def checked_acquire(key):
-            slot = acquire(key)
+        def checked_acquire(key, streaming=False):
+            slot = acquire(key, streaming)
             checker.acquired_for[slot.index] = key
             return slot
 
@@ -75,10 +75,10 @@ class SlotChecker:
             checker.copies += 1
             return copy(dst, src, after)
 
-        def checked_compute(experts, positions, slot, step):
+        def checked_compute(experts, positions, slot, miss, step):
             checker.computing.slot = slot
             try:
-                compute(experts, positions, slot, step)
+                return compute(experts, positions, slot, miss, step)
             finally:
                 checker.computing.slot = None
 

@@ -1,0 +1,101 @@
+"""Streaming: a step that needs more of a layer's experts than the layer's share (a verify over
+several tokens, a prefill) passes its misses through transient slots, so every layer keeps
+its share of the cache from one step to the next.
+
+On a hand-made store first (3 layers × 6 experts), then on the demo model, where a
+verify-sized forward must give the all-resident logits, pin at most `STREAM_DEPTH` misses
+at once and leave every layer's kept experts in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ExpertBudget, OffloadConfig
+from engine.eviction import LFUPolicy
+from engine.expert_cache import STREAM_DEPTH
+from engine.loader import load_model
+from engine.resources import demo_model_dir
+from tests.engine.cache_helpers import NUM_EXPERTS, NUM_LAYERS, make_cache, use
+
+
+def streamed_use(cache, key):
+    slot = cache.acquire(key, streaming=True)
+    cache.wait(slot)
+    cache.release(slot)
+    return slot
+
+
+def test_only_an_lru_step_needing_more_than_its_layers_share_streams(store, link) -> None:
+    cache = make_cache(store, link, n_slots=6)  # a share of 2 per layer
+    assert cache.streams(3) and not cache.streams(2)
+    assert not make_cache(store, link, n_slots=6, policy=LFUPolicy()).streams(3)
+    assert not make_cache(store, link, n_slots=NUM_LAYERS * NUM_EXPERTS).streams(NUM_EXPERTS)
+
+
+def test_misses_beyond_the_kept_share_are_transient_and_evicted_first(store, link) -> None:
+    cache = make_cache(store, link, n_slots=STREAM_DEPTH + 2 * NUM_LAYERS)  # keeps 2 per layer
+    kept = [(layer, expert) for layer in (1, 2) for expert in (0, 1)]
+    for key in kept:
+        use(cache, key)
+    streamed = [streamed_use(cache, (0, expert)) for expert in range(5)]
+    assert [s.transient for s in streamed] == [False, False, True, True, True]
+    kept += [(0, 0), (0, 1)]
+    assert all(key in cache for key in kept)  # the streamed misses evicted only each other
+    assert (0, 4) in cache and (0, 2) not in cache  # the least recently used transient went first
+
+    use(cache, (1, 5))  # another layer's ordinary miss also takes a transient slot
+    assert all(key in cache for key in kept) and (1, 5) in cache
+
+
+def test_a_transient_expert_used_again_is_kept(store, link) -> None:
+    cache = make_cache(store, link, n_slots=STREAM_DEPTH + 2 * NUM_LAYERS)
+    for expert in range(3):
+        streamed_use(cache, (0, expert))
+    slot = streamed_use(cache, (0, 2))  # a hit on the transient slot
+    assert not slot.transient
+    cache.clear()
+    assert not any(s.transient for s in cache.slots)
+
+
+def test_a_verify_sized_forward_streams_keeps_every_layers_share_and_matches_resident_logits():
+    folder = str(demo_model_dir())
+    resident = load_model(folder, OffloadConfig(device="cpu", expert_budget=ExpertBudget.parse("all")))
+    model = load_model(folder, OffloadConfig(device="cpu", expert_budget=ExpertBudget.parse(24)))
+    try:
+        cache, layers = model.cache, len(model.store.layer_indices)
+        outstanding, most = set(), 0
+        acquire, release = cache.acquire, cache.release
+
+        def counted_acquire(key, streaming=False):
+            nonlocal most
+            miss = key not in cache
+            slot = acquire(key, streaming)
+            if miss:
+                outstanding.add(slot.index)
+                most = max(most, len(outstanding))
+            return slot
+
+        def counted_release(slot):
+            release(slot)
+            if slot.pins == 0:
+                outstanding.discard(slot.index)
+
+        cache.acquire, cache.release = counted_acquire, counted_release
+        ids = torch.arange(5, 45)  # 40 tokens route to every expert of every layer
+        expected = resident.forward(ids, None)
+        hits_before, kept_before = 0, 0
+        for _ in range(2):
+            torch.testing.assert_close(model.forward(ids, None), expected, rtol=0, atol=0)
+            kept = [
+                sum(1 for s in cache.slots if s.key is not None and s.key[0] == layer and not s.transient)
+                for layer in model.store.layer_indices
+            ]
+            assert min(kept) >= (cache.n_slots - STREAM_DEPTH) // layers, kept
+            hits = cache.stats.phases["decode"].hits
+            assert hits - hits_before >= kept_before  # what the last step kept, this one hit
+            hits_before, kept_before = hits, sum(kept)
+        assert most <= STREAM_DEPTH
+    finally:
+        model.close()
+        resident.close()
