@@ -132,13 +132,20 @@ class OffloadedExperts(nn.Module):
         # Hits first (their compute overlaps the misses' copies); busy experts first within each.
         order = sorted(routes, key=lambda e: ((self.layer, e) not in self.cache, -len(routes[e])))
         streaming = self.cache.streams(len(order))
-        pending: deque = deque()
+        pending: deque = deque()  # (positions, slot, was a miss), in acquire order
         misses_pending = 0
+
+        def compute_oldest() -> None:
+            nonlocal misses_pending
+            positions, slot, miss = pending.popleft()
+            misses_pending -= miss
+            self._compute(positions, slot, step)
+
         try:
             for expert in order:
                 miss = (self.layer, expert) not in self.cache
                 while streaming and miss and misses_pending >= STREAM_DEPTH:
-                    misses_pending -= self._compute(*pending.popleft(), step)
+                    compute_oldest()
                 while True:
                     try:
                         slot = self.cache.acquire((self.layer, expert), streaming)
@@ -154,21 +161,20 @@ class OffloadedExperts(nn.Module):
                                 f"expert {expert}. Raise --expert-budget."
                             ) from None
                         # Every slot is pinned by this layer: compute the oldest to free one.
-                        misses_pending -= self._compute(*pending.popleft(), step)
+                        compute_oldest()
             while pending:
-                self._compute(*pending.popleft(), step)
+                compute_oldest()
         finally:
             for _, slot, _ in pending:  # only after an error: never leave a slot pinned
                 self.cache.release(slot)
         return out
 
-    def _compute(self, positions: list[int], slot, miss: bool, step: _Step) -> bool:
-        """One expert on the tokens routed to it, from its cache slot; returns `miss` (for counting)."""
+    def _compute(self, positions: list[int], slot, step: _Step) -> None:
+        """One expert on the tokens routed to it, from its cache slot."""
         try:
             self._accumulate(positions, self.cache.wait(slot), step)
         finally:
             self.cache.release(slot)
-        return miss
 
     def _accumulate(self, positions: list[int], weights: dict[str, torch.Tensor], step: _Step) -> None:
         """One expert on the tokens routed to it, weighted and added into the output."""

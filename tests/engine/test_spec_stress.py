@@ -75,10 +75,10 @@ class SlotChecker:
             checker.copies += 1
             return copy(dst, src, after)
 
-        def checked_compute(experts, positions, slot, miss, step):
+        def checked_compute(experts, positions, slot, step):
             checker.computing.slot = slot
             try:
-                return compute(experts, positions, slot, miss, step)
+                compute(experts, positions, slot, step)
             finally:
                 checker.computing.slot = None
 
