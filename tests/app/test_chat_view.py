@@ -26,6 +26,20 @@ def _conversation(*messages):
 
 
 @pytest.fixture
+def rendered(monkeypatch) -> list[str]:
+    """Every text the chat bubbles render as Markdown, in order (rendering still happens)."""
+    texts: list[str] = []
+    real_render = chat_bubbles_module.render_markdown
+
+    def recording_render(text, dark=False):
+        texts.append(text)
+        return real_render(text, dark)
+
+    monkeypatch.setattr(chat_bubbles_module, "render_markdown", recording_render)
+    return texts
+
+
+@pytest.fixture
 def view(qtbot):
     widget = ChatView()
     qtbot.addWidget(widget)
@@ -87,16 +101,9 @@ def test_input_can_be_disabled_with_a_reason(view):
     assert "Enter sends" in view.input.placeholderText()
 
 
-def test_streaming_rerenders_on_a_timer_not_per_piece(qtbot, view, monkeypatch):
+def test_streaming_rerenders_on_a_timer_not_per_piece(qtbot, view, rendered):
     view.set_conversation(_conversation(_msg(1, "user", "Hi"), _msg(2, "assistant", "Old **reply**")))
-    rendered = []
-    real_render = chat_bubbles_module.render_markdown
-
-    def recording_render(text, dark=False):
-        rendered.append(text)
-        return real_render(text, dark)
-
-    monkeypatch.setattr(chat_bubbles_module, "render_markdown", recording_render)
+    rendered.clear()  # the conversation's own render; only streaming counts from here
     view.begin_reply()
     pieces = [f"w{i} " for i in range(500)]
     for piece in pieces:
@@ -284,15 +291,7 @@ def test_showing_the_same_conversation_again_rebuilds_only_the_changed_tail(qtbo
     assert kept not in _bubbles(view, "replyBubble") and len(_bubbles(view, "userBubble")) == 1
 
 
-def test_streaming_renders_only_the_blocks_that_changed(qtbot, view, monkeypatch):
-    rendered = []
-    real_render = chat_bubbles_module.render_markdown
-
-    def recording_render(text, dark=False):
-        rendered.append(text)
-        return real_render(text, dark)
-
-    monkeypatch.setattr(chat_bubbles_module, "render_markdown", recording_render)
+def test_streaming_renders_only_the_blocks_that_changed(qtbot, view, rendered):
     view.begin_reply()
     view.append_reply_text("First paragraph.\n\n```python\nx = 1\n")
     qtbot.waitUntil(lambda: view.stream_render_count == 1, timeout=2000)
