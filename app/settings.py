@@ -155,7 +155,8 @@ FIELDS: dict[str, FieldInfo] = {
         "Copy experts before they are needed; spmoe predicts them from the draft.",
         "none: copy an expert when it is needed. next-layer: the next layer's router guesses ahead. "
         "hybrimoe: prefetch the next 3 layers by impact. spmoe: while the draft runs, predict the experts "
-        "verification will need and copy them in the background (SP-MoE; needs speculative decoding).",
+        "verification will need and copy them in the background, and during verification copy the next "
+        "layer's likely experts while the current one finishes (SP-MoE; needs speculative decoding).",
         "choice", _choices(PREFETCH_POLICIES, {"none": "none", "spmoe": "spmoe (from the draft)"}),
     ),
     "cutoff_layer": FieldInfo(

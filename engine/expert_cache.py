@@ -19,7 +19,9 @@ prefetched expert also counts as a `prefetch_hit` in the phase that used it
 Streaming (LRU only): a step that needs more of one layer's experts than the layer's
 share of the slots (a verify over several tokens, a prefill) loads its misses beyond
 what the layer keeps as *transient*; transient slots are evicted before any other, so
-the experts every layer keeps survive the step (see `streams`).
+the experts every layer keeps survive the step (see `streams`). A prefetch may be
+limited to spare slots (`spare_only`: free or transient ones); it then loads as
+transient too, and `expire_prefetches` releases those its layer turned out not to need.
 
 Thread safety: the prefetch worker thread and compute share the cache; every
 table change happens under one lock. Waiting for a copy happens outside it.
@@ -31,6 +33,7 @@ import enum
 import logging
 import threading
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -175,7 +178,9 @@ class ExpertCache:
                 slot = self._load(key, counters, transient)
                 counters.misses += 1
             else:
-                if slot.transient:  # reused before it was evicted: keep it like any other
+                # Reused before it was evicted: keep it like any other. A prefetch's first use is
+                # kept only if the layer has room (it was brought in for this step alone).
+                if slot.transient and (slot.prefetch_phase is None or self._keeps(key[0])):
                     slot.transient = False
                     self._kept[key[0]] += 1
                 counters.hits += 1
@@ -242,22 +247,44 @@ class ExpertCache:
 
     # -- background loads (prefetch) ---------------------------------------------------------
 
-    def prefetch(self, key: ExpertKey, phase: str | None = None) -> bool:
+    def prefetch(self, key: ExpertKey, phase: str | None = None, spare_only: bool = False) -> bool:
         """Start bringing `key` in without using it, counted in `phase` (default: the current one).
 
-        False when already resident or nothing can be evicted."""
+        It takes a free slot, or evicts by the cache policy; with `spare_only`, only a free or
+        transient slot (LRU streaming), and it loads as transient: the experts every layer
+        keeps are never touched. That is what a prefetch may take when the cache streams:
+        with so small a cache, each kept expert evicted costs verification about as many
+        misses as the prefetch saves.
+
+        False when already resident or no such slot can be evicted."""
         with self.lock:
             if key in self._table:
                 return False
             phase = phase or self.phase
             counters = self.stats.phases[phase]
             try:
-                slot = self._load(key, counters)
+                spare = self._spare() if spare_only else None
+                slot = self._load(key, counters, transient=spare_only, slot=spare)
             except NoEvictableSlot:
                 return False
             slot.prefetch_phase = phase
             counters.prefetched += 1
             return True
+
+    def streamed(self, key: ExpertKey) -> bool:
+        """Whether using `key` takes a stream slot: a miss, or a transient expert already loaded."""
+        with self.lock:
+            slot = self._table.get(key)
+            return slot is None or slot.transient
+
+    def expire_prefetches(self, layer: int, needed: Collection[int]) -> None:
+        """`layer`'s step needs the experts `needed`: its transient prefetches of others were
+        mispredicted. They count as wasted, and their slots become ordinary transient ones,
+        the first to be evicted (not the experts other layers keep)."""
+        with self.lock:
+            for (slot_layer, expert), slot in self._table.items():
+                if slot.transient and slot_layer == layer and expert not in needed:
+                    self._drop_prefetch(slot)
 
     def settle_prefetches(self) -> None:
         """Count prefetched experts still unused as wasted (the end of a run)."""
@@ -274,8 +301,11 @@ class ExpertCache:
         share, extra = divmod(self.n_slots - STREAM_DEPTH, max(len(layers), 1))
         return self._kept[layer] < share + (layers.index(layer) < extra)
 
-    def _load(self, key: ExpertKey, counters: PhaseCounters, transient: bool = False) -> Slot:
-        slot = self._free.pop() if self._free else self._evict()
+    def _load(
+        self, key: ExpertKey, counters: PhaseCounters, transient: bool = False, slot: Slot | None = None
+    ) -> Slot:
+        if slot is None:
+            slot = self._free.pop() if self._free else self._evict()
         layer, expert = key
         src = self.store.buffer(layer, expert)
         try:
@@ -293,17 +323,32 @@ class ExpertCache:
         counters.bytes_copied += self.expert_nbytes
         return slot
 
-    def _evict(self) -> Slot:
-        candidates = {
+    def _evictable(self) -> dict[ExpertKey, Slot]:
+        return {
             slot.key: slot
             for slot in self._table.values()
             if slot.pins == 0 and (slot.state is SlotState.READY or slot.copy.done())
         }
+
+    def _evict(self) -> Slot:
+        candidates = self._evictable()
         if not candidates:
             raise NoEvictableSlot
-        victim = candidates[self.policy.victim(self._preferred_victims(candidates))]
+        return self._evict_one_of(self._preferred_victims(candidates))
+
+    def _evict_one_of(self, candidates: dict[ExpertKey, Slot]) -> Slot:
+        victim = candidates[self.policy.victim(candidates)]
         self._unmap(victim)
         return victim
+
+    def _spare(self) -> Slot:
+        """A free slot, or an evictable transient one not holding a prefetch waiting for its use."""
+        if self._free:
+            return self._free.pop()
+        transient = {k: s for k, s in self._evictable().items() if s.transient and s.prefetch_phase is None}
+        if not transient:
+            raise NoEvictableSlot
+        return self._evict_one_of(transient)
 
     def _preferred_victims(self, candidates: dict[ExpertKey, Slot]) -> dict[ExpertKey, Slot]:
         """Narrow the policy's choice: never a prefetched expert still waiting for its use while

@@ -7,7 +7,9 @@ replacement groups tokens by expert, pins every needed expert's cache slot
 expert from its slot with the original module's activation (`_apply_gate`,
 `act_fn`, transposed or biased weights as the family has them). A step that
 streams (see `ExpertCache.streams`) pins at most `STREAM_DEPTH` misses at once,
-computing the oldest before the next miss's copy starts.
+computing the oldest before the next miss's copy starts; once its own misses are
+issued, the spare slots it frees take the next layer's likely experts
+(`ExpertControl.lookahead`, installed by SP-MoE prefetch).
 
 The router's logits of the latest forward are kept per layer (`RoutingTrace`)
 for the cache policy. `ExpertControl`, shared by every layer, carries what
@@ -51,6 +53,9 @@ class ExpertControl:
     observers: list[LayerObserver] = field(default_factory=list)
     draft: DraftRouting | None = None
     hybrid: object | None = None  # engine.cpu_experts.HybridExecutor: misses computed on the CPU
+    # (layer, hidden [T, H]) -> the next MoE layer's likely experts, best first: a streaming step
+    # copies the first `STREAM_DEPTH` of them once its own misses are issued (SP-MoE's policy).
+    lookahead: Callable[[int, torch.Tensor], list[tuple[int, int]]] | None = None
 
 
 class RoutingTrace:
@@ -129,28 +134,38 @@ class OffloadedExperts(nn.Module):
         if self.control.hybrid is not None and draft is None:
             for expert in self.control.hybrid.cpu_experts(self.layer, routes):
                 self._compute_on_cpu(routes.pop(expert), expert, step)
-        # Hits first (their compute overlaps the misses' copies); busy experts first within each.
-        order = sorted(routes, key=lambda e: ((self.layer, e) not in self.cache, -len(routes[e])))
+        # Hits first (their compute overlaps the misses' copies), streamed ones (prefetched into
+        # transient slots) first among them to free their slots early; busy experts first within each.
+        order = sorted(routes, key=lambda e: (self._rank(e), -len(routes[e])))
         streaming = self.cache.streams(len(order))
-        pending: deque = deque()  # (positions, slot, was a miss), in acquire order
-        misses_pending = 0
+        if streaming and draft is None:
+            self.cache.expire_prefetches(self.layer, routes)
+        ahead: list[tuple[int, int]] = []  # the next layer's experts, once this layer's copies are issued
+        pending: deque = deque()  # (positions, slot, takes a stream slot), in acquire order
+        streamed_pending = 0
+
+        def issue_ahead() -> None:  # into free stream slots: keeps the link busy with the next layer
+            while ahead and (ahead[0] in self.cache or self.cache.prefetch(ahead[0], spare_only=True)):
+                ahead.pop(0)
 
         def compute_oldest() -> None:
-            nonlocal misses_pending
-            positions, slot, miss = pending.popleft()
-            misses_pending -= miss
+            nonlocal streamed_pending
+            positions, slot, streamed = pending.popleft()
+            streamed_pending -= streamed
             self._compute(positions, slot, step)
+            if streamed:
+                issue_ahead()
 
         try:
             for expert in order:
-                miss = (self.layer, expert) not in self.cache
-                while streaming and miss and misses_pending >= STREAM_DEPTH:
+                streamed = self.cache.streamed((self.layer, expert))
+                while streaming and streamed and streamed_pending >= STREAM_DEPTH:
                     compute_oldest()
                 while True:
                     try:
                         slot = self.cache.acquire((self.layer, expert), streaming)
-                        pending.append((routes[expert], slot, miss))
-                        misses_pending += miss
+                        pending.append((routes[expert], slot, streamed))
+                        streamed_pending += streamed
                         break
                     except NoEvictableSlot:
                         if not pending and self.cache.wait_for_a_copy():
@@ -162,12 +177,30 @@ class OffloadedExperts(nn.Module):
                             ) from None
                         # Every slot is pinned by this layer: compute the oldest to free one.
                         compute_oldest()
+            if streaming and draft is None:  # this layer's copies are all issued: the next layer's may go
+                ahead = self._ahead(hidden_states)[:STREAM_DEPTH]
+                issue_ahead()
             while pending:
                 compute_oldest()
         finally:
             for _, slot, _ in pending:  # only after an error: never leave a slot pinned
                 self.cache.release(slot)
         return out
+
+    def _rank(self, expert: int) -> int:
+        """Acquire order: streamed hits (a transient prefetch), other hits, misses."""
+        key = (self.layer, expert)
+        if key not in self.cache:
+            return 2
+        return 1 - self.cache.streamed(key)
+
+    def _ahead(self, hidden: torch.Tensor) -> list[tuple[int, int]]:
+        """The next MoE layer's experts predicted from this layer's input, most tokens first, that
+        are not cached: streamed into transient slots while this layer finishes (`lookahead`)."""
+        lookahead = self.control.lookahead
+        if lookahead is None:
+            return []
+        return [key for key in lookahead(self.layer, hidden) if key not in self.cache]
 
     def _compute(self, positions: list[int], slot, step: _Step) -> None:
         """One expert on the tokens routed to it, from its cache slot."""

@@ -8,13 +8,19 @@ Policies (all in this module, so comparisons between them are honest):
 - `hybrimoe`: impact-driven: the hidden state goes through the next three routers;
   experts are prefetched nearest layer first, then by routing weight (their impact on
   the output). Meant to run with the MRS cache policy, as in HybriMoE.
-- `spmoe`: SP-MoE Alg. 1, during drafting only. For each drafted token and each
+- `spmoe`: SP-MoE Alg. 1 during drafting. For each drafted token and each
   target MoE layer l <= cutoff, the experts verification will route to are
   predicted, and those not cached become one task on the prefetch queue. With a
   separate draft model, the draft's residual stream after attention at the draft
   layer of the same relative depth goes through the target's norm and router l;
   self and substitute drafts *are* the target's layers, so their own top-k routes
-  are the prediction.
+  are the prediction. When the cache is small enough that verification streams
+  (`ExpertCache.streams`), drafting prefetches only into the spare stream slots,
+  so no layer loses the experts it keeps (the cutoff is then the first layer),
+  and during verification each streamed layer, once its own misses are issued,
+  copies the experts the next layer's router picks from its input into those
+  slots (`lookahead`): the link keeps working while the next layer's attention
+  runs instead of waiting for its router.
 
 `PrefetchWorker` is SP-MoE Alg. 2: one thread takes tasks off the queue and
 issues each task's copies as one batch under the cache lock (evicting by the
@@ -35,9 +41,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.draft_len import unique_experts
 from engine.errors import InvalidRequestError
 from engine.eviction import ExpertKey
-from engine.expert_cache import ExpertCache
+from engine.expert_cache import STREAM_DEPTH, ExpertCache
 from engine.generation_config import PREFETCH_POLICIES
 from engine.moe_layer import moe_blocks
 
@@ -55,10 +62,11 @@ class PrefetchWorker:
         self._thread = threading.Thread(target=self._run, name="expert-prefetch", daemon=True)
         self._thread.start()
 
-    def submit(self, keys: Iterable[ExpertKey], phase: str) -> None:
+    def submit(self, keys: Iterable[ExpertKey], phase: str, spare_only: bool = False) -> None:
+        """Queue one task; `spare_only` is `ExpertCache.prefetch`'s."""
         keys = tuple(keys)
         if keys:
-            self._tasks.put((keys, phase))
+            self._tasks.put((keys, phase, spare_only))
 
     def _run(self) -> None:
         while True:
@@ -66,11 +74,11 @@ class PrefetchWorker:
             try:
                 if task is None:
                     return
-                keys, phase = task
+                keys, phase, spare_only = task
                 with self.cache.lock:  # one batch: the copies are issued back to back
                     for key in keys:
-                        if not self.cache.prefetch(key, phase) and key not in self.cache:
-                            break  # every slot is busy: the rest would fail too
+                        if not self.cache.prefetch(key, phase, spare_only) and key not in self.cache:
+                            break  # no slot it may take: the rest would fail too
             except Exception:  # a failed copy surfaces to compute when it waits on the slot
                 log.exception("Prefetch task failed")
             finally:
@@ -117,8 +125,8 @@ class _Predictor:
         self.layers = sorted(blocks)  # target layer numbers of the MoE layers, in order
         self.routers = {layer: getattr(block, model.arch.router_attr) for layer, (_, block) in blocks.items()}
 
-    def begin_step(self) -> None:
-        """A new decode or speculative step starts."""
+    def begin_step(self, verify_tokens: int = 1) -> None:
+        """A new decode or speculative step starts; `verify_tokens`: the target forward's tokens."""
 
     def end_step(self) -> None:
         """The step is over: tasks not issued yet are stale."""
@@ -154,12 +162,26 @@ class SpMoePredictor(_Predictor):
         super().__init__(model, worker)
         self.cutoff = cutoff  # position in MoE-layer order of the last layer prefetched; -1: none
         self._requested: set[ExpertKey] = set()
+        self._submitted = 0  # keys handed to the worker this step
+        self.spare_only = False  # the cache streams this step's verify: prefetch into spare slots only
         self._hooks = []
         if draft_model is not None:
             self._hook_draft_model(draft_model)
 
-    def begin_step(self) -> None:
+    def begin_step(self, verify_tokens: int = 1) -> None:
         self._requested.clear()
+        self._submitted = 0
+        self.spare_only = self.cache.streams(self.verify_experts(verify_tokens))
+
+    @property
+    def _done(self) -> bool:
+        """Every spare slot has its prefetch: predicting more this step would buy nothing."""
+        return self.spare_only and self._submitted >= STREAM_DEPTH
+
+    def verify_experts(self, verify_tokens: int) -> int:
+        """Expected distinct experts per layer of a verify over `verify_tokens` tokens (MoESD)."""
+        store = self.cache.store
+        return round(unique_experts(store.num_experts, self.model.top_k, verify_tokens))
 
     @property
     def prefetched_layers(self) -> list[int]:
@@ -167,13 +189,29 @@ class SpMoePredictor(_Predictor):
 
     def __call__(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor) -> None:
         """Observer on the target's layers: self and substitute drafts route with the target's routers."""
-        if self.cache.phase == "draft" and layer in self.prefetched_layers:
+        if self.cache.phase == "draft" and layer in self.prefetched_layers and not self._done:
             self._request(layer, top_k_index.reshape(-1).tolist())
 
     def _request(self, layer: int, experts: list[int]) -> None:
         keys = [(layer, e) for e in dict.fromkeys(experts) if (layer, e) not in self._requested]
         self._requested.update(keys)
-        self.worker.submit([k for k in keys if k not in self.cache], "draft")
+        missing = [k for k in keys if k not in self.cache]
+        self._submitted += len(missing)
+        self.worker.submit(missing, "draft", self.spare_only)
+
+    def lookahead(self, layer: int, hidden: torch.Tensor) -> list[ExpertKey]:
+        """During a streamed verify: the next MoE layer's experts routed from this layer's input
+        (the next-layer gate), most tokens first; the layer streams the first few while it
+        finishes, so the link does not idle while the next layer's attention runs."""
+        position = self.layers.index(layer)
+        if position + 1 >= len(self.layers):
+            return []
+        ahead = self.layers[position + 1]
+        indices, _ = route(self.routers[ahead], hidden)
+        counts: dict[int, int] = defaultdict(int)
+        for expert in indices.reshape(-1).tolist():
+            counts[expert] += 1
+        return [(ahead, expert) for expert in sorted(counts, key=lambda e: -counts[e])]
 
     def _hook_draft_model(self, draft_model: nn.Module) -> None:
         """Route the draft's residual stream after attention through the target's norm and router."""
@@ -192,7 +230,7 @@ class SpMoePredictor(_Predictor):
 
     def _draft_layer_hook(self, pairs: list[tuple[int, int]], target_layers):
         def predict(_module, args):
-            if self.cache.phase != "draft":
+            if self.cache.phase != "draft" or self._done:
                 return
             # [1, 1, H] the draft's residual stream after attention at its newest position: the one
             # verification will process next (a catch-up forward's earlier positions are committed).
@@ -234,9 +272,9 @@ class Prefetch:
         """SP-MoE's current cutoff (a position in MoE-layer order); None for other policies."""
         return self.predictor.cutoff if isinstance(self.predictor, SpMoePredictor) else None
 
-    def begin_step(self) -> None:
+    def begin_step(self, verify_tokens: int = 1) -> None:
         if self.predictor is not None:
-            self.predictor.begin_step()
+            self.predictor.begin_step(verify_tokens)
 
     def end_step(self) -> None:
         if self.predictor is not None:
@@ -247,6 +285,8 @@ class Prefetch:
             if self.predictor in model.control.observers:
                 model.control.observers.remove(self.predictor)
             if isinstance(self.predictor, SpMoePredictor):
+                if model.control.lookahead == self.predictor.lookahead:
+                    model.control.lookahead = None
                 self.predictor.close()
         if self.worker is not None:
             self.worker.close()
@@ -294,6 +334,7 @@ def install_prefetch(
         predictor: _Predictor = SpMoePredictor(model, worker, cutoff, draft_model)
         description = f"spmoe (cutoff {cutoff} of {layers} MoE layers{'' if manual else ', auto'})"
         model.control.observers.append(predictor)
+        model.control.lookahead = predictor.lookahead
         return Prefetch(policy, description, worker, predictor, manual_cutoff=manual)
     else:
         depth = 1 if policy == "next-layer" else HYBRIMOE_DEPTH

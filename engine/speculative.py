@@ -27,6 +27,7 @@ from engine.cpu_experts import HybridExecutor
 from engine.cutoff import CutoffInputs, choose_cutoff
 from engine.draft_len import DraftLengthController, unique_experts
 from engine.drafters import Drafter, ModelDrafter, SelfDrafter, SubstituteDrafter, rewind_cache
+from engine.expert_cache import STREAM_DEPTH
 from engine.generation_config import SPEC_MODES, SamplingConfig, SpecConfig  # noqa: F401  (re-exported)
 from engine.metrics import SpecSummary
 from engine.prefetch import Prefetch, SpMoePredictor, install_prefetch
@@ -92,7 +93,7 @@ class SpeculativeDecoder:
     def step(self, history: torch.Tensor, kv_cache: DynamicCache) -> list[int]:
         committed = len(history) - 1  # positions in the target's KV cache
         verdict: Verdict | None = None
-        self.prefetch.begin_step()
+        self.prefetch.begin_step(verify_tokens=self.length.draft_len + 1)
         try:
             started = time.perf_counter()
             draft = self._draft(history, kv_cache)
@@ -118,11 +119,17 @@ class SpeculativeDecoder:
         model = self.model
         per_layer = unique_experts(model.store.num_experts, model.top_k, drafted + 1)
         cached_fraction = model.cache.n_slots / model.store.total_experts
+        to_copy = per_layer * (1 - cached_fraction)
+        if predictor.spare_only:  # a streaming cache: prefetches go into its spare slots alone
+            free_slots = STREAM_DEPTH
+            to_copy = min(to_copy, free_slots)  # the first layer fills them
+        else:  # whatever one layer's verify does not pin
+            free_slots = max(model.cache.n_slots - per_layer, 0)
         inputs = CutoffInputs(
             moe_layers=len(predictor.layers),
-            experts_per_layer=per_layer * (1 - cached_fraction),
+            experts_per_layer=to_copy,
             expert_nbytes=model.store.layout.nbytes,
-            free_nbytes=int(max(model.cache.n_slots - per_layer, 0) * model.store.layout.nbytes),
+            free_nbytes=int(free_slots * model.store.layout.nbytes),
             t_load_ms=self.prefetch.load_ms(model),
             draft_ms=draft_s * 1e3,
         )

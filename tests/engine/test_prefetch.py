@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.errors import InvalidRequestError
+from engine.expert_cache import STREAM_DEPTH
 from engine.generation import generate_text
 from engine.metrics import cache_snapshot, phase_delta
 from engine.prefetch import (
@@ -40,11 +41,13 @@ class RecordingWorker:
 
     def __init__(self):
         self.tasks: list[tuple[tuple, str]] = []
+        self.spare_only: bool | None = None  # of the last task
 
-    def submit(self, keys, phase: str) -> None:
+    def submit(self, keys, phase: str, spare_only: bool = False) -> None:
         keys = tuple(keys)
         if keys:
             self.tasks.append((keys, phase))
+        self.spare_only = spare_only
 
     def discard_pending(self) -> None:
         pass
@@ -64,6 +67,14 @@ def deep(models):
     """A 4-layer tiny qwen3_moe: every layer is an MoE layer."""
     model = load(models.target("qwen3_moe", num_hidden_layers=4))
     assert sorted(model.experts) == [0, 1, 2, 3]
+    yield model
+    model.close()
+
+
+@pytest.fixture
+def roomy(models):
+    """The same model with half its experts cached: a one-token step does not stream."""
+    model = load(models.target("qwen3_moe", num_hidden_layers=4), experts=16)
     yield model
     model.close()
 
@@ -137,12 +148,13 @@ def test_spmoe_requests_the_draft_s_routes_up_to_the_cutoff_and_only_while_draft
     assert all(phase == "draft" for _, phase in worker.tasks)
 
 
-def test_spmoe_never_requests_a_key_twice_in_a_step(deep):
+def test_spmoe_never_requests_a_key_twice_in_a_step(roomy):
     worker = RecordingWorker()
-    predictor = SpMoePredictor(deep, worker, cutoff=3)
+    predictor = SpMoePredictor(roomy, worker, cutoff=3)
     hidden = torch.zeros(1, HIDDEN)
-    deep.cache.phase = "draft"
+    roomy.cache.phase = "draft"
     predictor.begin_step()
+    assert not predictor.spare_only  # it may evict by the cache policy
     predictor(0, hidden, torch.tensor([[0, 1]]))
     predictor(0, hidden, torch.tensor([[1, 2]]))  # the next draft token: only expert 2 is new
     predictor(0, hidden, torch.tensor([[2, 0]]))
@@ -151,6 +163,22 @@ def test_spmoe_never_requests_a_key_twice_in_a_step(deep):
     predictor.begin_step()  # a new step: the same experts are asked for again
     predictor(0, hidden, torch.tensor([[1, 0]]))
     assert worker.keys[3:] == [(0, 1), (0, 0)]
+
+
+def test_spmoe_on_a_streaming_cache_asks_only_for_its_spare_slots(deep, roomy):
+    worker = RecordingWorker()
+    predictor = SpMoePredictor(deep, worker, cutoff=3)
+    deep.cache.phase = "draft"
+    predictor.begin_step(verify_tokens=4)  # 4 tokens need more of a layer than its share of 4 slots
+    assert predictor.spare_only
+    for layer in range(4):
+        predictor(layer, torch.zeros(1, HIDDEN), torch.tensor([[layer, layer + 1]]))
+    # The first layer's predictions fill the STREAM_DEPTH spare slots; nothing else is asked for.
+    assert worker.keys == [(0, 0), (0, 1)][:STREAM_DEPTH] and worker.spare_only
+
+    roomy_predictor = SpMoePredictor(roomy, RecordingWorker(), cutoff=3)
+    roomy_predictor.begin_step(verify_tokens=2)  # 2 tokens need at most 4 experts: its share
+    assert not roomy_predictor.spare_only
 
 
 def test_spmoe_cutoff_minus_one_requests_nothing(deep):
@@ -195,14 +223,14 @@ def test_spmoe_in_a_run_asks_only_for_layers_up_to_the_cutoff(models, deep, monk
     requested: list[list[tuple[tuple[int, int], str]]] = []  # per speculative step
     submit, begin_step = PrefetchWorker.submit, SpMoePredictor.begin_step
 
-    def recording_submit(worker, keys, phase):
+    def recording_submit(worker, keys, phase, spare_only=False):
         keys = tuple(keys)
         requested[-1].extend((key, phase) for key in keys)
-        submit(worker, keys, phase)
+        submit(worker, keys, phase, spare_only)
 
-    def recording_begin_step(predictor):
+    def recording_begin_step(predictor, verify_tokens=1):
         requested.append([])
-        begin_step(predictor)
+        begin_step(predictor, verify_tokens)
 
     monkeypatch.setattr(PrefetchWorker, "submit", recording_submit)
     monkeypatch.setattr(SpMoePredictor, "begin_step", recording_begin_step)

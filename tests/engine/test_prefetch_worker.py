@@ -27,7 +27,7 @@ class StandInCache:
         self.gate = threading.Event()  # prefetch waits on it; set unless a test holds the worker
         self.gate.set()
 
-    def prefetch(self, key, phase=None) -> bool:
+    def prefetch(self, key, phase=None, spare_only=False) -> bool:
         self.started.set()
         assert self.gate.wait(5)
         if key in self.fail:

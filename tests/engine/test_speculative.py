@@ -115,8 +115,8 @@ def test_speculative_greedy_is_plain_greedy(
         assert delta["draft"].uses == 0, "a draft model and substitutes never touch the cache"
     if prefetch == "none":
         assert all(c.prefetched == 0 for c in delta.values())
-    if prefetch == "spmoe":
-        assert all(c.prefetched == 0 for phase, c in delta.items() if phase != "draft")
+    if prefetch == "spmoe":  # while drafting, and streaming ahead in multi-token target forwards
+        assert {phase for phase, c in delta.items() if c.prefetched} <= {"draft", "verify", "prefill"}
 
 
 @pytest.mark.parametrize(

@@ -10,13 +10,15 @@ at once and leave every layer's kept experts in place.
 from __future__ import annotations
 
 import torch
+from transformers import AutoTokenizer
 
 from engine.config import ExpertBudget, OffloadConfig
 from engine.eviction import LFUPolicy
 from engine.expert_cache import STREAM_DEPTH
 from engine.loader import load_model
+from engine.prefetch import install_prefetch
 from engine.resources import demo_model_dir
-from tests.engine.cache_helpers import NUM_EXPERTS, NUM_LAYERS, make_cache, use
+from tests.engine.cache_helpers import NUM_EXPERTS, NUM_LAYERS, ManualTransfer, make_cache, use
 
 
 def streamed_use(cache, key):
@@ -58,6 +60,46 @@ def test_a_transient_expert_used_again_is_kept(store, link) -> None:
     assert not any(s.transient for s in cache.slots)
 
 
+def test_a_spare_only_prefetch_takes_a_transient_slot_and_never_a_kept_one(store, link) -> None:
+    cache = make_cache(store, link, n_slots=STREAM_DEPTH + 2 * NUM_LAYERS)  # keeps 2 per layer
+    kept = [(layer, expert) for layer in range(NUM_LAYERS) for expert in (0, 1)]
+    for key in kept:
+        use(cache, key)
+    assert cache.prefetch((1, 2), spare_only=True)  # the free slots first
+    assert cache.prefetch((1, 3), spare_only=True)
+    assert not cache.prefetch((1, 4), spare_only=True)  # both spare slots hold prefetches not used yet
+    assert all(key in cache for key in kept)
+    assert cache.streamed((1, 2)) and cache.streamed((1, 9)) and not cache.streamed((0, 0))
+
+    slot = streamed_use(cache, (1, 2))  # the layer holds its share: the prefetch stays transient
+    assert slot.transient and cache.stats.phases["decode"].prefetch_used == 1
+    assert cache.prefetch((1, 4), spare_only=True)  # a used transient slot is spare again
+    assert (1, 2) not in cache and all(key in cache for key in kept)
+
+
+def test_a_spare_prefetch_is_kept_when_its_layer_has_room(store, link) -> None:
+    cache = make_cache(store, link, n_slots=STREAM_DEPTH + 2 * NUM_LAYERS)
+    assert cache.prefetch((2, 5), spare_only=True)
+    assert not streamed_use(cache, (2, 5)).transient
+
+
+def test_mispredicted_spare_prefetches_expire_when_their_layer_computes(store) -> None:
+    transfer = ManualTransfer()
+    cache = make_cache(store, transfer, n_slots=STREAM_DEPTH + 2 * NUM_LAYERS)
+    kept = [(layer, expert) for layer in range(NUM_LAYERS) for expert in (0, 1)]
+    for key in kept:
+        use(cache, key)
+    cache.prefetch((0, 2), spare_only=True)
+    cache.prefetch((0, 3), spare_only=True)
+    for copy in transfer.in_flight():
+        copy.land()
+    cache.expire_prefetches(0, needed={3, 4})
+    decode = cache.stats.phases["decode"]
+    assert (decode.prefetched, decode.prefetch_wasted) == (2, 1)  # (0, 2): not needed
+    streamed_use(cache, (0, 4))  # the miss takes the expired slot, no layer's kept expert
+    assert (0, 2) not in cache and (0, 3) in cache and all(key in cache for key in kept)
+
+
 def test_a_verify_sized_forward_streams_keeps_every_layers_share_and_matches_resident_logits():
     folder = str(demo_model_dir())
     resident = load_model(folder, OffloadConfig(device="cpu", expert_budget=ExpertBudget.parse("all")))
@@ -97,5 +139,52 @@ def test_a_verify_sized_forward_streams_keeps_every_layers_share_and_matches_res
             hits_before, kept_before = hits, sum(kept)
         assert most <= STREAM_DEPTH
     finally:
+        model.close()
+        resident.close()
+
+
+def test_a_streamed_forward_copies_the_next_layers_experts_after_its_own_misses():
+    """SP-MoE's lookahead: once a streamed layer has issued its misses, up to `STREAM_DEPTH`
+    experts the next layer's router picks from this layer's input are copied into spare slots,
+    so the link does not wait for the next layer's attention. The logits stay exact."""
+    folder = str(demo_model_dir())
+    resident = load_model(folder, OffloadConfig(device="cpu", expert_budget=ExpertBudget.parse("all")))
+    model = load_model(folder, OffloadConfig(device="cpu", expert_budget=ExpertBudget.parse(24)))
+    prefetch = install_prefetch(model, "spmoe", speculative=True)
+    try:
+        cache, events = model.cache, []  # ("miss" | "ahead", layer), in issue order
+        acquire, spare_prefetch = cache.acquire, cache.prefetch
+
+        def recording_acquire(key, streaming=False):
+            if key not in cache:
+                events.append(("miss", key[0]))
+            return acquire(key, streaming)
+
+        def recording_prefetch(key, phase=None, spare_only=False):
+            started = spare_prefetch(key, phase, spare_only)
+            if started:
+                events.append(("ahead", key[0]))
+            return started
+
+        cache.acquire, cache.prefetch = recording_acquire, recording_prefetch
+        cache.phase = "verify"
+        text = "The capital of France is Paris. Cats like fish."  # 11 tokens: ~11 experts a layer
+        ids = torch.tensor(AutoTokenizer.from_pretrained(folder)(text)["input_ids"])
+        torch.testing.assert_close(model.forward(ids, None), resident.forward(ids, None), rtol=0, atol=0)
+
+        layers = model.store.layer_indices
+        aheads = [layer for kind, layer in events if kind == "ahead"]
+        assert aheads and layers[0] not in aheads  # nothing is ahead of the first layer
+        for layer in set(aheads):
+            assert aheads.count(layer) <= STREAM_DEPTH
+            previous = layers[layers.index(layer) - 1]
+            first_ahead = events.index(("ahead", layer))
+            assert ("miss", previous) not in events[first_ahead:], "issued before the last miss of its layer"
+        verify = cache.stats.phases["verify"]
+        assert verify.prefetched == len(aheads) and verify.prefetch_hits > 0
+        cache.settle_prefetches()
+        assert verify.prefetched == verify.prefetch_used + verify.prefetch_wasted
+    finally:
+        prefetch.close(model)
         model.close()
         resident.close()
