@@ -195,7 +195,7 @@ class OffloadedExperts(nn.Module):
         return 1 - self.cache.streamed(key)
 
     def _ahead(self, hidden: torch.Tensor) -> list[tuple[int, int]]:
-        """The next MoE layer's experts predicted from this layer's input, most tokens first, that
+        """The next MoE layer's experts predicted from this layer's input, likeliest first, that
         are not cached: streamed into transient slots while this layer finishes (`lookahead`)."""
         lookahead = self.control.lookahead
         if lookahead is None:
