@@ -169,7 +169,7 @@ def test_spmoe_on_a_streaming_cache_asks_only_for_its_spare_slots(deep, roomy):
     worker = RecordingWorker()
     predictor = SpMoePredictor(deep, worker, cutoff=3)
     deep.cache.phase = "draft"
-    predictor.begin_step(verify_tokens=4)  # 4 tokens need more of a layer than its share of 4 slots
+    predictor.begin_step(verify_tokens=4)  # ~5 experts a layer: more than its share of the 4 slots
     assert predictor.spare_only
     for layer in range(4):
         predictor(layer, torch.zeros(1, HIDDEN), torch.tensor([[layer, layer + 1]]))
