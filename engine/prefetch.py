@@ -114,6 +114,16 @@ def route(router: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.
     return indices, weights
 
 
+def routed_impact(router: nn.Module, hidden: torch.Tensor) -> dict[int, float]:
+    """Each expert `router` picks for some token of `hidden [T, H]` → its routing weight summed
+    over the tokens (its impact on the layer's output, as HybriMoE ranks prefetches)."""
+    indices, weights = route(router, hidden)
+    impact: dict[int, float] = defaultdict(float)
+    for expert, weight in zip(indices.reshape(-1).tolist(), weights.reshape(-1).tolist(), strict=True):
+        impact[expert] += weight
+    return impact
+
+
 class _Predictor:
     """Shared plumbing: the model's routers in MoE-layer order and the worker."""
 
@@ -144,12 +154,7 @@ class LayerAheadPredictor(_Predictor):
         position = self.layers.index(layer)
         ranked: list[tuple[int, float, ExpertKey]] = []
         for distance, ahead in enumerate(self.layers[position + 1 : position + 1 + self.depth]):
-            indices, weights = route(self.routers[ahead], hidden)
-            impact: dict[int, float] = defaultdict(float)  # expert -> routing weight summed over tokens
-            for expert, weight in zip(
-                indices.reshape(-1).tolist(), weights.reshape(-1).tolist(), strict=True
-            ):
-                impact[expert] += weight
+            impact = routed_impact(self.routers[ahead], hidden)
             ranked += [(distance, -score, (ahead, expert)) for expert, score in impact.items()]
         keys = [key for *_, key in sorted(ranked) if key not in self.cache]
         self.worker.submit(keys, self.cache.phase)
@@ -208,11 +213,8 @@ class SpMoePredictor(_Predictor):
         if position + 1 >= len(self.layers):
             return []
         ahead = self.layers[position + 1]
-        indices, weights = route(self.routers[ahead], hidden)
-        scores: dict[int, float] = defaultdict(float)
-        for expert, weight in zip(indices.reshape(-1).tolist(), weights.reshape(-1).tolist(), strict=True):
-            scores[expert] += weight
-        return [(ahead, expert) for expert in sorted(scores, key=lambda e: -scores[e])]
+        impact = routed_impact(self.routers[ahead], hidden)
+        return [(ahead, expert) for expert in sorted(impact, key=lambda e: -impact[e])]
 
     def _hook_draft_model(self, draft_model: nn.Module) -> None:
         """Route the draft's residual stream after attention through the target's norm and router."""
