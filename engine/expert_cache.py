@@ -352,7 +352,8 @@ class ExpertCache:
 
     def _preferred_victims(self, candidates: dict[ExpertKey, Slot]) -> dict[ExpertKey, Slot]:
         """Narrow the policy's choice: never a prefetched expert still waiting for its use while
-        something else can go, and (LRU) experts of layers holding more than their share of slots.
+        something else can go; transient (streamed) slots before any other; and (LRU) experts of
+        layers holding more than their share of slots.
 
         Layers are visited in a cycle, so when one step needs more experts than there are slots
         (a verify over several tokens) a global LRU would evict every expert before its layer

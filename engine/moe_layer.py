@@ -138,7 +138,8 @@ class OffloadedExperts(nn.Module):
         # transient slots) first among them to free their slots early; busy experts first within each.
         order = sorted(routes, key=lambda e: (self._rank(e), -len(routes[e])))
         streaming = self.cache.streams(len(order))
-        if streaming and draft is None:
+        target_streams = streaming and draft is None  # a verify or prefill, not a self-draft
+        if target_streams:
             self.cache.expire_prefetches(self.layer, routes)
         ahead: list[tuple[int, int]] = []  # the next layer's experts, once this layer's copies are issued
         pending: deque = deque()  # (positions, slot, takes a stream slot), in acquire order
@@ -177,7 +178,7 @@ class OffloadedExperts(nn.Module):
                             ) from None
                         # Every slot is pinned by this layer: compute the oldest to free one.
                         compute_oldest()
-            if streaming and draft is None:  # this layer's copies are all issued: the next layer's may go
+            if target_streams:  # this layer's copies are all issued: the next layer's may go
                 ahead = self._ahead(hidden_states)[:STREAM_DEPTH]
                 issue_ahead()
             while pending:
@@ -190,9 +191,7 @@ class OffloadedExperts(nn.Module):
     def _rank(self, expert: int) -> int:
         """Acquire order: streamed hits (a transient prefetch), other hits, misses."""
         key = (self.layer, expert)
-        if key not in self.cache:
-            return 2
-        return 1 - self.cache.streamed(key)
+        return 2 if key not in self.cache else 1 - self.cache.streamed(key)
 
     def _ahead(self, hidden: torch.Tensor) -> list[tuple[int, int]]:
         """The next MoE layer's experts predicted from this layer's input, likeliest first, that
