@@ -142,7 +142,7 @@ def generate(
                 if reason is not None:
                     break
             if reason is None:
-                new_tokens = decoder.step(history, kv_cache)
+                new_tokens = decoder.step(history, kv_cache, config.max_new_tokens - len(generated))
         finished = live.finished = time.perf_counter()
     finally:
         decoder.close()  # uninstalls the prefetch policy; unused prefetches are counted as wasted

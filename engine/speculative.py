@@ -1,8 +1,10 @@
 """Decoding steps: plain (one token per target forward) and speculative (draft, verify, accept).
 
-A decoder's `step(history, kv_cache)` takes every committed token (`history [L]`,
+A decoder's `step(history, kv_cache, wanted)` takes every committed token (`history [L]`,
 whose last token the target has not seen yet: the KV cache holds L−1 positions)
-and returns the next tokens. A speculative step reads top to bottom:
+and returns the next tokens; `wanted` is how many more the caller can use (the rest of
+`max_new_tokens`), so no step drafts tokens that could never be emitted. A speculative step
+reads top to bottom:
 
     draft     the drafter proposes up to γ tokens (prefetching verification's experts meanwhile)
     verify    one target forward over [last, d1 … dγ] gives γ+1 next-token distributions
@@ -58,7 +60,7 @@ class PlainDecoder:
     def __init__(self, model, sampler: Sampler, prefetch: Prefetch):
         self.model, self.sampler, self.prefetch = model, sampler, prefetch
 
-    def step(self, history: torch.Tensor, kv_cache: DynamicCache) -> list[int]:
+    def step(self, history: torch.Tensor, kv_cache: DynamicCache, wanted: int | None = None) -> list[int]:
         self.prefetch.begin_step()
         try:
             logits = self.model.forward(history[-1:], kv_cache)[-1]
@@ -88,15 +90,21 @@ class SpeculativeDecoder:
     ):
         self.model, self.drafter, self.sampler = model, drafter, sampler
         self.spec, self.prefetch, self.length = spec, prefetch, length
+        self.plain = PlainDecoder(model, sampler, prefetch)  # for a step with nothing worth drafting
         self.counters = SpecCounters()
 
-    def step(self, history: torch.Tensor, kv_cache: DynamicCache) -> list[int]:
+    def step(self, history: torch.Tensor, kv_cache: DynamicCache, wanted: int | None = None) -> list[int]:
+        draft_len = self.length.draft_len
+        if wanted is not None:  # a verify emits up to γ + 1 tokens: draft none the caller cannot use
+            draft_len = min(draft_len, wanted - 1)
+        if draft_len < 1:  # one token left: a draft would only cost time
+            return self.plain.step(history, kv_cache)
         committed = len(history) - 1  # positions in the target's KV cache
         verdict: Verdict | None = None
-        self.prefetch.begin_step(verify_tokens=self.length.draft_len + 1)
+        self.prefetch.begin_step(verify_tokens=draft_len + 1)
         try:
             started = time.perf_counter()
-            draft = self._draft(history, kv_cache)
+            draft = self._draft(history, kv_cache, draft_len)
             drafted = time.perf_counter()
             target_probs = self._verify(history, draft.tokens, kv_cache)
             verdict = self._accept(draft, target_probs)
@@ -141,11 +149,11 @@ class SpeculativeDecoder:
             f"spmoe (cutoff {choice.layer} of {len(predictor.layers)} MoE layers, auto)"
         )
 
-    def _draft(self, history: torch.Tensor, kv_cache: DynamicCache):
+    def _draft(self, history: torch.Tensor, kv_cache: DynamicCache, draft_len: int):
         cache, phase = self.model.cache, self.model.cache.phase
         cache.phase = "draft"  # expert uses and prefetches while drafting count as the draft's
         try:
-            return self.drafter.propose(history, self.length.draft_len, kv_cache)
+            return self.drafter.propose(history, draft_len, kv_cache)
         finally:
             cache.phase = phase
 
