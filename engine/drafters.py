@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 class Draft:
     tokens: list[int]
     probs: torch.Tensor | None  # [n, V] the distributions the tokens were drawn from (None: greedy)
-    stopped_early: bool  # the confidence threshold ended the draft before n tokens
+    confident: int  # leading tokens drafted with confidence >= tau (all of them when tau is off)
 
 
 def rewind_cache(kv_cache: DynamicCache, length: int) -> None:
@@ -75,7 +75,7 @@ class Drafter(ABC):
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         sampling = not self.sampler.config.is_greedy
-        stopped = False
+        confident = n
         context = history
         for i in range(n):
             if sampling:
@@ -87,11 +87,11 @@ class Drafter(ABC):
             tokens.append(token)
             context = torch.cat([context, context.new_tensor([token])])
             if self.confidence_tau and _confidence(logits, dist if sampling else None) < self.confidence_tau:
-                stopped = i + 1 < n  # SS-MoE: a low-confidence token ends the draft (it is kept)
+                confident = i  # SS-MoE: a low-confidence token ends the draft (it is kept)
                 break
             if i + 1 < n:
                 logits = logits_fn(token)
-        return Draft(tokens, torch.stack(probs) if sampling else None, stopped)
+        return Draft(tokens, torch.stack(probs) if sampling else None, confident)
 
 
 def _confidence(logits: torch.Tensor, dist: torch.Tensor | None) -> float:

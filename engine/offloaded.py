@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from engine.config import OffloadConfig
+from engine.draft_len import DraftLengthController
 from engine.errors import DeviceOutOfMemoryError, InvalidRequestError
 from engine.expert_cache import ExpertCache
 from engine.expert_store import ExpertStore
@@ -80,6 +81,8 @@ class OffloadedModel:
         self.disk_layout = disk_layout
         self.control = ExpertControl()  # shared by every MoE layer: observers, draft routing
         self.draft_models: dict[Path, torch.nn.Module] = {}  # loaded once, reused by every run
+        # per speculation setting: the acceptance learnt so far carries over to the next reply
+        self.draft_lengths: dict[tuple, DraftLengthController] = {}
         self._substitutes: dict[int, ExpertStore] = {}
         self.experts: dict[int, OffloadedExperts] = {}
         for module in hf_model.modules():

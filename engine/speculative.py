@@ -110,7 +110,9 @@ class SpeculativeDecoder:
             verdict = self._accept(draft, target_probs)
             self._count(draft.tokens, verdict, drafted - started, time.perf_counter() - drafted)
             self._tune_cutoff(len(draft.tokens), drafted - started)
-            self.length.update(verdict.accepted, len(draft.tokens))
+            # α is the acceptance of confident draft tokens: the unsure one that ended a draft is
+            # the confidence rule's business, and counting it would shorten every later draft
+            self.length.update(min(verdict.accepted, draft.confident), draft.confident)
         finally:
             kept = committed + (verdict.accepted + 1 if verdict is not None else 0)
             rewind_cache(kv_cache, kept)  # after a failure: back to where the step began
@@ -240,8 +242,27 @@ def _build_decoder(model, spec: SpecConfig, prefetch_policy: str, cutoff: int | 
     prefetch = install_prefetch(
         model, prefetch_policy, cutoff=cutoff, speculative=True, draft_model=draft_model
     )
-    length = DraftLengthController(spec.draft_len, max_len=spec.max_draft_len, adapt=spec.adapt_draft_len)
-    return SpeculativeDecoder(model, drafter, sampler, spec, prefetch, length)
+    return SpeculativeDecoder(model, drafter, sampler, spec, prefetch, draft_length(model, spec, sampler))
+
+
+def draft_length(model, spec: SpecConfig, sampler: Sampler) -> DraftLengthController:
+    """The model's draft-length controller for this setting, made at its first use.
+
+    How often a drafter's tokens are accepted is mostly a property of the draft and target pair,
+    so every reply with the same setting (and the same greedy-or-sampling rule) goes on from the
+    acceptance the previous ones measured rather than from the prior; the controller's decay
+    still follows a conversation that drafts better or worse. A seeded sampling request starts
+    from the prior instead: its random draws depend on the draft lengths, and the same seed
+    must give the same reply.
+    """
+    greedy = sampler.config.is_greedy
+    if not greedy and sampler.config.seed is not None:
+        return _new_draft_length(spec)
+    return model.draft_lengths.setdefault((spec, greedy), _new_draft_length(spec))
+
+
+def _new_draft_length(spec: SpecConfig) -> DraftLengthController:
+    return DraftLengthController(spec.draft_len, max_len=spec.max_draft_len, adapt=spec.adapt_draft_len)
 
 
 def _draft_sampling(config: SamplingConfig) -> SamplingConfig:
