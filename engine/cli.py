@@ -70,7 +70,12 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
         "--cached-only", action="store_true", help="--spec self: draft from cached experts only"
     )
     parser.add_argument("--substitute-bits", type=int, default=4, choices=(4, 8))
-    parser.add_argument("--tau", type=float, default=0.0, help="stop drafting below this draft confidence")
+    parser.add_argument(
+        "--tau",
+        type=float,
+        default=SpecConfig.confidence_tau,
+        help="end a draft at a token the draft gives less than this probability (0: never)",
+    )
     parser.add_argument(
         "--adaptive-accept",
         action="store_true",

@@ -235,9 +235,9 @@ def test_spmoe_in_a_run_asks_only_for_layers_up_to_the_cutoff(models, deep, monk
     monkeypatch.setattr(PrefetchWorker, "submit", recording_submit)
     monkeypatch.setattr(SpMoePredictor, "begin_step", recording_begin_step)
     spec = (
-        SpecConfig(mode="self", top_r=1)
+        SpecConfig(mode="self", top_r=1, confidence_tau=0.0)
         if drafter == "self"
-        else SpecConfig(mode="draft", draft_model=str(models.near("qwen3_moe")))
+        else SpecConfig(mode="draft", draft_model=str(models.near("qwen3_moe")), confidence_tau=0.0)
     )
 
     finished = generate_text(deep, prompt_for(0), greedy(spec, "spmoe", cutoff=1))

@@ -115,7 +115,11 @@ class SlotChecker:
 
 
 def random_spec(rng: random.Random, drafter: str, models: TinyModels, model_type: str) -> SpecConfig:
-    settings = {"draft_len": rng.randint(1, 6), "adapt_draft_len": rng.random() < 0.5}
+    settings = {
+        "draft_len": rng.randint(1, 6),
+        "adapt_draft_len": rng.random() < 0.5,
+        "confidence_tau": rng.choice((0.0, 0.03)),  # 0.03 ends about half the tiny drafts' chains
+    }
     if drafter == "draft":
         return SpecConfig(mode="draft", draft_model=str(models.near(model_type)), **settings)
     if drafter == "substitute":
