@@ -242,10 +242,10 @@ def _build_decoder(model, spec: SpecConfig, prefetch_policy: str, cutoff: int | 
     prefetch = install_prefetch(
         model, prefetch_policy, cutoff=cutoff, speculative=True, draft_model=draft_model
     )
-    return SpeculativeDecoder(model, drafter, sampler, spec, prefetch, draft_length(model, spec, sampler))
+    return SpeculativeDecoder(model, drafter, sampler, spec, prefetch, _draft_length(model, spec, sampler))
 
 
-def draft_length(model, spec: SpecConfig, sampler: Sampler) -> DraftLengthController:
+def _draft_length(model, spec: SpecConfig, sampler: Sampler) -> DraftLengthController:
     """The model's draft-length controller for this setting, made at its first use.
 
     How often a drafter's tokens are accepted is mostly a property of the draft and target pair,
