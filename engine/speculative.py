@@ -258,7 +258,10 @@ def _draft_length(model, spec: SpecConfig, sampler: Sampler) -> DraftLengthContr
     greedy = sampler.config.is_greedy
     if not greedy and sampler.config.seed is not None:
         return _new_draft_length(spec)
-    return model.draft_lengths.setdefault((spec, greedy), _new_draft_length(spec))
+    key = (spec, greedy)
+    if key not in model.draft_lengths:
+        model.draft_lengths[key] = _new_draft_length(spec)
+    return model.draft_lengths[key]
 
 
 def _new_draft_length(spec: SpecConfig) -> DraftLengthController:
