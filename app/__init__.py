@@ -1,6 +1,14 @@
-"""MoE Chat's desktop GUI (PySide6).
+"""MoE Chat's front-ends: the desktop GUI, the terminal chat and the local server.
 
-It talks to the engine only through the worker protocol and never imports
-torch, transformers or safetensors, so the window starts fast and needs no CUDA
-context.
+- `gui/` — the PySide6 window; the only room that imports Qt;
+- `terminal/` — the terminal chat (`moe-chat-cli`), no Qt;
+- `server/` — the local OpenAI-compatible server (`moe-chat-cli serve`), no Qt;
+- shared, Qt-free modules at this level: `settings`, `storage` (conversations),
+  `catalog`, `model_library`, `download_child`, `desktop_entry`,
+  `markdown_render`; and `main`, the
+  `moe-chat` entry point, which imports Qt only when it opens the window.
+
+Nothing here imports torch, transformers or safetensors: front-ends talk to the
+engine only through the worker protocol (`engine.worker.client`), so the window starts
+fast and needs no CUDA context.
 """

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 
 from engine.config import format_bytes
-from engine.models import SUPPORTED_MODEL_TYPES
+from engine.model.adapters import SUPPORTED_MODEL_TYPES
 from engine.resources import demo_model_dir, resources_dir
 
 log = logging.getLogger(__name__)

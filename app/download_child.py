@@ -1,4 +1,4 @@
-"""What runs inside a download's child process (see `app.downloads` for the whole story).
+"""What runs inside a download's child process (see `app.gui.downloads` for the whole story).
 
 `run_download(job, events, go)` is the child's entry point. It reports through `events` (a
 multiprocessing queue) as tuples: ("progress", DownloadProgress), ("planned", bytes_to_fetch),
@@ -176,7 +176,7 @@ def check_config(job: DownloadJob, commit: str) -> None:
     """Fetch config.json first: an unsupported or pre-quantized model is refused before its weights."""
     from huggingface_hub import hf_hub_download
 
-    from engine.model_check import config_problems
+    from engine.model.check import config_problems
 
     common = _common_args(job)
     path = hf_hub_download(
@@ -246,7 +246,7 @@ def _file_problem(path: Path, planned: PlannedFile, progress) -> str | None:
 
 def check_loadable(folder: Path) -> None:
     """The engine's own folder check (safetensors headers against the index)."""
-    from engine.model_check import check_model_folder
+    from engine.model.check import check_model_folder
 
     check = check_model_folder(folder)
     if not check.ok:

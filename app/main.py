@@ -3,7 +3,7 @@
 Opens the main window at once (no torch in this process) and starts the engine
 worker in the background; a second start brings the running window to the
 front instead of opening another. `--self-test` checks the installation instead
-(see `app.self_test`); `moe-chat cli [...]` is `moe-chat-cli [...]` (the terminal
+(see `app.gui.self_test`); `moe-chat cli [...]` is `moe-chat-cli [...]` (the terminal
 chat, and `cli serve` the local server), for the bundle, which has one executable.
 """
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     multiprocessing.freeze_support()  # the frozen app runs the worker through this executable
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["cli"]:  # the bundle's one executable also carries the terminal chat and the server
-        from app.terminal_chat import main as cli_main
+        from app.terminal.chat import main as cli_main
 
         return cli_main(argv[1:])
     parser = build_parser()
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.install_desktop_entry or args.uninstall_desktop_entry:
         return desktop_entry(args.install_desktop_entry)
     if args.self_test:
-        from app import self_test
+        from app.gui import self_test
 
         if args.window:
             return self_test.window_self_test(args.device, args.screenshot)
@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.window or args.screenshot:
         parser.error("--window and --screenshot go with --self-test")
 
-    from app.main_window import MainWindow
-    from app.single_instance import SingleInstance
+    from app.gui.main_window import MainWindow
+    from app.gui.single_instance import SingleInstance
 
     app = application(qt_args)
     instance = SingleInstance()

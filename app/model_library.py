@@ -10,7 +10,7 @@ is tens of GB, so a copy would double the disk it uses and take minutes, and the
 the folder where they put it. Deleting an imported model therefore only forgets it; the files
 stay. The demo model is always listed and can never be deleted.
 
-A folder is validated with `engine.model_check.check_model_folder`, which reads safetensors
+A folder is validated with `engine.model.check.check_model_folder`, which reads safetensors
 headers; `check_folder` runs it in a spawned child so this (GUI) process never imports
 safetensors.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import platformdirs
 
-from engine.model_check import ModelCheck, check_model_folder
+from engine.model.check import ModelCheck, check_model_folder
 from engine.resources import demo_model_dir
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ class ModelLibrary:
         self._write_imports([*self._imports(), entry])
         return InstalledModel(entry["name"], entry["path"], "imported", None, folder_size(folder))
 
-    # -- downloads in progress (used by app.downloads) --------------------------------------------
+    # -- downloads in progress (used by app.gui.downloads) --------------------------------------------
 
     def begin_download(self, repo_id: str) -> Path:
         """The folder a download writes into, marked as partial until `finish_download`."""

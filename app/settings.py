@@ -30,7 +30,6 @@ import platformdirs
 
 from engine.config import DEVICES, EXPERT_DTYPES, ExpertBudget, OffloadConfig
 from engine.errors import EngineError, InvalidConfigError
-from engine.eviction import POLICIES
 from engine.generation_config import (
     CPU_EXPERT_MODES,
     PREFETCH_POLICIES,
@@ -39,6 +38,7 @@ from engine.generation_config import (
     SamplingConfig,
     SpecConfig,
 )
+from engine.offload.eviction import POLICIES
 
 log = logging.getLogger(__name__)
 

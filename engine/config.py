@@ -32,7 +32,8 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# Routed experts as the checkpoint has them, or group-wise quantized (engine.quant): opt-in,
+CACHE_POLICIES: tuple[str, ...] = ("lru", "lfu", "mrs")  # engine.offload.eviction builds them
+# Routed experts as the checkpoint has them, or group-wise quantized (engine.offload.quant): opt-in,
 # because quantized experts change the model's outputs.
 EXPERT_DTYPES = ("native", "int8", "int4")
 
@@ -126,8 +127,6 @@ class OffloadConfig:
     expert_dtype: str = "native"  # native | int8 | int4
 
     def validate(self) -> None:
-        from engine.eviction import POLICIES
-
         if self.device.split(":")[0] not in DEVICES:
             raise InvalidRequestError(f"Unknown device {self.device!r}; choose one of {', '.join(DEVICES)}.")
         if self.dtype not in DTYPES:
@@ -137,9 +136,9 @@ class OffloadConfig:
                 f"Unknown expert dtype {self.expert_dtype!r}; choose one of {', '.join(EXPERT_DTYPES)} "
                 "(native keeps the checkpoint's precision; int8 and int4 quantize the routed experts)."
             )
-        if self.policy.lower() not in POLICIES:
+        if self.policy.lower() not in CACHE_POLICIES:
             raise InvalidRequestError(
-                f"Unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}."
+                f"Unknown cache policy {self.policy!r}; choose one of {', '.join(CACHE_POLICIES)}."
             )
         if self.sim_link_gbps is not None and not self.sim_link_gbps > 0:  # `not >` also rejects NaN
             raise InvalidRequestError(

@@ -2,7 +2,7 @@
 
 `generate(model, prompt, config)` prefills the prompt in chunks, then decodes
 (one token per target forward, or speculatively: several per verify step, see
-`engine.speculative`) until EOS, a stop string, `max_new_tokens` or a cancel
+`engine.speculative.decoder`) until EOS, a stop string, `max_new_tokens` or a cancel
 request; it yields a `TokenEvent` per token (text deltas are always whole UTF-8
 characters, and never part of a stop string) and ends with one
 `FinishedEvent` carrying the text, the ids and the run's `GenerationStats`.
@@ -24,9 +24,9 @@ from transformers import GenerationConfig as HFGenerationConfig
 from engine.errors import InvalidRequestError
 from engine.generation_config import GenerationConfig
 from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot, phase_delta
-from engine.offloaded import OffloadedModel
+from engine.offload.model import OffloadedModel
 from engine.sampling import Sampler
-from engine.speculative import open_decoder
+from engine.speculative.decoder import open_decoder
 from engine.textstream import IncrementalDetokenizer, StopStringMatcher
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ transformers' own conversion rules (Mixtral's `block_sparse_moe` → `mlp` …).
 
 With `OffloadConfig.expert_dtype` int8 or int4 the routed experts are quantized
 as they are read (opt-in: it changes the outputs), and the converted store is
-cached on disk (`engine.store_cache`) so the next load of the model skips the
+cached on disk (`engine.offload.store_cache`) so the next load of the model skips the
 conversion.
 """
 
@@ -28,7 +28,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-from engine.checkpoint import Checkpoint
 from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import (
     BudgetTooSmallError,
@@ -40,16 +39,17 @@ from engine.errors import (
     ModelNotFoundError,
     UnsupportedArchitectureError,
 )
-from engine.eviction import make_policy
-from engine.expert_cache import ExpertCache
-from engine.expert_store import ExpertLayout, ExpertStore, build_store, find_layout
-from engine.models import get_architecture
-from engine.models.base import DiskLayout
-from engine.moe_layer import OffloadedExperts, RoutingTrace, expert_field_shapes, moe_blocks
-from engine.offloaded import OffloadedModel
-from engine.quant import QuantSpec
-from engine.store_cache import StoreKey, load_or_build
-from engine.transfer import make_transfer
+from engine.model.adapters import get_architecture
+from engine.model.adapters.base import DiskLayout
+from engine.model.checkpoint import Checkpoint
+from engine.offload.eviction import make_policy
+from engine.offload.expert_cache import ExpertCache
+from engine.offload.expert_store import ExpertLayout, ExpertStore, build_store, find_layout
+from engine.offload.model import OffloadedModel
+from engine.offload.moe_layer import OffloadedExperts, RoutingTrace, expert_field_shapes, moe_blocks
+from engine.offload.quant import QuantSpec
+from engine.offload.store_cache import StoreKey, load_or_build
+from engine.offload.transfer import make_transfer
 
 log = logging.getLogger(__name__)
 

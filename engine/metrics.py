@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from engine.expert_cache import ExpertCache, PhaseCounters
+from engine.offload.expert_cache import ExpertCache, PhaseCounters
 
 Snapshot = dict[str, PhaseCounters]
 

@@ -44,8 +44,8 @@ def test_the_checker_sees_nested_and_aliased_imports(tmp_path):
     ("package", "forbidden"),
     [
         ("app", "torch"),
-        ("app.terminal_chat", "torch"),
-        ("app.openai_server", "torch"),
+        ("app.terminal.chat", "torch"),
+        ("app.server.openai_server", "torch"),
         ("engine", "PySide6"),
         ("engine.cli", "PySide6"),
     ],

@@ -5,7 +5,7 @@ Contract: pure arithmetic on a `Probe` and a `Profile`; no model, no clock, no t
 Notation: E routed experts per layer, K top-k, L MoE layers, C cached experts (over all
 layers), γ draft length, α per-token acceptance rate, t_load the copy time of one expert
 (`Profile.expert_load_ms`), N(t) = E·(1 − ((E − K)/E)^t) MoESD's expected distinct experts
-that t tokens route to in one layer (`engine.draft_len.unique_experts`).
+that t tokens route to in one layer (`engine.speculative.draft_len.unique_experts`).
 
 Assumptions, stated once:
 
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import math
 
-from engine.cutoff import CutoffInputs, choose_cutoff
-from engine.draft_len import expected_accept_len, unique_experts
 from engine.errors import BudgetTooSmallError
+from engine.speculative.cutoff import CutoffInputs, choose_cutoff
+from engine.speculative.draft_len import expected_accept_len, unique_experts
 from engine.tune.types import CurvePoint, Prediction, Probe, Profile
 
 PREFETCH_RECALL = 0.88  # share of prefetched experts that verification uses (SP-MoE Fig. 7)

@@ -3,9 +3,9 @@
 `profile_model(model, drafter_dir)` measures, on a loaded `OffloadedModel`:
 
 - one decoder layer's decode time with its experts resident (one token's forward over a
-  short prompt, divided by the layer count, as `engine.bench_compare.calibrate_link` does);
+  short prompt, divided by the layer count, as `engine.bench.compare.calibrate_link` does);
 - one draft token of the drafter (loaded with the engine's own `load_draft_model`);
-- one expert's host→device copy (`engine.prefetch.measure_load_ms`);
+- one expert's host→device copy (`engine.speculative.prefetch.measure_load_ms`);
 - one target forward over t = 1…16 tokens, as verification runs it;
 - the resident (non-expert) weights, the KV cache per token (measured from the cache a
   short prompt produces, so every attention layout counts right) and the peak device
@@ -35,13 +35,13 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from engine.bench import PROMPTS
-from engine.draft_len import alpha_from_acceptance
-from engine.drafters import load_draft_model, rewind_cache
 from engine.errors import GenerationCancelled
 from engine.generation import FinishedEvent, encode_prompt, generate, generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
-from engine.prefetch import measure_load_ms
+from engine.prompts import PROMPTS
+from engine.speculative.draft_len import alpha_from_acceptance
+from engine.speculative.drafters import load_draft_model, rewind_cache
+from engine.speculative.prefetch import measure_load_ms
 from engine.tune.types import Profile
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from app.catalog import (
     vram_headroom,
 )
 from app.model_library import folder_size
-from engine.model_check import check_model_folder
-from engine.models import SUPPORTED_MODEL_TYPES
+from engine.model.adapters import SUPPORTED_MODEL_TYPES
+from engine.model.check import check_model_folder
 from engine.resources import demo_model_dir, resources_dir
 
 REQUIRED_MODELS = {

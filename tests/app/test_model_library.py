@@ -16,8 +16,8 @@ from app.model_library import (
     check_folder,
     folder_name,
 )
+from engine.model.tiny import make_tiny_model
 from engine.resources import demo_model_dir
-from engine.tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,7 +111,7 @@ def test_an_imported_folder_that_disappeared_is_listed_as_missing(tmp_path, tiny
 
 
 def _ok_check(path):
-    from engine.model_check import ModelCheck
+    from engine.model.check import ModelCheck
 
     return ModelCheck(str(path), ())
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from PySide6.QtWidgets import QDialogButtonBox
 
+from app.gui.settings_dialog import SIM_LINK_WITH_GPU, SettingsDialog
 from app.settings import FIELDS, AppSettings, SettingsError, SettingsStore, config_dir, needs_reload
-from app.settings_dialog import SIM_LINK_WITH_GPU, SettingsDialog
 from engine.config import ExpertBudget
 from engine.generation_config import SPEC_MODES, SamplingConfig
 from tests.screenshots import save_screenshot

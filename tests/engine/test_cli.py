@@ -23,9 +23,9 @@ from transformers import AutoTokenizer
 from engine.config import OffloadConfig
 from engine.generation import GenerationConfig, generate_text
 from engine.loader import load_model
-from engine.models import SUPPORTED_MODEL_TYPES
+from engine.model.adapters import SUPPORTED_MODEL_TYPES
+from engine.model.tiny import TINY_ARCHITECTURES, make_tiny_model
 from engine.sampling import SamplingConfig
-from engine.tiny_models import TINY_ARCHITECTURES, make_tiny_model
 
 PROMPT = "Hello, who are you?"
 MAX_NEW = 8

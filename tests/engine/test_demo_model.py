@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from engine.cli import model_folder
 from engine.config import ExpertBudget, OffloadConfig
 from engine.generation import GenerationConfig, generate_text
 from engine.loader import load_model
+from engine.options import model_folder
 from engine.resources import demo_draft_dir, demo_model_dir, resources_dir
 from engine.sampling import SamplingConfig
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.checkpoint import INDEX_NAME
 from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import (
     BudgetTooSmallError,
@@ -28,7 +27,8 @@ from engine.errors import (
     UnsupportedArchitectureError,
 )
 from engine.loader import load_model
-from engine.models import SUPPORTED_MODEL_TYPES
+from engine.model.adapters import SUPPORTED_MODEL_TYPES
+from engine.model.checkpoint import INDEX_NAME
 from tests.engine.error_helpers import CPU, EXPERT, edit_config, edit_weights, load_ok, mapped_files
 
 pytestmark = pytest.mark.usefixtures("no_link_thread_left")

@@ -9,11 +9,11 @@ import textwrap
 import pytest
 import torch
 
-from engine.checkpoint import Checkpoint
 from engine.config import ExpertBudget, OffloadConfig
 from engine.loader import load_model
-from engine.moe_layer import OffloadedExperts
-from engine.tiny_models import build_tiny_model, make_tiny_model, save_tiny_model
+from engine.model.checkpoint import Checkpoint
+from engine.model.tiny import build_tiny_model, make_tiny_model, save_tiny_model
+from engine.offload.moe_layer import OffloadedExperts
 
 CONFIG = OffloadConfig(device="cpu", expert_budget=ExpertBudget(experts=4))
 

@@ -7,8 +7,8 @@ import threading
 import time
 
 from engine.config import ExpertBudget, OffloadConfig
-from engine.protocol import Error, Finished, Loaded, LoadModel, Ready, Shutdown, dumps, loads
-from engine.worker import Worker
+from engine.worker.loop import Worker
+from engine.worker.protocol import Error, Finished, Loaded, LoadModel, Ready, Shutdown, dumps, loads
 
 SLOW_LINK = OffloadConfig(device="cpu", expert_budget=ExpertBudget(experts=24), sim_link_gbps=0.05)
 

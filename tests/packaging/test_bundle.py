@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.models import SUPPORTED_MODEL_TYPES
+from engine.model.adapters import SUPPORTED_MODEL_TYPES
 from tests.screenshots import screenshot_path
 
 pytest.importorskip("PyInstaller", reason="the bundle needs PyInstaller: pip install -e '.[dev]'")
@@ -75,9 +75,9 @@ def test_the_bundle_holds_resources_and_every_architecture_but_no_development_fi
     assert not list(resources.rglob("*.py")), "the demo's training scripts stay out"
     modules = frozen_modules(executable)
     for model_type in SUPPORTED_MODEL_TYPES:
-        assert f"engine.models.{model_type}" in modules
+        assert f"engine.model.adapters.{model_type}" in modules
         assert f"transformers.models.{model_type}.modeling_{model_type}" in modules
-    assert "engine.worker" in modules and "app.download_child" in modules
+    assert "engine.worker.loop" in modules and "app.download_child" in modules
     development = {"tests", "pytest", "_pytest", "pytestqt", "ruff", "openai"}
     assert not {module for module in modules if module.split(".")[0] in development}
     # transformers reads its own source at run time: the .py files ride along

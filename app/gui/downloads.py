@@ -1,0 +1,380 @@
+"""Downloading models from the Hugging Face Hub, in child processes the user can cancel.
+
+`DownloadManager` (GUI thread) starts one spawned child per download (`app.download_child`)
+and turns what it reports into signals. The states the user sees:
+
+    checking → downloading (bytes done/total, speed, ETA) → verifying → done | cancelled | failed
+
+- Checking: the child lists the repo (sizes, git blob ids and LFS sha256 from the Hub's tree
+  listing; which files still need fetching from `snapshot_download(dry_run=True)`). The
+  manager then compares the bytes to fetch plus a margin with the free space on the target's
+  disk, and lets the child go on only if they fit: "not enough disk space: need X, have Y"
+  fails the download before any byte of it is fetched. The child then fetches config.json and
+  refuses unsupported or pre-quantized models before their weights.
+- Downloading: plain HTTP (`HF_HUB_DISABLE_XET=1` in the child), progress from a tqdm class.
+- Verifying: every file's size against the listing, the sha256 of every LFS file (the
+  weights) and the git blob id of every other file; a bad file is removed. Then the engine's
+  folder check reads the safetensors headers, in the child.
+- Cancel kills the child and removes that download's unfinished folder (only a folder marked
+  as an unfinished download, so never another model's files). A failure keeps the complete
+  files, so Retry fetches only what is missing.
+
+Gated models need a token: `store_token` keeps it in the system keyring (service "moe-chat",
+user "huggingface") where a keyring backend exists, else in huggingface_hub's own token file;
+`load_token` reads it back. `search_models` asks the Hub for models of supported architectures;
+it blocks, so the picker runs it in a background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from PySide6.QtCore import QObject, QTimer, Signal
+
+from app.catalog import format_bytes
+from app.download_child import DownloadJob, DownloadProgress, DownloadState, run_download
+from app.model_library import ModelLibrary
+from engine.model.adapters import SUPPORTED_MODEL_TYPES
+
+__all__ = [
+    "DownloadManager",
+    "DownloadProgress",
+    "DownloadState",
+    "HubModel",
+    "load_token",
+    "search_models",
+    "store_token",
+]
+
+log = logging.getLogger(__name__)
+
+KEYRING_SERVICE = "moe-chat"
+KEYRING_USER = "huggingface"
+QUANTIZED_TAGS = {
+    "gptq",
+    "awq",
+    "fp8",
+    "mxfp4",
+    "4-bit",
+    "8-bit",
+    "gguf",
+    "bitsandbytes",
+    "compressed-tensors",
+}
+
+
+# -- the token for gated models -------------------------------------------------------------------
+
+
+def _keyring():
+    """The system keyring, or None where there is no usable backend."""
+    try:
+        import keyring
+        from keyring.backends import chainer, fail
+    except ImportError:
+        return None
+    backend = keyring.get_keyring()
+    if isinstance(backend, fail.Keyring):
+        return None
+    if isinstance(backend, chainer.ChainerBackend) and not backend.backends:
+        return None
+    return backend
+
+
+def store_token(token: str) -> str:
+    """Keep the Hugging Face token; returns where it went (for the user to read)."""
+    token = token.strip()
+    if not token:
+        raise ValueError("The token is empty.")
+    backend = _keyring()
+    if backend is not None:
+        from keyring.errors import KeyringError
+
+        try:
+            backend.set_password(KEYRING_SERVICE, KEYRING_USER, token)
+            return "the system keyring"
+        except KeyringError as err:
+            log.warning("The keyring refused the token (%s); using huggingface_hub's token file", err)
+    from huggingface_hub import login
+
+    login(token=token, skip_if_logged_in=False)  # checks the token with the Hub, then saves it
+    return "huggingface_hub's token file"
+
+
+def load_token() -> str | None:
+    """The stored token: the keyring's, else huggingface_hub's (HF_TOKEN or its token file)."""
+    backend = _keyring()
+    if backend is not None:
+        from keyring.errors import KeyringError
+
+        try:
+            token = backend.get_password(KEYRING_SERVICE, KEYRING_USER)
+        except KeyringError as err:
+            log.warning("Cannot read the keyring (%s)", err)
+            token = None
+        if token:
+            return token
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+# -- searching the Hub ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HubModel:
+    repo_id: str
+    architecture: str
+    downloads: int
+    gated: bool
+    quantized: bool  # pre-quantized: MoE Chat cannot load it
+    total_params: int | None = None
+
+
+def search_models(query: str, limit: int = 20, endpoint: str | None = None) -> list[HubModel]:
+    """Up to `limit` Hub models matching `query` whose architecture MoE Chat supports."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=endpoint, token=load_token() or None)
+    found: list[HubModel] = []
+    listing = api.list_models(
+        search=query.strip() or None,
+        sort="downloads",
+        limit=min(1000, max(100, limit * 10)),  # most matches are dense models, filtered out here
+        expand=["config", "downloads", "gated", "safetensors", "tags"],
+    )
+    for info in listing:
+        config = info.config or {}
+        tags = set(info.tags or ())
+        architecture = config.get("model_type") or next((t for t in tags if t in SUPPORTED_MODEL_TYPES), None)
+        if architecture not in SUPPORTED_MODEL_TYPES:
+            continue
+        found.append(
+            HubModel(
+                repo_id=info.id,
+                architecture=architecture,
+                downloads=info.downloads or 0,
+                gated=bool(info.gated),
+                quantized=bool(config.get("quantization_config")) or bool(tags & QUANTIZED_TAGS),
+                total_params=getattr(info.safetensors, "total", None),
+            )
+        )
+        if len(found) >= limit:
+            break
+    return found
+
+
+# -- disk space ----------------------------------------------------------------------------------
+
+
+def disk_free_bytes(path: Path) -> int:
+    """Free bytes on the disk that holds `path` (or its nearest existing parent)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def disk_margin(nbytes: int) -> int:
+    """Room kept free beyond the download itself: 2% of it, at least 256 MiB."""
+    return max(256 * 2**20, nbytes // 50)
+
+
+# -- the manager ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Download:
+    job: DownloadJob
+    process: multiprocessing.process.BaseProcess
+    events: multiprocessing.queues.Queue
+    go: multiprocessing.synchronize.Event
+    last: DownloadProgress
+
+
+class DownloadManager(QObject):
+    sig_progress = Signal(str, object)
+    """A download moved on: repo id, a `DownloadProgress` (throttled: the newest of each state per poll)."""
+    sig_finished = Signal(str, str)
+    """A download is complete and verified: repo id, the model's local folder."""
+    sig_failed = Signal(str, str)
+    """A download failed: repo id, the reason in words (Retry may help)."""
+    sig_cancelled = Signal(str)
+    """A download was cancelled and its unfinished files removed: repo id."""
+
+    def __init__(
+        self,
+        parent: QObject | None = None,
+        library: ModelLibrary | None = None,
+        endpoint: str | None = None,
+        poll_ms: int = 100,
+    ):
+        super().__init__(parent)
+        self.library = library or ModelLibrary()
+        self.endpoint = endpoint
+        self._context = multiprocessing.get_context("spawn")
+        self._active: dict[str, _Download] = {}
+        self._states: dict[str, DownloadProgress] = {}
+        self._revisions: dict[str, str] = {}
+        self._timer = QTimer(self)
+        self._timer.setInterval(poll_ms)
+        self._timer.timeout.connect(self._poll)
+
+    def state(self, repo_id: str) -> DownloadProgress | None:
+        """The newest progress of `repo_id`'s download, if one was started in this session."""
+        return self._states.get(repo_id)
+
+    def is_active(self, repo_id: str) -> bool:
+        return repo_id in self._active
+
+    def pid(self, repo_id: str) -> int | None:
+        """The process id of `repo_id`'s running download, if any."""
+        download = self._active.get(repo_id)
+        return download.process.pid if download is not None else None
+
+    def start(self, repo_id: str, revision: str = "main") -> None:
+        """Download `repo_id` into the library (nothing happens if it is already downloading)."""
+        if repo_id in self._active:
+            return
+        target = self.library.begin_download(repo_id)
+        job = DownloadJob(repo_id, revision, str(target), self.endpoint, load_token())
+        events, go = self._context.Queue(), self._context.Event()
+        process = self._context.Process(
+            target=run_download, args=(job, events, go), name=f"download {repo_id}", daemon=True
+        )
+        process.start()
+        log.info("Downloading %s@%s into %s (pid %s)", repo_id, revision, target, process.pid)
+        self._revisions[repo_id] = revision
+        checking = DownloadProgress(repo_id, DownloadState.CHECKING)
+        self._active[repo_id] = _Download(job, process, events, go, checking)
+        self._emit_progress(checking)
+        self._timer.start()
+
+    def cancel(self, repo_id: str) -> None:
+        """Kill the download's process and remove its unfinished files."""
+        download = self._active.pop(repo_id, None)
+        if download is None:
+            return
+        self._stop(download)
+        self.library.discard_download(repo_id)
+        self._emit_progress(DownloadProgress(repo_id, DownloadState.CANCELLED))
+        self.sig_cancelled.emit(repo_id)
+
+    def retry(self, repo_id: str) -> None:
+        """Start a failed or cancelled download again."""
+        last = self._states.get(repo_id)
+        ended = last is not None and last.state in (DownloadState.FAILED, DownloadState.CANCELLED)
+        if repo_id in self._active or not ended:
+            return
+        self.start(repo_id, self._revisions.get(repo_id, "main"))
+
+    def shutdown(self) -> None:
+        """Kill every download (app exit); finished files stay for a later Retry."""
+        for download in self._active.values():
+            self._stop(download)
+        self._active.clear()
+        self._timer.stop()
+
+    # -- the GUI thread's poll -------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        for repo_id, download in list(self._active.items()):
+            self._poll_one(repo_id, download)
+        if not self._active:
+            self._timer.stop()
+
+    def _poll_one(self, repo_id: str, download: _Download) -> None:
+        alive = download.process.is_alive()  # before draining: what a dead child sent is all in the pipe
+        pending: DownloadProgress | None = None  # the newest progress not shown yet
+        for event in self._drain(download):
+            if event[0] == "progress":
+                if pending is not None and pending.state is not event[1].state:
+                    self._show(download, pending)  # a state's last figures are never skipped
+                pending = event[1]
+                continue
+            if pending is not None:
+                self._show(download, pending)
+                pending = None
+            if self._handle(repo_id, download, event):
+                return
+        if pending is not None:
+            self._show(download, pending)
+        if not alive:
+            self._died(repo_id, download)
+
+    def _show(self, download: _Download, progress: DownloadProgress) -> None:
+        download.last = progress
+        self._emit_progress(progress)
+
+    @staticmethod
+    def _drain(download: _Download) -> list[tuple]:
+        events = []
+        while True:
+            try:
+                events.append(download.events.get_nowait())
+            except queue.Empty:
+                return events
+            except (OSError, EOFError, ValueError):  # a killed child may leave a torn message
+                return events
+
+    def _handle(self, repo_id: str, download: _Download, event: tuple) -> bool:
+        """Act on one event; True when the download ended with it."""
+        match event:
+            case ("planned", int(to_fetch)):
+                self._check_disk(repo_id, download, to_fetch)
+                return repo_id not in self._active
+            case ("done", str(folder)):
+                self._end(repo_id, download)
+                self.library.finish_download(repo_id)
+                total = download.last.bytes_total
+                self._emit_progress(DownloadProgress(repo_id, DownloadState.DONE, total, total))
+                self.sig_finished.emit(repo_id, folder)
+                return True
+            case ("failed", str(reason)):
+                self._fail(repo_id, download, reason)
+                return True
+        return False
+
+    def _check_disk(self, repo_id: str, download: _Download, to_fetch: int) -> None:
+        target = Path(download.job.target)
+        need, have = to_fetch + disk_margin(to_fetch), disk_free_bytes(target)
+        if need > have:
+            self._stop(download)
+            where = target.parent
+            reason = f"not enough disk space: need {format_bytes(need)}, have {format_bytes(have)} on {where}"
+            self._fail(repo_id, download, reason)
+            return
+        download.go.set()
+
+    def _died(self, repo_id: str, download: _Download) -> None:
+        code = download.process.exitcode
+        self._fail(repo_id, download, f"the download process stopped unexpectedly (exit code {code}).")
+
+    def _fail(self, repo_id: str, download: _Download, reason: str) -> None:
+        self._end(repo_id, download)
+        self.library.remove_incomplete_files(repo_id)
+        log.warning("Download of %s failed: %s", repo_id, reason)
+        self._emit_progress(DownloadProgress(repo_id, DownloadState.FAILED, reason=reason))
+        self.sig_failed.emit(repo_id, reason)
+
+    def _end(self, repo_id: str, download: _Download) -> None:
+        self._active.pop(repo_id, None)
+        download.process.join(5)
+        if download.process.is_alive():
+            self._stop(download)
+
+    @staticmethod
+    def _stop(download: _Download) -> None:
+        download.process.kill()
+        download.process.join(5)
+        download.events.cancel_join_thread()
+        download.events.close()
+
+    def _emit_progress(self, progress: DownloadProgress) -> None:
+        self._states[progress.repo_id] = progress
+        self.sig_progress.emit(progress.repo_id, progress)

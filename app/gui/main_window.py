@@ -1,0 +1,313 @@
+"""The main window: conversations on the left, the chat in the middle, the live dashboard on the right.
+
+It owns the `EngineClient` and the conversation store and wires them to the
+widgets: a message is stored before it is sent, a reply is stored when it ends
+(also when stopped, also the part streamed before an engine crash), so the
+user's conversations never depend on the worker. Errors are banners with an
+action; a crashed worker is restarted and the model loaded again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import QDockWidget, QLabel, QMainWindow, QSplitter, QVBoxLayout, QWidget
+
+from app.gui.banner import BannerArea
+from app.gui.chat_session import ChatSession
+from app.gui.chat_settings import ChatSettingsDialog
+from app.gui.chat_view import ChatView
+from app.gui.conversation_list import ConversationList
+from app.gui.dashboard import Dashboard
+from app.gui.engine_client import ConnectionState, EngineClient
+from app.gui.settings_dialog import SettingsDialog
+from app.settings import AppSettings, SettingsStore
+from app.storage import ConversationStore
+from engine.worker.protocol import Finished, Stats
+
+log = logging.getLogger(__name__)
+
+
+class MainWindow(QMainWindow):
+    def __init__(
+        self,
+        store: ConversationStore | None = None,
+        settings_store: SettingsStore | None = None,
+        client: EngineClient | None = None,
+    ):
+        super().__init__()
+        self.setWindowTitle("MoE Chat")
+        self.resize(1280, 800)
+        self.store = store or ConversationStore()
+        self.settings_store = settings_store or SettingsStore()
+        self.settings: AppSettings = self.settings_store.load()
+        self.client = client or EngineClient(self)
+        self.model_info: dict | None = None
+        self._load_id: str | None = None
+        self.downloads = None  # app.gui.downloads.DownloadManager, made when the model picker first opens
+        self.latest_stats: Stats | None = None
+
+        self.banners = BannerArea(self)
+        self.conversations = ConversationList(self.store, self)
+        self.chat_view = ChatView(self)
+        self.dashboard = Dashboard(self, columns=2)
+        self.session = ChatSession(self.store, self.client, self.chat_view, lambda: self.settings)
+        self._build_layout()
+        self._build_menus()
+        self._connect()
+        self.conversations.refresh()
+        self._open_latest_conversation()
+        self._show_engine_state("Starting the engine…")
+        if self.settings_store.problems:  # a damaged settings file: what fell back to defaults
+            text = "Some settings were reset: " + " ".join(self.settings_store.problems)
+            self.banners.show_banner(text, "warning", [("Settings…", self.open_settings)], key="settings")
+
+    # -- layout ------------------------------------------------------------------------------------
+
+    def _build_layout(self) -> None:
+        center = QWidget(self)
+        column = QVBoxLayout(center)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.addWidget(self.banners)
+        column.addWidget(self.chat_view, 1)
+        splitter = QSplitter(Qt.Orientation.Horizontal, self)
+        splitter.addWidget(self.conversations)
+        splitter.addWidget(center)
+        splitter.setStretchFactor(1, 1)
+        splitter.setSizes([260, 1020])
+        self.setCentralWidget(splitter)
+        dock = QDockWidget("Dashboard", self)
+        dock.setObjectName("dashboard")
+        dock.setWidget(self.dashboard)
+        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
+        self.resizeDocks([dock], [420], Qt.Orientation.Horizontal)
+        self.dashboard_dock = dock
+        self.engine_label = QLabel(self)
+        self.statusBar().addPermanentWidget(self.engine_label)
+
+    def _build_menus(self) -> None:
+        file_menu = self.menuBar().addMenu("&File")
+        self._action(file_menu, "&New chat", self.new_conversation, QKeySequence.StandardKey.New)
+        self._action(file_menu, "&Models…", self.open_model_picker, "Ctrl+M")
+        self._action(file_menu, "&Settings…", self.open_settings, QKeySequence.StandardKey.Preferences)
+        file_menu.addSeparator()
+        self._action(file_menu, "&Quit", self.close, QKeySequence.StandardKey.Quit)
+        chat_menu = self.menuBar().addMenu("&Chat")
+        self._action(chat_menu, "Chat &settings…", self.open_chat_settings, "Ctrl+Shift+S")
+        engine_menu = self.menuBar().addMenu("&Engine")
+        self._action(engine_menu, "&Auto-tune for this machine…", self.open_tune_wizard)
+        self._action(engine_menu, "&Restart engine", self.restart_engine)
+        view_menu = self.menuBar().addMenu("&View")
+        view_menu.addAction(self.dashboard_dock.toggleViewAction())
+
+    def _action(self, menu, text: str, slot, shortcut=None) -> QAction:
+        action = QAction(text, self)
+        if shortcut is not None:
+            action.setShortcut(shortcut)
+        action.triggered.connect(slot)
+        menu.addAction(action)
+        return action
+
+    def _connect(self) -> None:
+        c = self.client
+        c.sig_ready.connect(self._on_ready)
+        c.sig_load_progress.connect(self._on_load_progress)
+        c.sig_loaded.connect(self._on_loaded)
+        c.sig_notice.connect(lambda rid, message: self.banners.show_banner(message, "warning", key="notice"))
+        c.sig_stats.connect(self._on_stats)
+        c.sig_error.connect(self._on_error)
+        c.sig_worker_died.connect(self._on_worker_died)
+        c.sig_tokens.connect(self.session.on_tokens)
+        c.sig_finished.connect(self._on_finished)
+        self.conversations.sig_selected.connect(self._on_conversation_selected)
+        self.conversations.sig_new_requested.connect(self.new_conversation)
+        self.conversations.sig_deleted.connect(self._on_conversation_deleted)
+        self.session.sig_conversation_changed.connect(self._on_conversation_changed)
+
+    # -- engine ------------------------------------------------------------------------------------
+
+    def start_engine(self) -> None:
+        """Start the worker and load the configured model (the demo model when none is set)."""
+        self.client.start()
+        self.load_model()
+
+    def load_model(self) -> None:
+        self.model_info = None
+        self.chat_view.set_input_enabled(False, "Loading the model…")
+        self._load_id = self.client.load_model(self.settings.model_path, self.settings.to_offload_config())
+
+    def restart_engine(self) -> None:
+        self.session.abandon_reply("The engine was restarted.")
+        self.client.restart()
+        self.load_model()
+
+    def _on_ready(self, ready) -> None:
+        device = ready.device
+        self._show_engine_state(f"Engine ready on {device.kind.upper()} ({device.name})")
+
+    def _on_load_progress(self, request_id: str, stage: str, done: int, total: int) -> None:
+        if request_id == self._load_id and total:
+            self._show_engine_state(f"Loading the model: {stage} {done}/{total}")
+
+    def _on_loaded(self, request_id: str, model: dict) -> None:
+        if request_id != self._load_id:
+            return
+        model = {**model, "name": _model_name(model)}
+        self.model_info = model
+        self.dashboard.set_model(model)
+        self.chat_view.set_input_enabled(True)
+        self.banners.clear("load")
+        name = _model_name(model)
+        link = "simulated link" if model.get("simulated_link") else model.get("device", "")
+        self._show_engine_state(f"{name} · {model.get('cache_slots')} cached experts · {link}")
+
+    def _on_stats(self, stats: Stats) -> None:
+        self.latest_stats = stats
+        self.dashboard.update_stats(stats)
+
+    def _on_finished(self, request_id: str, finished: Finished) -> None:
+        self.session.on_finished(request_id, finished)
+        self.conversations.refresh()
+
+    def _on_error(self, request_id: str, kind: str, message: str) -> None:
+        if self.session.on_error(request_id, kind, message):
+            self.banners.show_banner(
+                message, "error", actions=[("Retry", self.session.regenerate)], key="reply"
+            )
+        elif request_id == self._load_id:
+            self.chat_view.set_input_enabled(False, "No model is loaded.")
+            self._show_engine_state("No model loaded")
+            actions = [("Retry", self.load_model), ("Settings…", self.open_settings)]
+            actions.append(("Models…", self.open_model_picker))
+            self.banners.show_banner(
+                f"The model could not be loaded: {message}", "error", actions, key="load"
+            )
+        else:
+            self.banners.show_banner(message, "error", key="engine-error")
+
+    def _on_worker_died(self, message: str) -> None:
+        self.session.abandon_reply(message)
+        self._show_engine_state("Engine stopped — restarting")
+        self.banners.show_banner(
+            f"{message} It was restarted; your conversations are safe.",
+            "error",
+            actions=[("Restart again", self.restart_engine), ("Settings…", self.open_settings)],
+            key="engine",
+        )
+        self.client.restart()
+        self.load_model()
+
+    def _show_engine_state(self, text: str) -> None:
+        self.engine_label.setText(text)
+
+    # -- conversations -----------------------------------------------------------------------------
+
+    def new_conversation(self) -> None:
+        self.session.open(self.store.create().id)
+        self.conversations.refresh()
+        self.conversations.select(self.session.conversation_id)
+
+    def _open_latest_conversation(self) -> None:
+        summaries = self.store.list()
+        if summaries:
+            self.session.open(summaries[0].id)
+            self.conversations.select(summaries[0].id)
+
+    def _on_conversation_selected(self, conversation_id: int) -> None:
+        if conversation_id != self.session.conversation_id:
+            self.session.open(conversation_id)
+
+    def _on_conversation_deleted(self, conversation_id: int) -> None:
+        if conversation_id == self.session.conversation_id:
+            self.session.close_conversation()
+
+    def _on_conversation_changed(self, conversation_id: int) -> None:
+        self.conversations.refresh()
+        self.conversations.select(conversation_id)
+
+    def open_chat_settings(self) -> None:
+        conversation = self.session.conversation()
+        if conversation is None:
+            self.new_conversation()
+            conversation = self.session.conversation()
+        dialog = ChatSettingsDialog(conversation.system_prompt, conversation.settings, self)
+        if dialog.exec():
+            system_prompt, settings = dialog.values()
+            self.store.set_system_prompt(conversation.id, system_prompt)
+            self.store.set_settings(conversation.id, settings)
+
+    # -- settings and models -----------------------------------------------------------------------
+
+    def open_settings(self) -> None:
+        gpu = self.client.ready is not None and self.client.ready.device.kind == "cuda"
+        dialog = SettingsDialog(self.settings, self, gpu_available=gpu)
+        dialog.sig_applied.connect(self.apply_settings)
+        dialog.set_tune_available(self.model_info is not None)
+        dialog.sig_tune_requested.connect(lambda: (dialog.reject(), self.open_tune_wizard()))
+        dialog.exec()
+
+    def open_tune_wizard(self) -> None:
+        """The auto-tune wizard for the loaded model; its result is applied like settings."""
+        from app.gui.tune_wizard import TuneWizard
+
+        if self.model_info is None:
+            self.banners.show_banner("Load a model before tuning.", "warning", key="tune")
+            return
+        wizard = TuneWizard(self.client, self.settings, self, stats=self.latest_stats)
+        wizard.sig_apply.connect(self.apply_settings)
+        wizard.exec()
+
+    def apply_settings(self, settings: AppSettings) -> None:
+        old, self.settings = self.settings, settings
+        self.settings_store.save(settings)
+        if AppSettings.needs_reload(old, settings) and self.client.state is ConnectionState.READY:
+            self.load_model()
+
+    def open_model_picker(self) -> None:
+        from app.gui.downloads import DownloadManager
+        from app.gui.model_picker import ModelPicker
+
+        if self.downloads is None:  # one manager for the app: downloads go on when the picker closes
+            self.downloads = DownloadManager(self)
+        vram = self.client.ready.device.total_memory_bytes if self.client.ready else None
+        picker = ModelPicker(self, manager=self.downloads, vram_bytes=vram)
+        picker.sig_model_chosen.connect(self._use_model)
+        picker.exec()
+
+    def _use_model(self, path: str) -> None:
+        from engine.resources import demo_model_dir
+
+        model_path = None if Path(path) == demo_model_dir() else path
+        same = model_path == self.settings.model_path
+        self.apply_settings(replace(self.settings, model_path=model_path))
+        if same and self.model_info is None and self.client.state is ConnectionState.READY:
+            self.load_model()  # the same model again, after it failed to load
+
+    # -- window ------------------------------------------------------------------------------------
+
+    def bring_to_front(self) -> None:
+        self.setWindowState(self.windowState() & ~Qt.WindowState.WindowMinimized)
+        self.show()
+        self.raise_()
+        self.activateWindow()
+
+    def closeEvent(self, event) -> None:
+        self.session.abandon_reply("The app was closed.")
+        self.client.shutdown()
+        if self.downloads is not None:
+            self.downloads.shutdown()
+        self.store.close()
+        super().closeEvent(event)
+
+
+def _model_name(model: dict) -> str:
+    from engine.resources import demo_model_dir
+
+    path = Path(str(model.get("path", "")))
+    if path == demo_model_dir():
+        return "MoE Chat Demo"
+    return path.name or model.get("model_type", "model")

@@ -1,0 +1,375 @@
+"""The model picker: the catalog with fit estimates, Hub search, downloads and local folders.
+
+`ModelPicker(QDialog)` has three tabs. Catalog: every supported model with its size, licence,
+expected fit on this computer (colour-coded), install state, and per row Download / Cancel /
+Retry / Delete with a progress line (bytes, speed, ETA). Search the Hub: a query, results of
+supported architectures, Download. Local folders: the installed models and Import….
+"Use this model" (or a double-click on an installed model) emits `sig_model_chosen(path)`.
+
+Downloads belong to the `DownloadManager` passed in (the main window's, so they outlive the
+dialog); a picker that made its own stops its downloads when it closes. Searches, imports and
+token checks block, so they run on a worker thread (`app.gui.picker_widgets.BackgroundCall`) and
+report back on the GUI thread. Nothing here imports torch or safetensors.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (
+    QDialog,
+    QHBoxLayout,
+    QInputDialog,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QTableWidget,
+    QTableWidgetItem,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.catalog import (
+    CatalogEntry,
+    estimate_fit,
+    format_bytes,
+    format_params,
+    gpu_memory_bytes,
+    load_catalog,
+    system_ram_bytes,
+)
+from app.gui.downloads import (
+    DownloadManager,
+    DownloadProgress,
+    HubModel,
+    load_token,
+    search_models,
+    store_token,
+)
+from app.gui.picker_widgets import (
+    NBSP,
+    BackgroundCall,
+    DownloadRow,
+    LocalModelsPage,
+    cell_text,
+    make_table,
+    status_label,
+)
+from app.model_library import ModelLibrary
+
+log = logging.getLogger(__name__)
+
+FIT_COLOURS = {"good": "#1b7f3b", "tight": "#9a6700", "no": "#b3261e"}
+CATALOG_COLUMNS = (
+    "Model",
+    "Architecture",
+    "Parameters",
+    "Experts",
+    "Download",
+    "Licence",
+    "Fit on this computer",
+    "Status",
+    "",
+)
+SEARCH_COLUMNS = ("Model", "Architecture", "Parameters", "Downloads", "Notes", "Status", "")
+CATALOG_WIDTHS = (270, 95, 95, 85, 80, 110, 270, 270, 100)
+SEARCH_WIDTHS = (340, 100, 90, 100, 240, 270, 100)
+ROW_HEIGHT = 50
+QUANTIZED_NOTE = "pre-quantized: cannot run"
+
+
+class ModelPicker(QDialog):
+    sig_model_chosen = Signal(str)
+    """The user chose a model: its local folder (the demo's folder for the demo)."""
+
+    def __init__(
+        self,
+        parent: QWidget | None = None,
+        manager: DownloadManager | None = None,
+        library: ModelLibrary | None = None,
+        vram_bytes: int | None = None,
+    ):
+        super().__init__(parent)
+        self.setWindowTitle("Models")
+        self.library = library or (manager.library if manager is not None else ModelLibrary())
+        self._owns_manager = manager is None
+        self.manager = manager or DownloadManager(self, library=self.library)
+        self.catalog = load_catalog()
+        self.ram_bytes = system_ram_bytes()
+        self.vram_bytes = vram_bytes if vram_bytes is not None else gpu_memory_bytes()
+        self._rows: dict[str, list[DownloadRow]] = {}
+        self._search_results: list[HubModel] = []
+        self._build()
+        self.manager.sig_progress.connect(self._on_progress)
+        self.manager.sig_finished.connect(self._on_installed_changed)
+        self.manager.sig_failed.connect(self._on_installed_changed)
+        self.manager.sig_cancelled.connect(self._on_installed_changed)
+        self.resize(1420, 600)
+
+    # -- building -------------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        self.machine_label = QLabel(self._machine_text())
+        self.tabs = QTabWidget()
+        self.catalog_table = self._table(CATALOG_COLUMNS, CATALOG_WIDTHS)
+        self.local_page = LocalModelsPage(self.library)
+        self.local_page.sig_message.connect(self._say)
+        self.local_page.sig_changed.connect(self._on_library_changed)
+        self.local_page.table.itemSelectionChanged.connect(self._update_use_button)
+        self.local_page.table.cellDoubleClicked.connect(lambda *_: self._use_selected())
+        self.tabs.addTab(self.catalog_table, "Catalog")
+        self.tabs.addTab(self._build_search(), "Search the Hub")
+        self.tabs.addTab(self.local_page, "Local folders")
+        self.message_label = QLabel()
+        self.message_label.setWordWrap(True)
+        token_button = QPushButton("Hugging Face token…")
+        token_button.clicked.connect(self._ask_token)
+        self.use_button = QPushButton("Use this model")
+        self.use_button.setDefault(True)
+        self.use_button.clicked.connect(self._use_selected)
+        close_button = QPushButton("Close")
+        close_button.clicked.connect(self.reject)
+        buttons = QHBoxLayout()
+        for widget in (token_button, self.message_label):
+            buttons.addWidget(widget)
+        buttons.addStretch(1)
+        buttons.addWidget(self.use_button)
+        buttons.addWidget(close_button)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.machine_label)
+        layout.addWidget(self.tabs, 1)
+        layout.addLayout(buttons)
+        self._fill_catalog()
+        self.tabs.currentChanged.connect(lambda _: self._update_use_button())
+        self._update_use_button()
+
+    def _table(self, columns: tuple[str, ...], widths: tuple[int, ...]) -> QTableWidget:
+        table = make_table(columns, widths, ROW_HEIGHT)
+        table.itemSelectionChanged.connect(self._update_use_button)
+        table.cellDoubleClicked.connect(lambda *_: self._use_selected())
+        return table
+
+    def _build_search(self) -> QWidget:
+        self.search_box = QLineEdit()
+        self.search_box.setPlaceholderText("Search the Hugging Face Hub, e.g. Qwen3 MoE, Mixtral, OLMoE")
+        self.search_box.returnPressed.connect(self.search)
+        search_button = QPushButton("Search")
+        search_button.clicked.connect(self.search)
+        self.search_status = QLabel("Only models of architectures MoE Chat supports are listed.")
+        self.search_table = self._table(SEARCH_COLUMNS, SEARCH_WIDTHS)
+        row = QHBoxLayout()
+        row.addWidget(self.search_box, 1)
+        row.addWidget(search_button)
+        page = QWidget()
+        layout = QVBoxLayout(page)
+        layout.addLayout(row)
+        layout.addWidget(self.search_status)
+        layout.addWidget(self.search_table, 1)
+        return page
+
+    # -- catalog ----------------------------------------------------------------------------------
+
+    def _fill_catalog(self) -> None:
+        table = self.catalog_table
+        table.setRowCount(len(self.catalog))
+        for row, entry in enumerate(self.catalog):
+            size = format_bytes(entry.download_bytes)
+            cells = (
+                f"{entry.name}\n{entry.repo_id or 'bundled with the app'}",
+                entry.architecture,
+                f"{format_params(entry.total_params)} total\n{format_params(entry.active_params)} active",
+                f"{entry.num_experts} experts\ntop-{entry.top_k}",
+                size if entry.bundled else f"~{size}" if entry.size_approximate else size,
+                entry.license + ("\ngated" if entry.gated else ""),
+            )
+            for column, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                item.setToolTip(entry.notes)
+                table.setItem(row, column, item)
+            if entry.bundled:
+                table.setCellWidget(row, 7, status_label("Bundled with the app: ready to use"))
+            else:
+                self._add_download_row(table, row, 7, entry.repo_id, entry.gated, "catalog")
+        self._fill_fit()
+
+    def _fill_fit(self) -> None:
+        for row, entry in enumerate(self.catalog):
+            fit = estimate_fit(entry, self.ram_bytes, self.vram_bytes)
+            cell = status_label(f"● {fit.summary}", FIT_COLOURS[fit.level], f"{fit.summary}\n\n{entry.notes}")
+            self.catalog_table.setCellWidget(row, 6, cell)
+
+    def set_vram_bytes(self, vram_bytes: int | None) -> None:
+        """The GPU memory the worker reported; fit estimates follow it."""
+        self.vram_bytes = vram_bytes
+        self.machine_label.setText(self._machine_text())
+        self._fill_fit()
+
+    def _machine_text(self) -> str:
+        gpu = f"GPU {format_bytes(self.vram_bytes)}" if self.vram_bytes else "no GPU found (CPU only)"
+        return f"This computer: {format_bytes(self.ram_bytes)} RAM, {gpu}. Fit estimates assume BF16 weights."
+
+    def fit_text(self, entry_id: str) -> str:
+        """The fit estimate shown for a catalog entry."""
+        return cell_text(self.catalog_table.cellWidget(self._catalog_row(entry_id), 6))
+
+    def _catalog_row(self, entry_id: str) -> int:
+        return next(i for i, e in enumerate(self.catalog) if e.id == entry_id)
+
+    # -- download rows (catalog and search) --------------------------------------------------------
+
+    def _add_download_row(
+        self, table: QTableWidget, row: int, column: int, repo_id: str, gated: bool, where: str
+    ) -> DownloadRow:
+        download_row = DownloadRow(repo_id, where)
+        download_row.download_button.clicked.connect(lambda: self._download(repo_id, gated))
+        download_row.cancel_button.clicked.connect(lambda: self.manager.cancel(repo_id))
+        download_row.retry_button.clicked.connect(lambda: self._download(repo_id, gated, retry=True))
+        download_row.delete_button.clicked.connect(lambda: self._delete_download(repo_id))
+        table.setCellWidget(row, column, download_row.status)
+        table.setCellWidget(row, column + 1, download_row.actions)
+        self._rows.setdefault(repo_id, []).append(download_row)
+        self._refresh_row(download_row)
+        return download_row
+
+    def _refresh_row(self, download_row: DownloadRow) -> None:
+        repo_id = download_row.repo_id
+        download_row.show(
+            self.manager.state(repo_id),
+            installed=self.library.is_installed(repo_id),
+            partial=self.library.has_partial(repo_id),
+        )
+
+    def download_row(self, repo_id: str, where: str = "catalog") -> DownloadRow:
+        """The row widgets of `repo_id` in the catalog or in the search results."""
+        return next(r for r in self._rows[repo_id] if r.where == where)
+
+    def status_text(self, repo_id: str) -> str:
+        """The status line the user sees for `repo_id` (its first row)."""
+        return self._rows[repo_id][0].status_label.text().replace(NBSP, " ")
+
+    def row_buttons(self, repo_id: str) -> list[str]:
+        """The action buttons shown for `repo_id` (its first row)."""
+        return self._rows[repo_id][0].visible_buttons()
+
+    def _on_progress(self, repo_id: str, progress: DownloadProgress) -> None:
+        for download_row in self._rows.get(repo_id, ()):
+            self._refresh_row(download_row)
+
+    def _on_installed_changed(self, repo_id: str, *_) -> None:
+        for download_row in self._rows.get(repo_id, ()):
+            self._refresh_row(download_row)
+        self.local_page.refresh()
+        self._update_use_button()
+
+    def _on_library_changed(self) -> None:
+        for rows in self._rows.values():
+            for download_row in rows:
+                self._refresh_row(download_row)
+        self._update_use_button()
+
+    def _download(self, repo_id: str, gated: bool, retry: bool = False) -> None:
+        start = self.manager.retry if retry else self.manager.start
+        if not gated or load_token():
+            start(repo_id)
+            return
+        token, ok = QInputDialog.getText(
+            self,
+            "Hugging Face token",
+            f"{repo_id} is gated: accept its terms on huggingface.co, then paste an access token:",
+            QLineEdit.EchoMode.Password,
+        )
+        if ok and token.strip():
+            self._store_token_then(token, lambda: start(repo_id))
+
+    def _ask_token(self) -> None:
+        token, ok = QInputDialog.getText(
+            self, "Hugging Face token", "Access token for gated models:", QLineEdit.EchoMode.Password
+        )
+        if ok and token.strip():
+            self._store_token_then(token, lambda: None)
+
+    def _store_token_then(self, token: str, then) -> None:
+        def stored(where: str) -> None:
+            self._say(f"Token saved in {where}.")
+            then()
+
+        self._say("Saving the token…")
+        failed = lambda err: self._say(f"Token not saved: {err}")  # noqa: E731
+        BackgroundCall(lambda: store_token(token), stored, failed, owner=self).start()
+
+    def _delete_download(self, repo_id: str) -> None:
+        model = self.library.find(repo_id)
+        if model is not None:
+            self.local_page.delete(model)
+
+    # -- search ------------------------------------------------------------------------------------
+
+    def search(self) -> None:
+        """Search the Hub for the query in the search box (on a worker thread)."""
+        query = self.search_box.text()
+        self.search_status.setText(f"Searching the Hub for “{query}”…")
+        endpoint = self.manager.endpoint
+        work = lambda: search_models(query, endpoint=endpoint)  # noqa: E731
+        BackgroundCall(work, self._show_results, self._search_failed, owner=self).start()
+
+    def _search_failed(self, message: str) -> None:
+        self.search_status.setText(f"The search failed: {message}")
+
+    def _show_results(self, results: list[HubModel]) -> None:
+        for repo_id in [m.repo_id for m in self._search_results]:
+            self._rows[repo_id] = [r for r in self._rows.get(repo_id, []) if r.where != "search"]
+        self._search_results = results
+        table = self.search_table
+        table.setRowCount(len(results))
+        for row, model in enumerate(results):
+            params = format_params(model.total_params) if model.total_params else "unknown"
+            notes = [note for note, on in (("gated", model.gated), (QUANTIZED_NOTE, model.quantized)) if on]
+            cells = (model.repo_id, model.architecture, params, f"{model.downloads:,}", ", ".join(notes))
+            for column, text in enumerate(cells):
+                table.setItem(row, column, QTableWidgetItem(text))
+            download_row = self._add_download_row(table, row, 5, model.repo_id, model.gated, "search")
+            download_row.download_button.setEnabled(not model.quantized)
+        count = f"{len(results)} model(s)" if results else "No models"
+        self.search_status.setText(f"{count} of supported architectures found.")
+
+    # -- choosing ----------------------------------------------------------------------------------
+
+    def selected_model_path(self) -> str | None:
+        """The folder of the installed model selected in the current tab, if any."""
+        page = self.tabs.currentIndex()
+        if page == 0:
+            row = self.catalog_table.currentRow()
+            return self._entry_path(self.catalog[row]) if 0 <= row < len(self.catalog) else None
+        if page == 1:
+            row = self.search_table.currentRow()
+            if 0 <= row < len(self._search_results):
+                model = self.library.find(self._search_results[row].repo_id)
+                return model.path if model else None
+            return None
+        return self.local_page.selected_path()
+
+    def _entry_path(self, entry: CatalogEntry) -> str | None:
+        if entry.bundled:
+            return entry.local_path
+        if not self.library.is_installed(entry.repo_id):
+            return None
+        return str(self.library.folder_for(entry.repo_id))
+
+    def _use_selected(self) -> None:
+        path = self.selected_model_path()
+        if path is not None:
+            self.sig_model_chosen.emit(path)
+            self.accept()
+
+    def _update_use_button(self) -> None:
+        self.use_button.setEnabled(self.selected_model_path() is not None)
+
+    def _say(self, message: str) -> None:
+        self.message_label.setText(message)
+
+    def done(self, result: int) -> None:
+        if self._owns_manager:
+            self.manager.shutdown()  # nobody else would watch these downloads
+        super().done(result)

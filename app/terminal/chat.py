@@ -1,0 +1,249 @@
+"""Terminal chat: `moe-chat-cli [--model DIR] [options]`; `moe-chat-cli serve …` runs the local server.
+
+A REPL over an `EngineSession`: each line is a user message, the reply streams
+to stdout as it arrives, and the conversation is kept (with `--system` first).
+Commands: /stats, /reset, /help, /quit (or Ctrl-D). Progress, notices and
+errors go to stderr, so stdout holds only replies and what commands print.
+
+Ctrl-C while a reply streams cancels it and returns to the prompt; the question
+and its partial reply are left out of the history, so the conversation stays as
+it was before (chat templates that require alternating roles keep working).
+Ctrl-C at the prompt leaves with status 0. An error from the engine is shown and
+the chat goes on; a dead engine ends it with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import multiprocessing
+import signal
+import sys
+from collections.abc import Iterator
+from typing import TextIO
+
+from app.terminal.session_setup import add_session_arguments, open_session, report_start_failure
+from engine.config import format_bytes
+from engine.errors import EngineError
+from engine.generation_config import GenerationConfig
+from engine.worker.client import EngineSession, RequestFailed, WorkerDied
+from engine.worker.protocol import ChatMessage, Finished, Stats, Token
+
+log = logging.getLogger(__name__)
+
+PROMPT = "you> "
+COMMANDS = {
+    "/stats": "show the engine's latest telemetry",
+    "/reset": "start a new conversation",
+    "/help": "list the commands",
+    "/quit": "leave (also Ctrl-D)",
+}
+
+
+class TerminalChat:
+    """The REPL: reads lines from `stdin`, streams replies to `stdout`, talks to the user on `stderr`."""
+
+    def __init__(
+        self,
+        session: EngineSession,
+        config: GenerationConfig,
+        system: str | None = None,
+        stdin: TextIO = sys.stdin,
+        stdout: TextIO = sys.stdout,
+        stderr: TextIO = sys.stderr,
+    ):
+        self.session, self.config, self.system = session, config, system
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self.interactive = stdin.isatty() and stdout.isatty()
+        self.history: list[ChatMessage] = []
+        self.last_reply: Finished | None = None
+        self._line_open = False  # part of a reply is on stdout, without its newline
+        self.reset()
+
+    def reset(self) -> None:
+        self.history = [ChatMessage("system", self.system)] if self.system else []
+
+    def run(self) -> int:
+        """Chat until /quit, EOF or Ctrl-C at the prompt (0), or until the engine dies (1)."""
+        if self.interactive:
+            with contextlib.suppress(ImportError):  # not on Windows
+                import readline  # noqa: F401  (input() then edits lines and keeps their history)
+            self._say("Type a message, or /help. Ctrl-C stops a reply; Ctrl-D or /quit leaves.")
+        while True:
+            try:
+                line = self._read_line().strip()
+            except (EOFError, KeyboardInterrupt):
+                if self.interactive:
+                    self._say("")  # end the prompt's line
+                return 0
+            try:
+                if line.startswith("/"):
+                    if not self.command(line):
+                        return 0
+                elif line:
+                    self.reply(line)
+            except WorkerDied as err:
+                self._say(f"error: {err}")
+                return 1
+            except KeyboardInterrupt:  # during a command: back to the prompt
+                self._say("[interrupted]")
+
+    def command(self, line: str) -> bool:
+        """Run one /command; False when it asks to leave."""
+        name = line.split()[0].lower()
+        match name:
+            case "/quit" | "/exit":
+                return False
+            case "/reset":
+                self.reset()
+                self.last_reply = None
+                self._say("[new conversation]")
+            case "/stats":
+                self._print(format_stats(self.session.stats(), self.last_reply))
+            case "/help":
+                self._print("\n".join(f"{cmd:<8} {what}" for cmd, what in COMMANDS.items()))
+            case _:
+                self._say(f"Unknown command {name}; /help lists the commands.")
+        return True
+
+    def reply(self, text: str) -> None:
+        """Stream the reply to `text`; keep both in the history only when the reply finished."""
+        question = ChatMessage("user", text)
+        stream = self.session.generate([*self.history, question], self.config)
+        try:
+            finished = self._stream(stream)
+        except KeyboardInterrupt:
+            _cancel(stream)
+            self._end_line()
+            self._say("[reply cancelled; it is left out of the conversation]")
+            return
+        except RequestFailed as err:
+            self._end_line()
+            self._say(f"error: {err}")
+            return
+        self._print(finished.tail)
+        self.history += [question, ChatMessage("assistant", finished.text)]
+        self.last_reply = finished
+        if finished.reason == "length":
+            self._say(f"[the reply reached the limit of {self.config.max_new_tokens} tokens]")
+
+    def _stream(self, stream: Iterator[Token | Finished]) -> Finished:
+        self._line_open = False
+        for event in stream:
+            if isinstance(event, Finished):
+                return event
+            if event.text:
+                self.stdout.write(event.text)
+                self.stdout.flush()
+                self._line_open = True
+        raise AssertionError("unreachable: a generation ends with Finished or an exception")
+
+    def _read_line(self) -> str:
+        if self.interactive:
+            return input(PROMPT)  # line editing and history through readline
+        line = self.stdin.readline()
+        if not line:
+            raise EOFError
+        return line
+
+    def _end_line(self) -> None:
+        """End a reply cut short, if any of it was written."""
+        if self._line_open:
+            self._print("")
+
+    def _print(self, text: str) -> None:
+        self.stdout.write(text + "\n")
+        self.stdout.flush()
+
+    def _say(self, text: str) -> None:
+        self.stderr.write(text + "\n")
+        self.stderr.flush()
+
+
+def _cancel(stream: Iterator) -> None:
+    """Close a reply's stream, which cancels the generation and drains its events.
+
+    A second Ctrl-C while it drains must not end the chat: the generator is closed by
+    then, and the session skips any late events of the cancelled request."""
+    while True:
+        try:
+            stream.close()
+            return
+        except KeyboardInterrupt:
+            continue
+
+
+def format_stats(stats: Stats, reply: Finished | None) -> str:
+    """Telemetry in two readable lines: the last reply's speed, then the engine's state."""
+    if reply is None:
+        last = "none yet"
+    else:
+        s = reply.stats
+        last = (
+            f"{reply.completion_tokens} tokens, {_fmt(s.get('tokens_per_s'), '.1f')} tok/s, "
+            f"tpot {_fmt(s.get('tpot_ms'), '.1f')} ms, hit rate {_pct(s.get('hit_rate'))}, "
+            f"accept_len {_fmt(s.get('accept_len'), '.2f')}, h2d {_fmt(s.get('h2d_gbps'), '.2f')} GB/s"
+        )
+    link = {True: "simulated link", False: "PCIe", None: "no model"}[stats.simulated_link]
+    if stats.vram_used_bytes is not None and stats.vram_total_bytes is not None:
+        vram = f"{format_bytes(stats.vram_used_bytes)} / {format_bytes(stats.vram_total_bytes)}"
+    elif stats.torch_allocated_bytes is not None:
+        vram = f"{format_bytes(stats.torch_allocated_bytes)} allocated"
+    else:
+        vram = "n/a"
+    slots = (
+        f"{stats.cache_slots_used}/{stats.cache_slots_total}"
+        if stats.cache_slots_total is not None
+        else "n/a"
+    )
+    engine = (
+        f"{link}; cache slots {slots}; hit rate {_pct(stats.hit_rate_total)} since load; "
+        f"VRAM {vram}; RAM {format_bytes(stats.process_rss_bytes)} (engine), "
+        f"{format_bytes(stats.host_ram_used_bytes)} / {format_bytes(stats.host_ram_total_bytes)} (host)"
+    )
+    return f"last reply: {last}\nengine: {engine}"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0%}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moe-chat-cli",
+        description="Chat with a Mixture-of-Experts model in the terminal.",
+        epilog="`moe-chat-cli serve --help`: a local OpenAI-compatible server instead.",
+    )
+    parser.add_argument("--system", default=None, help="system prompt at the start of every conversation")
+    add_session_arguments(parser, max_new_tokens=512)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    multiprocessing.freeze_support()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        from app.server.openai_server import main as serve_main
+
+        return serve_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    # A shell starts background jobs with SIGINT ignored; in this REPL Ctrl-C has a meaning.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        session, _, config = open_session(args)
+    except (EngineError, KeyboardInterrupt) as err:
+        return report_start_failure(err)
+    try:
+        return TerminalChat(session, config, system=args.system).run()
+    finally:
+        session.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""Benchmark v1: `python -m engine.bench --model DIR [options]`.
+
+Runs a fixed prompt set through the offloaded engine for each expert budget
+asked for and prints one row per budget with the DESIGN.md metrics: tpot_ms,
+tokens_per_s, prefill tokens/s, decode hit_rate, h2d_gbps and bytes copied per
+token, and whether the link was simulated. `--compare-transformers` also times
+transformers' own `generate` on the same model, device and dtype (decode time
+= time for N tokens − time for 1 token, the same split the engine reports), so
+the offload machinery's overhead is measured side by side.
+
+Figures measured over a simulated link are simulated: every row says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engine.config import OffloadConfig, format_bytes
+from engine.errors import EngineError
+from engine.options import add_offload_arguments, add_spec_arguments, model_folder, offload_config
+from engine.prompts import PROMPTS, encode_prompts, greedy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    engine: str  # "moe-chat" | "transformers"
+    budget: str
+    cache_slots: int | None
+    tpot_ms: float
+    tokens_per_s: float
+    prefill_tokens_per_s: float | None
+    hit_rate: float | None  # decode phase
+    h2d_gbps: float | None
+    bytes_per_token: float | None
+    decode_tokens: int
+    simulated_link: bool
+
+
+def engine_pass(model, prompt_ids: list[list[int]], new_tokens: int) -> dict:
+    """One pass of greedy, fixed-length generations over the prompt set."""
+    from engine.generation import generate_text
+
+    runs = [generate_text(model, ids, greedy(new_tokens)).stats for ids in prompt_ids]
+    decode_tokens = sum(s.generated_tokens - 1 for s in runs)
+    decode_s = sum(s.decode_ms for s in runs) / 1e3
+    prefill_s = sum(s.prefill_ms for s in runs) / 1e3
+    hits, misses = sum(s.decode.hits for s in runs), sum(s.decode.misses for s in runs)
+    return {
+        "tpot_ms": decode_s * 1e3 / decode_tokens,
+        "prefill_tps": sum(s.prompt_tokens for s in runs) / prefill_s,
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "h2d_gbps": sum(s.h2d_bytes for s in runs) / (decode_s + prefill_s) / 1e9,
+        "bytes_per_token": sum(s.decode.h2d_bytes for s in runs) / decode_tokens,
+        "decode_tokens": decode_tokens,
+    }
+
+
+def engine_row(model, passes: list[dict]) -> BenchRow:
+    """The pass with the median tpot."""
+    median = sorted(passes, key=lambda p: p["tpot_ms"])[len(passes) // 2]
+    return BenchRow(
+        engine="moe-chat",
+        budget=str(model.config.expert_budget),
+        cache_slots=model.cache.n_slots,
+        tpot_ms=median["tpot_ms"],
+        tokens_per_s=1e3 / median["tpot_ms"],
+        prefill_tokens_per_s=median["prefill_tps"],
+        hit_rate=median["hit_rate"],
+        h2d_gbps=median["h2d_gbps"],
+        bytes_per_token=median["bytes_per_token"],
+        decode_tokens=median["decode_tokens"],
+        simulated_link=model.simulated_link,
+    )
+
+
+def bench_engine(model, prompt_ids: list[list[int]], new_tokens: int, repeats: int) -> BenchRow:
+    engine_pass(model, [prompt_ids[0][:8]], 4)  # warm-up
+    return engine_row(model, [engine_pass(model, prompt_ids, new_tokens) for _ in range(repeats)])
+
+
+class TransformersRunner:
+    """transformers' own generate with every expert resident, timed the way the engine reports:
+    decode time = time for N tokens - time for 1 token."""
+
+    def __init__(self, folder: Path, device, dtype):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch, self.device = torch, device
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+
+    def _timed(self, ids: list[int], n: int) -> float:
+        inputs = self.torch.tensor([ids], device=self.device)
+        start = time.perf_counter()
+        with self.torch.no_grad():
+            self.model.generate(
+                inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None
+            )
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def tpot_ms(self, prompt_ids: list[list[int]], new_tokens: int) -> float:
+        decode_s = 0.0
+        for ids in prompt_ids:
+            whole = self._timed(ids, new_tokens)
+            # Under heavy CPU contention one token can take longer than N: fall back to N tokens' mean.
+            decode_s += max(whole - self._timed(ids, 1), whole * (new_tokens - 1) / new_tokens)
+        return decode_s * 1e3 / (len(prompt_ids) * (new_tokens - 1))
+
+    def row(self, tpots: list[float], decode_tokens: int) -> BenchRow:
+        tpot = statistics.median(tpots)
+        return BenchRow(
+            engine="transformers",
+            budget="all (resident)",
+            cache_slots=None,
+            tpot_ms=tpot,
+            tokens_per_s=1e3 / tpot,
+            prefill_tokens_per_s=None,
+            hit_rate=None,
+            h2d_gbps=None,
+            bytes_per_token=None,
+            decode_tokens=decode_tokens,
+            simulated_link=False,
+        )
+
+
+def compare_side_by_side(args, budget: str, prompt_ids, config: OffloadConfig) -> tuple[BenchRow, BenchRow]:
+    """The engine and transformers timed in alternating passes, so drifts of the machine hit both."""
+    from engine.loader import load_model
+
+    model = load_model(model_folder(args), config)
+    try:
+        reference = TransformersRunner(Path(model_folder(args)), model.device, model.dtype)
+        engine_pass(model, [prompt_ids[0][:8]], 4)
+        reference.tpot_ms([prompt_ids[0][:8]], 4)  # warm-ups
+        ours, theirs = [], []
+        for _ in range(args.repeats):
+            ours.append(engine_pass(model, prompt_ids, args.new_tokens))
+            theirs.append(reference.tpot_ms(prompt_ids, args.new_tokens))
+        row = engine_row(model, ours)
+        return row, reference.row(theirs, row.decode_tokens)
+    finally:
+        model.close()
+
+
+def _format_table(rows: list[BenchRow]) -> str:
+    def num(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    header = f"{'engine':<13}{'budget':<16}{'slots':>6}{'tpot_ms':>10}{'tok/s':>9}{'prefill/s':>11}"
+    header += f"{'hit_rate':>10}{'h2d_GB/s':>10}{'bytes/tok':>12}  link"
+    lines = [header]
+    for r in rows:
+        link = "simulated" if r.simulated_link else ("real" if r.engine == "moe-chat" else "none")
+        lines.append(
+            f"{r.engine:<13}{r.budget:<16}{num(r.cache_slots, 'd'):>6}{r.tpot_ms:>10.2f}"
+            f"{r.tokens_per_s:>9.1f}{num(r.prefill_tokens_per_s, '.0f'):>11}{num(r.hit_rate, '.1%'):>10}"
+            f"{num(r.h2d_gbps, '.3f'):>10}"
+            f"{(format_bytes(r.bytes_per_token) if r.bytes_per_token is not None else '-'):>12}  {link}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from engine.loader import load_model
+
+    budgets = [b.strip() for b in (args.expert_budget or "all").split(",")]
+    prompts = PROMPTS[: args.prompts]
+    rows: list[BenchRow] = []
+    for budget in budgets:
+        model = load_model(model_folder(args), offload_config(args, budget))
+        try:
+            prompt_ids = encode_prompts(model, prompts)
+            rows.append(bench_engine(model, prompt_ids, args.new_tokens, args.repeats))
+            info = model.info()
+        finally:
+            model.close()
+        print(_format_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+    result = {"model": asdict(info), "new_tokens": args.new_tokens, "prompts": len(prompts)}
+    if args.compare_transformers:
+        # The largest cache asked for: with every expert cached, offloading is pure overhead.
+        largest = max(zip(rows, budgets, strict=True), key=lambda pair: pair[0].cache_slots)[1]
+        ours, theirs = compare_side_by_side(args, largest, prompt_ids, offload_config(args, largest))
+        rows += [ours, theirs]
+        result["speed_vs_transformers"] = ours.tokens_per_s / theirs.tokens_per_s
+        result["compared_budget"] = ours.budget
+    result["rows"] = [asdict(r) for r in rows]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.splitlines()[0])
+    add_offload_arguments(parser)
+    parser.set_defaults(expert_budget=None)
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the fixed prompts")
+    parser.add_argument("--repeats", type=int, default=3, help="passes over the prompts (median reported)")
+    parser.add_argument(
+        "--compare-transformers", action="store_true", help="also time transformers' generate, all resident"
+    )
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the results to this file")
+    parser.add_argument(
+        "--compare", action="store_true", help="every speculation × prefetch configuration side by side"
+    )
+    parser.add_argument("--configs", nargs="*", default=None, help="--compare: only these configurations")
+    parser.add_argument(
+        "--sim-link",
+        default=None,
+        choices=("calibrated",),
+        help="calibrated: a simulated link where one expert's copy takes 3× one layer's decode",
+    )
+    parser.add_argument(
+        "--tuned", action="store_true", help="auto-tune, then time the tuned settings against the defaults"
+    )
+    parser.add_argument("--retune", action="store_true", help="--tuned: ignore a stored tuning result")
+    add_spec_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.new_tokens < 2 or args.repeats < 1 or not 1 <= args.prompts <= len(PROMPTS):
+        parser.error(f"need --new-tokens >= 2, --repeats >= 1 and 1 <= --prompts <= {len(PROMPTS)}")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.compare:
+        return _main_compare(args)
+    if args.tuned:
+        return _main_tuned(args)
+    try:
+        result = run(args)
+    except EngineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    rows = [BenchRow(**r) for r in result["rows"]]
+    info = result["model"]
+    print(f"{info['path']} ({info['model_type']}, {info['dtype']}, device {info['device']})")
+    print(_format_table(rows))
+    if "speed_vs_transformers" in result:
+        print(
+            f"decode speed with {result['compared_budget']} cached: "
+            f"{result['speed_vs_transformers']:.1%} of transformers' generate"
+        )
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _main_tuned(args: argparse.Namespace) -> int:
+    from engine.bench.tuned import format_tuned, run_tuned
+
+    return _report(args, run_tuned, format_tuned)
+
+
+def _main_compare(args: argparse.Namespace) -> int:
+    from engine.bench.compare import format_compare, run_compare
+
+    return _report(args, run_compare, format_compare)
+
+
+def _report(args: argparse.Namespace, run_bench, format_result) -> int:
+    """Run one of the side-by-side benchmarks, print its table, and write its JSON if asked."""
+    try:
+        result = run_bench(args)
+    except EngineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_result(result))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Is this folder a model MoE Chat can load? Answered without loading any weights.
+
+`check_model_folder(path)` reads config.json, lists the tokenizer files and reads the
+safetensors headers (names, dtypes, shapes; `safe_open` validates that each file is as long as
+its header says) and compares them with `model.safetensors.index.json`. It returns a
+`ModelCheck` that lists every problem in the words the loader would use, so a download or an
+import can be refused before the worker spends minutes on it.
+
+Importing this module is light (no torch, no safetensors): the GUI unpickles `ModelCheck`
+results. Calling `check_model_folder` imports `safetensors` (and numpy), so the GUI runs it
+in a child process (`app.model_library.check_folder`), never in its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.model.adapters import SUPPORTED_MODEL_TYPES
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+FLOAT_DTYPES = {"BF16": 2, "F16": 2, "F32": 4}
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "BOOL": 1}
+
+
+@dataclass(frozen=True)
+class ModelCheck:
+    """What a model folder holds, and every reason it cannot be loaded (none: it can)."""
+
+    path: str
+    problems: tuple[str, ...]
+    model_type: str | None = None
+    num_experts: int | None = None
+    top_k: int | None = None
+    num_tensors: int = 0
+    num_params: int = 0
+    weight_bytes: int = 0
+    weight_files: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        """One line: what the folder is, or its first problem."""
+        if not self.ok:
+            return self.problems[0]
+        experts = f", {self.num_experts} experts, top-{self.top_k}" if self.num_experts else ""
+        count = self.num_params
+        params = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+        return f"{self.model_type}{experts}, {params} parameters in {len(self.weight_files)} file(s)"
+
+
+def check_model_folder(path: str | Path) -> ModelCheck:
+    """Validate `path` as a Hugging Face MoE folder MoE Chat supports, reading headers only."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        what = "is a file; give the model's folder" if folder.exists() else "does not exist"
+        return ModelCheck(str(folder), (f"Model folder not found: {folder} {what}.",))
+    problems: list[str] = []
+    config = _read_config(folder, problems)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        problems.append(
+            f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}). "
+            "Download the model's tokenizer files into the same folder."
+        )
+    weights = _read_weights(folder, problems)
+    return ModelCheck(
+        path=str(folder),
+        problems=tuple(problems),
+        model_type=config.get("model_type"),
+        num_experts=_first_int(config, "num_experts", "num_local_experts", "n_routed_experts"),
+        top_k=_first_int(config, "num_experts_per_tok", "moe_topk", "top_k"),
+        num_tensors=weights.num_tensors,
+        num_params=weights.num_params,
+        weight_bytes=weights.nbytes,
+        weight_files=tuple(sorted(weights.files)),
+    )
+
+
+def unsupported_architecture_message(model_type: object) -> str:
+    """The loader's message for a model type it has no adapter for (engine.model.adapters)."""
+    return (
+        f"Architecture {model_type!r} is not supported. MoE Chat runs Mixture-of-Experts models of "
+        f"these types: {', '.join(SUPPORTED_MODEL_TYPES)}."
+    )
+
+
+def _read_config(folder: Path, problems: list[str]) -> dict:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        problems.append(
+            f"{folder} has no config.json; it is not a Hugging Face model folder. "
+            "Give the folder that holds config.json and the *.safetensors weights."
+        )
+        return {}
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as err:
+        problems.append(f"{config_path} is not valid JSON ({err}). Re-download the model.")
+        return {}
+    if not isinstance(config, dict) or "model_type" not in config:
+        problems.append(
+            f"{config_path} has no model_type; it is not a transformers model config. "
+            "Re-download the model's config.json."
+        )
+        return config if isinstance(config, dict) else {}
+    problems.extend(config_problems(config))
+    return config
+
+
+def config_problems(config: dict) -> list[str]:
+    """Why a parsed config.json rules the model out: an unsupported type, or pre-quantized weights."""
+    problems = []
+    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        problems.append(unsupported_architecture_message(config.get("model_type")))
+    quant = config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        problems.append(
+            f"This checkpoint is pre-quantized ({method}); MoE Chat loads BF16/FP16/FP32 weights. "
+            "Use the model's BF16 release."
+        )
+    return problems
+
+
+@dataclass
+class _Weights:
+    files: set[str]
+    num_tensors: int = 0
+    num_params: int = 0
+    nbytes: int = 0
+
+
+def _read_weights(folder: Path, problems: list[str]) -> _Weights:
+    """Every safetensors header in the folder (or in its index), checked against the index."""
+    index_path = folder / INDEX_NAME
+    if index_path.is_file():
+        weight_map = _read_index(index_path, problems)
+        if weight_map is None:
+            return _Weights(set())
+        files = sorted(set(weight_map.values()))
+        missing = [name for name in files if not (folder / name).is_file()]
+        if missing:
+            problems.append(
+                f"{folder} is incomplete: shard(s) {', '.join(missing[:4])} listed in "
+                f"{INDEX_NAME} are missing. Resume or repeat the download."
+            )
+            return _Weights(set(files) - set(missing))
+    else:
+        weight_map = None
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        if not files:
+            problems.append(_no_weights_message(folder))
+            return _Weights(set())
+    weights = _Weights(set(files))
+    found: dict[str, str] = {}
+    for name in files:
+        headers = _read_header(folder / name, problems)
+        if headers is None:
+            continue
+        for tensor, (dtype, shape) in headers.items():
+            found[tensor] = name
+            _count(weights, dtype, shape)
+        _check_dtypes(folder / name, headers, problems)
+    if weight_map is not None:
+        _check_against_index(folder, weight_map, found, problems)
+    return weights
+
+
+def _read_index(index_path: Path, problems: list[str]) -> dict[str, str] | None:
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        problems.append(f"{index_path} is not a valid safetensors index ({err}). Re-download the model.")
+        return None
+    return {str(k): str(v) for k, v in weight_map.items()}
+
+
+def _read_header(path: Path, problems: list[str]) -> dict[str, tuple[str, list[int]]] | None:
+    """{tensor: (dtype, shape)} from one file's header, or None (and a problem) if it is corrupt."""
+    from safetensors import SafetensorError, safe_open  # here, not at import: see the module docstring
+
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            return {
+                name: (handle.get_slice(name).get_dtype(), handle.get_slice(name).get_shape())
+                for name in handle.keys()  # noqa: SIM118 - safe_open is not a dict
+            }
+    except (SafetensorError, OSError) as err:
+        problems.append(
+            f"{path.name} in {path.parent} is truncated or corrupt ({err}). Re-download this file."
+        )
+        return None
+
+
+def _count(weights: _Weights, dtype: str, shape: list[int]) -> None:
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    weights.num_tensors += 1
+    weights.num_params += numel
+    weights.nbytes += numel * FLOAT_DTYPES.get(dtype, _DTYPE_BYTES.get(dtype, 1))
+
+
+def _check_dtypes(path: Path, headers: dict[str, tuple[str, list[int]]], problems: list[str]) -> None:
+    """Weights stored in FP8, MXFP4 blocks or integers mean a quantized checkpoint."""
+    odd = sorted(
+        {dtype for name, (dtype, _) in headers.items() if dtype not in FLOAT_DTYPES and _is_weight(name)}
+    )
+    if odd:
+        problems.append(
+            f"{path.name} stores weights as {', '.join(odd)}; quantized checkpoints (FP8, MXFP4, int) "
+            "are not supported. Use the model's BF16/FP16 release."
+        )
+
+
+def _is_weight(name: str) -> bool:
+    """Integer tensors that are bookkeeping, not weights, are allowed in any checkpoint."""
+    return not name.endswith(("position_ids", "num_batches_tracked"))
+
+
+def _check_against_index(
+    folder: Path, weight_map: dict[str, str], found: dict[str, str], problems: list[str]
+) -> None:
+    absent = sorted(name for name in weight_map if name not in found)
+    moved = sorted(n for n, shard in weight_map.items() if n in found and found[n] != shard)
+    if absent:
+        shown = ", ".join(absent[:3]) + (f" and {len(absent) - 3} more" if len(absent) > 3 else "")
+        problems.append(
+            f"The checkpoint in {folder} lacks {len(absent)} tensor(s) its index lists: {shown}. "
+            "The download is incomplete or the folder mixes two models."
+        )
+    if moved:
+        problems.append(
+            f"{INDEX_NAME} in {folder} puts {moved[0]} in {weight_map[moved[0]]}, but it is in "
+            f"{found[moved[0]]}. The index belongs to another version of the model; re-download it."
+        )
+
+
+def _no_weights_message(folder: Path) -> str:
+    others = [p.name for pattern in ("*.bin", "*.gguf", "*.pt") for p in folder.glob(pattern)]
+    hint = (
+        f" It has {', '.join(others[:3])}: only safetensors weights are supported; "
+        "download the safetensors version of the model."
+        if others
+        else " Is the download complete?"
+    )
+    return f"No *.safetensors weights in {folder}.{hint}"
+
+
+def _first_int(config: dict, *keys: str) -> int | None:
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None

@@ -1,0 +1,426 @@
+"""The device expert cache: a fixed pool of slots, each holding one packed expert.
+
+Slot states: FREE (empty), LOADING (a copy is in flight; its handle says when it
+lands), READY (resident). Independently, a slot is *pinned* while compute uses
+it. Eviction only ever picks READY, unpinned slots, chosen by the eviction
+policy (pure bookkeeping in `engine.offload.eviction`); this module does the memory
+moves and counts hits, misses and bytes per phase.
+
+A use is a hit when the expert is resident or already on its way (a prefetch in
+flight); a miss starts an on-demand copy.
+
+Prefetch accounting: every prefetched expert ends up either *used* (acquired by
+compute before it left the cache) or *wasted* (evicted, cleared or settled
+unused), counted in the phase that issued it, so `prefetched == prefetch_used +
+prefetch_wasted` once `settle_prefetches()` has run. The first use of a
+prefetched expert also counts as a `prefetch_hit` in the phase that used it
+(`prefetch_recall` = verify-phase prefetch hits / verify-phase uses).
+
+Streaming (LRU only): a step that needs more of one layer's experts than the layer's
+share of the slots (a verify over several tokens, a prefill) loads its misses beyond
+what the layer keeps as *transient*; transient slots are evicted before any other, so
+the experts every layer keeps survive the step (see `streams`). A prefetch may be
+limited to spare slots (`spare_only`: free or transient ones); it then loads as
+transient too, and `expire_prefetches` releases those its layer turned out not to need.
+
+Thread safety: the prefetch worker thread and compute share the cache; every
+table change happens under one lock. Waiting for a copy happens outside it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Collection
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from engine.errors import DeviceOutOfMemoryError
+from engine.offload.eviction import EvictionPolicy, ExpertKey
+from engine.offload.expert_store import ExpertStore
+from engine.offload.transfer import CopyHandle, TransferEngine
+
+log = logging.getLogger(__name__)
+
+PHASES = ("prefill", "decode", "draft", "verify")
+STREAM_DEPTH = 2  # streamed misses pinned at once: one computing while the next is on the link
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    LOADING = "loading"
+    READY = "ready"
+
+
+@dataclass
+class Slot:
+    index: int
+    views: dict[str, torch.Tensor]
+    key: ExpertKey | None = None
+    state: SlotState = SlotState.FREE
+    pins: int = 0
+    copy: CopyHandle | None = None
+    released: object | None = None  # marker of compute's last use; a new copy waits for it
+    prefetch_phase: str | None = None  # set while it holds a prefetched expert not used yet
+    transient: bool = False  # streamed through by a multi-token step: the first to be evicted
+
+
+@dataclass
+class PhaseCounters:
+    hits: int = 0
+    misses: int = 0
+    bytes_copied: int = 0
+    copies: int = 0
+    prefetched: int = 0  # experts this phase asked to prefetch that were copied
+    prefetch_used: int = 0  # of those, used by compute before leaving the cache
+    prefetch_wasted: int = 0  # of those, evicted, cleared or settled unused
+    prefetch_hits: int = 0  # uses in this phase that were a prefetched expert's first use
+    cpu_computed: int = 0  # misses computed on the CPU from the host store instead of copied
+
+    def add(self, other: PhaseCounters) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def uses(self) -> int:
+        return self.hits + self.misses
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.uses if self.uses else None
+
+
+@dataclass
+class CacheStats:
+    phases: dict[str, PhaseCounters] = field(default_factory=lambda: defaultdict(PhaseCounters))
+
+    def total(self) -> PhaseCounters:
+        total = PhaseCounters()
+        for counters in self.phases.values():
+            total.add(counters)
+        return total
+
+
+class NoEvictableSlot(Exception):
+    """Every slot is loading or pinned: finish some work, then ask again."""
+
+
+class ExpertCache:
+    def __init__(
+        self,
+        store: ExpertStore,
+        n_slots: int,
+        device: torch.device,
+        transfer: TransferEngine,
+        policy: EvictionPolicy,
+    ):
+        self.store = store
+        self.device = device
+        self.transfer = transfer
+        self.policy = policy
+        self.n_slots = n_slots
+        self.expert_nbytes = store.layout.nbytes
+        self.pool = _allocate_pool(n_slots, self.expert_nbytes, device)
+        self.slots = [Slot(i, store.layout.views(self.pool[i])) for i in range(n_slots)]
+        self._free = list(reversed(self.slots))
+        self._table: dict[ExpertKey, Slot] = {}
+        self._kept: dict[int, int] = defaultdict(int)  # layer -> resident experts not transient
+        self.stats = CacheStats()
+        self.phase = "decode"
+        self.lock = threading.RLock()
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def __contains__(self, key: ExpertKey) -> bool:
+        return key in self._table
+
+    def resident(self) -> list[ExpertKey]:
+        with self.lock:
+            return list(self._table)
+
+    @property
+    def used_slots(self) -> int:
+        return len(self._table)
+
+    def streams(self, layer_experts: int) -> bool:
+        """Whether a step of one layer needing `layer_experts` experts should stream its misses.
+
+        Layers are visited in a cycle. A step that needs more of a layer's experts than the
+        layer's share of the slots (a verify over several tokens, a prefill) would, with every
+        miss kept, evict the experts of the layers coming next, whose turn is nearer: a verify
+        over 7.5 tokens of a 16-expert, top-2 layer needs ~10 experts, and with a 24-slot cache
+        only ~14 slots stayed warm from step to step. Streamed misses instead pass through a
+        few transient slots (compute pins at most `STREAM_DEPTH` of them), so every layer keeps
+        its share (`_keeps`) across steps (LRU only: its per-layer groups are what this keeps)."""
+        return (
+            self.policy.layer_share
+            and self.n_slots < self.store.total_experts
+            and layer_experts > self.n_slots / max(len(self.store.layer_indices), 1)
+        )
+
+    # -- use by compute ---------------------------------------------------------------------
+
+    def acquire(self, key: ExpertKey, streaming: bool = False) -> Slot:
+        """Pin `key`'s slot for compute, starting an on-demand copy on a miss.
+
+        `streaming` (a step that needs more of a layer's experts than it keeps, see `streams`):
+        a miss is loaded as transient, evicted before anything else, once the layer holds its
+        kept share. Raises NoEvictableSlot when a miss finds every slot loading or pinned.
+        """
+        with self.lock:
+            counters = self.stats.phases[self.phase]
+            slot = self._table.get(key)
+            if slot is None:
+                transient = streaming and not self._keeps(key[0])
+                slot = self._load(key, counters, transient)
+                counters.misses += 1
+            else:
+                # Reused before it was evicted: keep it like any other. A prefetch's first use is
+                # kept only if the layer has room (it was brought in for this step alone).
+                if slot.transient and (slot.prefetch_phase is None or self._keeps(key[0])):
+                    slot.transient = False
+                    self._kept[key[0]] += 1
+                counters.hits += 1
+                if slot.prefetch_phase is not None:
+                    self.stats.phases[slot.prefetch_phase].prefetch_used += 1
+                    counters.prefetch_hits += 1
+                    slot.prefetch_phase = None
+            slot.pins += 1
+            self.policy.on_access(key)
+            return slot
+
+    def count_cpu_use(self) -> None:
+        """A use computed on the CPU: a miss for the device cache, with no copy."""
+        with self.lock:
+            counters = self.stats.phases[self.phase]
+            counters.misses += 1
+            counters.cpu_computed += 1
+
+    def wait(self, slot: Slot) -> dict[str, torch.Tensor]:
+        """Typed views of a pinned slot once its copy has landed."""
+        copy = slot.copy
+        if slot.state is SlotState.LOADING and copy is not None:
+            try:
+                copy.wait()  # outside the lock: the prefetch worker keeps going meanwhile
+            except BaseException:
+                with self.lock:
+                    if slot.copy is copy:
+                        self._unmap(slot)  # its contents are garbage: never serve it as a hit
+                raise
+            with self.lock:
+                if slot.copy is copy:
+                    slot.state = SlotState.READY
+                    slot.copy = None
+        return slot.views
+
+    def release(self, slot: Slot) -> None:
+        with self.lock:
+            if slot.pins <= 0:
+                raise RuntimeError(f"slot {slot.index} released more often than acquired")
+            slot.pins -= 1
+            if slot.pins == 0:
+                slot.released = self.transfer.release_marker()
+                if slot.state is SlotState.FREE:  # unmapped while pinned (a failed copy)
+                    self._free.append(slot)
+
+    def wait_for_a_copy(self) -> bool:
+        """Block until some in-flight copy into an unpinned slot has landed (so it can be evicted).
+
+        False when no such copy exists: every slot is pinned."""
+        with self.lock:
+            loading = [s for s in self.slots if s.state is SlotState.LOADING and s.pins == 0 and s.copy]
+            if not loading:
+                return False
+            slot, copy = loading[0], loading[0].copy
+        try:
+            copy.wait()
+        except Exception as err:  # a failed prefetch: its slot is dropped, which also makes room
+            log.debug("A prefetch copy failed: %s", err)
+            with self.lock:
+                if slot.copy is copy and slot.pins == 0:  # still that copy's slot
+                    self._unmap(slot)
+                    self._free.append(slot)
+        return True
+
+    # -- background loads (prefetch) ---------------------------------------------------------
+
+    def prefetch(self, key: ExpertKey, phase: str | None = None, spare_only: bool = False) -> bool:
+        """Start bringing `key` in without using it, counted in `phase` (default: the current one).
+
+        It takes a free slot, or evicts by the cache policy; with `spare_only`, only a free or
+        transient slot (LRU streaming), and it loads as transient: the experts every layer
+        keeps are never touched. That is what a prefetch may take when the cache streams:
+        with so small a cache, each kept expert evicted costs verification about as many
+        misses as the prefetch saves.
+
+        False when already resident or no such slot can be evicted."""
+        with self.lock:
+            if key in self._table:
+                return False
+            phase = phase or self.phase
+            counters = self.stats.phases[phase]
+            try:
+                spare = self._spare() if spare_only else None
+                slot = self._load(key, counters, transient=spare_only, slot=spare)
+            except NoEvictableSlot:
+                return False
+            slot.prefetch_phase = phase
+            counters.prefetched += 1
+            return True
+
+    def streamed(self, key: ExpertKey) -> bool:
+        """Whether using `key` takes a stream slot: a miss, or a transient expert already loaded."""
+        with self.lock:
+            slot = self._table.get(key)
+            return slot is None or slot.transient
+
+    def expire_prefetches(self, layer: int, needed: Collection[int]) -> None:
+        """`layer`'s step needs the experts `needed`: its transient prefetches of others were
+        mispredicted. They count as wasted, and their slots become ordinary transient ones,
+        the first to be evicted (not the experts other layers keep)."""
+        with self.lock:
+            for (slot_layer, expert), slot in self._table.items():
+                if slot.transient and slot_layer == layer and expert not in needed:
+                    self._drop_prefetch(slot)
+
+    def settle_prefetches(self) -> None:
+        """Count prefetched experts still unused as wasted (the end of a run)."""
+        with self.lock:
+            for slot in self.slots:
+                self._drop_prefetch(slot)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _keeps(self, layer: int) -> bool:
+        """Whether a streamed miss of `layer` is kept: the slots less `STREAM_DEPTH`, split evenly
+        over the layers (the first `room % layers` of them keep one more)."""
+        layers = self.store.layer_indices
+        share, extra = divmod(self.n_slots - STREAM_DEPTH, max(len(layers), 1))
+        return self._kept[layer] < share + (layers.index(layer) < extra)
+
+    def _load(
+        self, key: ExpertKey, counters: PhaseCounters, transient: bool = False, slot: Slot | None = None
+    ) -> Slot:
+        if slot is None:
+            slot = self._free.pop() if self._free else self._evict()
+        layer, expert = key
+        src = self.store.buffer(layer, expert)
+        try:
+            slot.copy = self.transfer.copy(self.pool[slot.index], src, after=slot.released)
+        except BaseException:
+            self._free.append(slot)
+            raise
+        slot.state = SlotState.LOADING
+        slot.key, slot.transient = key, transient
+        if not transient:
+            self._kept[key[0]] += 1
+        self._table[key] = slot
+        self.policy.on_insert(key)
+        counters.copies += 1
+        counters.bytes_copied += self.expert_nbytes
+        return slot
+
+    def _evictable(self) -> dict[ExpertKey, Slot]:
+        return {
+            slot.key: slot
+            for slot in self._table.values()
+            if slot.pins == 0 and (slot.state is SlotState.READY or slot.copy.done())
+        }
+
+    def _evict(self) -> Slot:
+        candidates = self._evictable()
+        if not candidates:
+            raise NoEvictableSlot
+        return self._evict_one_of(self._preferred_victims(candidates))
+
+    def _evict_one_of(self, candidates: dict[ExpertKey, Slot]) -> Slot:
+        victim = candidates[self.policy.victim(candidates)]
+        self._unmap(victim)
+        return victim
+
+    def _spare(self) -> Slot:
+        """A free slot, or an evictable transient one not holding a prefetch waiting for its use."""
+        if self._free:
+            return self._free.pop()
+        transient = {k: s for k, s in self._evictable().items() if s.transient and s.prefetch_phase is None}
+        if not transient:
+            raise NoEvictableSlot
+        return self._evict_one_of(transient)
+
+    def _preferred_victims(self, candidates: dict[ExpertKey, Slot]) -> dict[ExpertKey, Slot]:
+        """Narrow the policy's choice: never a prefetched expert still waiting for its use while
+        something else can go; transient (streamed) slots before any other; and (LRU) experts of
+        layers holding more than their share of slots.
+
+        Layers are visited in a cycle, so when one step needs more experts than there are slots
+        (a verify over several tokens) a global LRU would evict every expert before its layer
+        comes round again; each layer keeping its share is what Mixtral-offloading's per-layer
+        LRU groups do.
+        """
+        unprefetched = {k: s for k, s in candidates.items() if s.prefetch_phase is None} or candidates
+        transient = {k: s for k, s in unprefetched.items() if s.transient}
+        if transient:
+            return transient
+        if not self.policy.layer_share:
+            return unprefetched
+        per_layer: dict[int, int] = defaultdict(int)
+        for layer, _ in self._table:
+            per_layer[layer] += 1
+        share = self.n_slots / max(len(self.store.layer_indices), 1)
+        crowded = {k: s for k, s in unprefetched.items() if per_layer[k[0]] > share}
+        return crowded or unprefetched
+
+    def _drop_prefetch(self, slot: Slot) -> None:
+        if slot.prefetch_phase is not None:
+            self.stats.phases[slot.prefetch_phase].prefetch_wasted += 1
+            slot.prefetch_phase = None
+
+    def _unmap(self, slot: Slot) -> None:
+        self._drop_prefetch(slot)
+        del self._table[slot.key]
+        if not slot.transient:
+            self._kept[slot.key[0]] -= 1
+        self.policy.on_remove(slot.key)
+        slot.key, slot.state, slot.copy, slot.transient = None, SlotState.FREE, None, False
+
+    def clear(self) -> None:
+        """Forget every resident expert (used after an error left slots in doubt)."""
+        with self.lock:
+            for slot in self.slots:
+                if slot.copy is not None:
+                    try:
+                        slot.copy.wait()
+                    except Exception as err:  # its consumer got (or would get) the error; dropped
+                        log.debug("Discarding slot %d after a failed copy: %s", slot.index, err)
+                if slot.key is not None:
+                    self.policy.on_remove(slot.key)
+                self._drop_prefetch(slot)
+                slot.key, slot.state, slot.copy, slot.pins = None, SlotState.FREE, None, 0
+                slot.transient = False
+            self._table.clear()
+            self._kept.clear()
+            self._free = list(reversed(self.slots))
+
+    def resize(self, n_slots: int) -> None:
+        """Forget every resident expert and rebuild the pool with `n_slots` slots (after the device
+        ran out of memory, a smaller cache lets the same model go on)."""
+        with self.lock:
+            self.clear()
+            self.slots, self._free, self.pool = [], [], None  # drop the old pool before allocating
+            self.pool = _allocate_pool(n_slots, self.expert_nbytes, self.device)
+            self.n_slots = n_slots
+            self.slots = [Slot(i, self.store.layout.views(self.pool[i])) for i in range(n_slots)]
+            self._free = list(reversed(self.slots))
+
+
+def _allocate_pool(n_slots: int, expert_nbytes: int, device: torch.device) -> torch.Tensor:
+    try:
+        return torch.empty((n_slots, expert_nbytes), dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError as err:
+        raise DeviceOutOfMemoryError(
+            f"Out of device memory allocating the expert cache ({n_slots} slots × "
+            f"{expert_nbytes / 2**20:.1f} MiB). Lower --expert-budget."
+        ) from err

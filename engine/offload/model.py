@@ -1,0 +1,175 @@
+"""`OffloadedModel`: a loaded model whose routed experts are served by the expert cache.
+
+It wraps transformers' causal-LM module (built without its routed experts) and
+owns the expert store, the cache, the transfer engine and the routing trace.
+`forward` runs one chunk of tokens against a KV cache and returns the logits
+of the positions asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from engine.config import OffloadConfig
+from engine.errors import DeviceOutOfMemoryError, InvalidRequestError
+from engine.model.adapters.base import Architecture
+from engine.offload.expert_cache import ExpertCache
+from engine.offload.expert_store import ExpertStore
+from engine.offload.moe_layer import ExpertControl, OffloadedExperts, RoutingTrace
+from engine.offload.transfer import TransferEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a user (and the GUI) wants to know about a loaded model."""
+
+    path: str
+    model_type: str
+    num_layers: int
+    moe_layers: int
+    num_experts: int
+    top_k: int
+    expert_nbytes: int
+    cache_slots: int
+    dtype: str
+    device: str
+    disk_layout: str
+    simulated_link: bool
+    resident_nbytes: int
+    store_nbytes: int
+    expert_dtype: str = "native"  # native | int8 | int4: the routed experts' precision in the store
+
+
+class OffloadedModel:
+    def __init__(
+        self,
+        *,
+        path: Path,
+        hf_model: torch.nn.Module,
+        tokenizer,
+        arch: Architecture,
+        config: OffloadConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        store: ExpertStore,
+        cache: ExpertCache,
+        transfer: TransferEngine,
+        trace: RoutingTrace,
+        top_k: int,
+        disk_layout: str,
+    ):
+        self.path = path
+        self.hf_model = hf_model
+        self.tokenizer = tokenizer
+        self.arch = arch
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.store = store
+        self.cache = cache
+        self.transfer = transfer
+        self.trace = trace
+        self.top_k = top_k
+        self.disk_layout = disk_layout
+        self.control = ExpertControl()  # shared by every MoE layer: observers, draft routing
+        self.draft_models: dict[Path, torch.nn.Module] = {}  # loaded once, reused by every run
+        # engine.speculative's draft-length controller per speculation setting: the acceptance
+        # learnt so far carries over to the next reply (this layer only keeps them)
+        self.draft_lengths: dict[tuple, object] = {}
+        self._substitutes: dict[int, ExpertStore] = {}
+        self.experts: dict[int, OffloadedExperts] = {}
+        for module in hf_model.modules():
+            if isinstance(module, OffloadedExperts):
+                module.control = self.control
+                self.experts[module.layer] = module
+
+    @property
+    def hf_config(self):
+        return self.hf_model.config
+
+    @property
+    def simulated_link(self) -> bool:
+        return self.transfer.simulated
+
+    def info(self) -> ModelInfo:
+        resident = sum(p.numel() * p.element_size() for p in self.hf_model.parameters())
+        return ModelInfo(
+            path=str(self.path),
+            model_type=self.arch.model_type,
+            num_layers=self.hf_config.num_hidden_layers,
+            moe_layers=len(self.store.layer_indices),
+            num_experts=self.store.num_experts,
+            top_k=self.top_k,
+            expert_nbytes=self.store.layout.nbytes,
+            cache_slots=self.cache.n_slots,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            disk_layout=self.disk_layout,
+            simulated_link=self.simulated_link,
+            resident_nbytes=resident,
+            store_nbytes=self.store.nbytes,
+            expert_dtype=self.store.layout.quant.name if self.store.layout.quant else "native",
+        )
+
+    def substitutes(self, bits: int) -> ExpertStore:
+        """SubSpec's low-bit copies of every routed expert, resident on the device (built once)."""
+        if bits not in self._substitutes:
+            from engine.offload.expert_store import quantize_store
+            from engine.offload.quant import QuantSpec
+
+            spec, stored = QuantSpec(bits), self.store.layout.quant
+            if stored is not None and stored != spec:
+                raise InvalidRequestError(
+                    f"int{bits} substitutes need the experts at full precision or int{bits}, but this "
+                    f"model was loaded with {stored.name} experts. Reload with --expert-dtype native."
+                )
+            try:
+                if stored == spec:  # the store already is the low-bit copy: put it on the device
+                    self._substitutes[bits] = self.store.to(self.device)
+                else:
+                    self._substitutes[bits] = quantize_store(self.store, spec, device=self.device)
+            except torch.OutOfMemoryError as err:
+                raise DeviceOutOfMemoryError(
+                    f"Out of device memory for the int{bits} substitute experts "
+                    f"({self.store.total_experts} experts). Lower --expert-budget or use another --spec."
+                ) from err
+        return self._substitutes[bits]
+
+    def drafter_nbytes(self) -> int:
+        """Device memory held by loaded draft models and substitute experts."""
+        drafts = sum(p.numel() * p.element_size() for m in self.draft_models.values() for p in m.parameters())
+        return drafts + sum(store.nbytes for store in self._substitutes.values())
+
+    def new_kv_cache(self, rewindable: bool = False) -> DynamicCache:
+        """A KV cache; `rewindable` keeps every position of sliding-window layers (the window is
+        still applied by the attention mask) so speculative decoding can crop rejected drafts."""
+        return DynamicCache() if rewindable else DynamicCache(config=self.hf_config)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, kv_cache: DynamicCache, logits_to_keep: int = 1
+    ) -> torch.Tensor:
+        """Logits `[n, V]` of the last `logits_to_keep` positions of `input_ids [T]` (0 keeps all)."""
+        try:
+            output = self.hf_model(
+                input_ids=input_ids.view(1, -1).to(self.device),
+                past_key_values=kv_cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
+        except torch.OutOfMemoryError as err:
+            self.cache.clear()
+            raise DeviceOutOfMemoryError(
+                "Out of device memory while running the model. Lower --expert-budget or the context length."
+            ) from err
+        return output.logits[0]
+
+    def close(self) -> None:
+        self.transfer.close()

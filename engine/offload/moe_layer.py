@@ -1,0 +1,301 @@
+"""MoE execution: transformers' experts module replaced by one that reads the expert cache.
+
+transformers' MoE block routes (its own router, so routing is exactly the
+model's) and calls `experts(hidden, top_k_index, top_k_weights)`. The
+replacement groups tokens by expert, pins every needed expert's cache slot
+(hits first, so misses' copies overlap the hits' compute), and computes each
+expert from its slot with the original module's activation (`_apply_gate`,
+`act_fn`, transposed or biased weights as the family has them). A step that
+streams (see `ExpertCache.streams`) pins at most `STREAM_DEPTH` misses at once,
+computing the oldest before the next miss's copy starts; once its own misses are
+issued, the spare slots it frees take the next layer's likely experts
+(`ExpertControl.lookahead`, installed by SP-MoE prefetch).
+
+The router's logits of the latest forward are kept per layer (`RoutingTrace`)
+for the cache policy. `ExpertControl`, shared by every layer, carries what
+changes per phase: observers (the prefetch predictors see each layer's hidden
+state and routes before its experts run) and, while drafting, a `DraftRouting`
+(SS-MoE top-r self-draft, optionally from cached experts only, or SubSpec's
+resident low-bit substitutes, which never touch the cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine.errors import BudgetTooSmallError
+from engine.model.adapters.base import Architecture
+from engine.offload import quant
+from engine.offload.expert_cache import STREAM_DEPTH, ExpertCache, NoEvictableSlot
+from engine.offload.expert_store import ExpertStore
+
+LayerObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, hidden [T, H], top-k [T, K])
+
+
+@dataclass(frozen=True)
+class DraftRouting:
+    """How MoE layers route while drafting with the target itself."""
+
+    top_r: int | None = None  # SS-MoE: each token uses its top-r experts (r < k), weights rescaled
+    cached_only: bool = False  # zero-I/O drafting: only experts already on the device
+    substitute: ExpertStore | None = None  # SubSpec: device-resident low-bit copies of every expert
+
+
+@dataclass
+class ExpertControl:
+    """Per-phase behaviour shared by every `OffloadedExperts` of a model."""
+
+    observers: list[LayerObserver] = field(default_factory=list)
+    draft: DraftRouting | None = None
+    hybrid: object | None = None  # engine.offload.cpu_experts.HybridExecutor: misses computed on the CPU
+    # (layer, hidden [T, H]) -> the next MoE layer's likely experts, best first: a streaming step
+    # copies the first `STREAM_DEPTH` of them once its own misses are issued (SP-MoE's policy).
+    lookahead: Callable[[int, torch.Tensor], list[tuple[int, int]]] | None = None
+
+
+class RoutingTrace:
+    """The latest router logits of each MoE layer, `[T, E]`."""
+
+    def __init__(self) -> None:
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def hook(self, layer: int):
+        def record(_module, _inputs, output):
+            self.logits[layer] = output[0].detach()
+
+        return record
+
+    def clear(self) -> None:
+        self.logits.clear()
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One MoE layer call's tensors, shared by its experts' computations."""
+
+    hidden: torch.Tensor  # [T, H]
+    weights: torch.Tensor  # [T*K] routing weights, flat
+    top_k: int
+    out: torch.Tensor  # [T, H]
+
+
+def _group_by_expert(flat_experts: list[int]) -> dict[int, list[int]]:
+    routes: dict[int, list[int]] = {}
+    for position, expert in enumerate(flat_experts):
+        routes.setdefault(expert, []).append(position)
+    return routes
+
+
+class OffloadedExperts(nn.Module):
+    """Drop-in for a transformers fused experts module, backed by the expert cache."""
+
+    def __init__(
+        self,
+        original: nn.Module,
+        layer: int,
+        cache: ExpertCache,
+        trace: RoutingTrace,
+        control: ExpertControl | None = None,
+    ):
+        super().__init__()
+        # The original (weights on the meta device) supplies the activation and layout flags;
+        # kept out of the module tree so it is never moved or saved.
+        self.__dict__["template"] = original
+        self.layer = layer
+        self.num_experts = original.num_experts
+        self.cache = cache
+        self.trace = trace
+        self.control = control or ExpertControl()
+        self.has_gate = getattr(original, "has_gate", True)
+        self.has_bias = getattr(original, "has_bias", False)
+        self.is_transposed = getattr(original, "is_transposed", False)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        for observe in self.control.observers:  # predictors start prefetches before this layer computes
+            observe(self.layer, hidden_states, top_k_index)
+        draft = self.control.draft
+        if draft is not None and draft.substitute is not None:
+            return self._forward_substitute(hidden_states, top_k_index, top_k_weights, draft.substitute)
+        if draft is not None and draft.top_r is not None:
+            top_k_index, top_k_weights = self._draft_routes(top_k_index, top_k_weights, draft)
+        out = torch.zeros_like(hidden_states)  # [T, H]
+        if self.cache.policy.uses_scores and self.layer in self.trace.logits:
+            scores = self.trace.logits[self.layer].float().softmax(dim=-1).mean(dim=0)  # [E]
+            self.cache.policy.observe_scores(self.layer, scores.tolist())
+        routes = _group_by_expert(top_k_index.reshape(-1).tolist())  # expert -> flat [T*K] positions
+        step = _Step(hidden_states, top_k_weights.reshape(-1), top_k_index.shape[-1], out)
+        if self.control.hybrid is not None and draft is None:
+            for expert in self.control.hybrid.cpu_experts(self.layer, routes):
+                self._compute_on_cpu(routes.pop(expert), expert, step)
+        # Hits first (their compute overlaps the misses' copies), streamed ones (prefetched into
+        # transient slots) first among them to free their slots early; busy experts first within each.
+        order = sorted(routes, key=lambda e: (self._rank(e), -len(routes[e])))
+        streaming = self.cache.streams(len(order))
+        target_streams = streaming and draft is None  # a verify or prefill, not a self-draft
+        if target_streams:
+            self.cache.expire_prefetches(self.layer, routes)
+        ahead: list[tuple[int, int]] = []  # the next layer's experts, once this layer's copies are issued
+        pending: deque = deque()  # (positions, slot, takes a stream slot), in acquire order
+        streamed_pending = 0
+
+        def issue_ahead() -> None:  # into free stream slots: keeps the link busy with the next layer
+            while ahead and (ahead[0] in self.cache or self.cache.prefetch(ahead[0], spare_only=True)):
+                ahead.pop(0)
+
+        def compute_oldest() -> None:
+            nonlocal streamed_pending
+            positions, slot, streamed = pending.popleft()
+            streamed_pending -= streamed
+            self._compute(positions, slot, step)
+            if streamed:
+                issue_ahead()
+
+        try:
+            for expert in order:
+                streamed = self.cache.streamed((self.layer, expert))
+                while streaming and streamed and streamed_pending >= STREAM_DEPTH:
+                    compute_oldest()
+                while True:
+                    try:
+                        slot = self.cache.acquire((self.layer, expert), streaming)
+                        pending.append((routes[expert], slot, streamed))
+                        streamed_pending += streamed
+                        break
+                    except NoEvictableSlot:
+                        if not pending and self.cache.wait_for_a_copy():
+                            continue  # a prefetch in flight landed: its slot can be evicted now
+                        if not pending:  # every slot is pinned by other work
+                            raise BudgetTooSmallError(
+                                f"Every expert cache slot is busy; layer {self.layer} cannot load "
+                                f"expert {expert}. Raise --expert-budget."
+                            ) from None
+                        # Every slot is pinned by this layer: compute the oldest to free one.
+                        compute_oldest()
+            if target_streams:  # this layer's copies are all issued: the next layer's may go
+                ahead = self._ahead(hidden_states)[:STREAM_DEPTH]
+                issue_ahead()
+            while pending:
+                compute_oldest()
+        finally:
+            for _, slot, _ in pending:  # only after an error: never leave a slot pinned
+                self.cache.release(slot)
+        return out
+
+    def _rank(self, expert: int) -> int:
+        """Acquire order: streamed hits (a transient prefetch), other hits, misses."""
+        key = (self.layer, expert)
+        return 2 if key not in self.cache else 1 - self.cache.streamed(key)
+
+    def _ahead(self, hidden: torch.Tensor) -> list[tuple[int, int]]:
+        """The next MoE layer's experts predicted from this layer's input, likeliest first, that
+        are not cached: streamed into transient slots while this layer finishes (`lookahead`)."""
+        lookahead = self.control.lookahead
+        if lookahead is None:
+            return []
+        return [key for key in lookahead(self.layer, hidden) if key not in self.cache]
+
+    def _compute(self, positions: list[int], slot, step: _Step) -> None:
+        """One expert on the tokens routed to it, from its cache slot."""
+        try:
+            self._accumulate(positions, self.cache.wait(slot), step)
+        finally:
+            self.cache.release(slot)
+
+    def _accumulate(self, positions: list[int], weights: dict[str, torch.Tensor], step: _Step) -> None:
+        """One expert on the tokens routed to it, weighted and added into the output."""
+        if len(positions) == 1:  # decode: one token, plain slices instead of gathers
+            pos = positions[0]
+            token = pos // step.top_k
+            y = self.expert_forward(step.hidden[token : token + 1], weights)
+            y = y * step.weights[pos : pos + 1, None]  # [1, 1]: promotes as transformers does
+            step.out[token : token + 1] += y.to(step.out.dtype)
+        else:
+            flat = torch.tensor(positions, device=step.hidden.device)
+            token_idx = flat // step.top_k
+            y = self.expert_forward(step.hidden[token_idx], weights) * step.weights[flat, None]
+            # index_put_ rather than index_add_: no thread-pool round trip for a few rows.
+            step.out.index_put_((token_idx,), y.to(step.out.dtype), accumulate=True)
+
+    def _compute_on_cpu(self, positions: list[int], expert: int, step: _Step) -> None:
+        """A missing expert computed on the CPU from the host store (Fiddler/HybriMoE): no copy."""
+        flat = torch.tensor(positions, device=step.hidden.device)
+        token_idx = flat // step.top_k
+        x = step.hidden[token_idx].to("cpu")
+        y = self.expert_forward(x, self.cache.store.views(self.layer, expert)).to(step.hidden.device)
+        step.out.index_put_((token_idx,), (y * step.weights[flat, None]).to(step.out.dtype), accumulate=True)
+        self.cache.count_cpu_use()
+
+    def _forward_substitute(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, store: ExpertStore
+    ) -> torch.Tensor:
+        """SubSpec drafting: every expert from its resident low-bit copy; the cache is not touched."""
+        out = torch.zeros_like(hidden)
+        step = _Step(hidden, top_k_weights.reshape(-1), top_k_index.shape[-1], out)
+        for expert, positions in _group_by_expert(top_k_index.reshape(-1).tolist()).items():
+            self._accumulate(positions, store.views(self.layer, expert), step)
+        return out
+
+    def _draft_routes(
+        self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, draft: DraftRouting
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """SS-MoE self-draft routes: each token's r best experts (r < k), weights rescaled to the
+        top-k's total; with `cached_only`, the r best among those already on the device."""
+        order = top_k_weights.argsort(dim=-1, descending=True)  # [T, K]
+        index, weights = top_k_index.gather(-1, order), top_k_weights.gather(-1, order)
+        r = min(draft.top_r, index.shape[-1])
+        if draft.cached_only:
+            index, weights = self._cached_routes(index, weights, r)
+        else:
+            index, weights = index[:, :r], weights[:, :r]
+        scale = top_k_weights.sum(-1, keepdim=True) / weights.sum(-1, keepdim=True).clamp_min(1e-9)
+        return index, (weights * scale).to(top_k_weights.dtype)
+
+    def _cached_routes(
+        self, index: torch.Tensor, weights: torch.Tensor, r: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token, the r best resident experts of its ranked top-k (its own best if none is)."""
+        resident = {e for (layer, e) in self.cache.resident() if layer == self.layer}
+        rows = []
+        for experts in index.tolist():
+            cached = [k for k, e in enumerate(experts) if e in resident][:r]
+            rows.append(cached + [k for k in range(len(experts)) if k not in cached][: r - len(cached)])
+        picks = torch.tensor(rows, device=index.device)  # [T, r] positions within the ranked top-k
+        return index.gather(-1, picks), weights.gather(-1, picks)
+
+    def expert_forward(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One expert on its tokens `x [n, H]`, exactly as transformers' experts compute it."""
+        up = quant.linear(x, w, "gate_up_proj" if self.has_gate else "up_proj", self.is_transposed)
+        if self.has_bias:
+            up = up + w["gate_up_proj_bias" if self.has_gate else "up_proj_bias"]
+        act = self.template._apply_gate(up) if self.has_gate else self.template.act_fn(up)
+        y = quant.linear(act, w, "down_proj", self.is_transposed)
+        if self.has_bias:
+            y = y + w["down_proj_bias"]
+        return y
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, num_experts={self.num_experts}, offloaded"
+
+
+def expert_field_shapes(original: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Per-expert field shapes of a transformers fused experts module (its params are `[E, …]`)."""
+    return {name: tuple(param.shape[1:]) for name, param in original.named_parameters(recurse=False)}
+
+
+def moe_blocks(model: nn.Module, arch: Architecture) -> dict[int, tuple[str, nn.Module]]:
+    """Decoder layer index → (qualified name of the layer, its MoE block), for layers with routed experts."""
+    blocks = {}
+    decoder_layers = model.get_decoder().layers
+    prefix = next(name for name, module in model.named_modules() if module is decoder_layers)
+    for index, layer in enumerate(decoder_layers):
+        block = getattr(layer, arch.moe_attr, None)
+        if block is not None and hasattr(block, "experts"):
+            blocks[index] = (f"{prefix}.{index}", block)
+    return blocks

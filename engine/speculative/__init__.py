@@ -1,0 +1,12 @@
+"""Speculative decoding and expert prefetch (DESIGN.md layers 7–8).
+
+`drafters` (a draft model, SS-MoE self-draft, SubSpec substitutes) propose tokens;
+`decoder` runs one step top to bottom (draft → verify in one forward → accept →
+rewind both caches) with `acceptance` (greedy, rejection sampling, adaptive) and
+`draft_len` (MoESD's N(t) and the adaptive draft length); `prefetch` predicts the
+experts verification needs while the draft runs (SP-MoE, next-layer, HybriMoE), up to
+the `cutoff` layer.
+
+May import: the engine's base modules, `engine.model`, `engine.offload`,
+`engine.sampling` and `engine.metrics`. Never generation, tune, worker or bench.
+"""

@@ -1,0 +1,289 @@
+"""Downloads against a local fake Hub: what the user sees in each scenario, and what is on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import keyring
+import psutil
+import pytest
+from keyring.backend import KeyringBackend
+
+import app.gui.downloads as downloads
+from app.download_child import DownloadProgress, DownloadState, RateMeter
+from app.gui.downloads import DownloadManager, search_models
+from app.model_library import PARTIAL_MARKER, ModelLibrary
+from engine.model.tiny import make_tiny_model
+from tests.app.fake_hub import FakeHub, FakeRepo
+
+REPO = "tiny-org/tiny-moe"
+WEIGHTS = "model.safetensors"
+TIMEOUT_MS = 60_000
+
+pytestmark = [pytest.mark.gui, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory) -> dict[str, bytes]:
+    folder = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", "qwen3_moe")
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+@pytest.fixture
+def hub(model_files, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the spawned child inherits this environment
+    with FakeHub() as server:
+        server.add_repo(FakeRepo(REPO, dict(model_files)))
+        yield server
+
+
+@pytest.fixture
+def library(tmp_path) -> ModelLibrary:
+    return ModelLibrary(tmp_path / "models")
+
+
+@pytest.fixture
+def manager(qtbot, hub, library, monkeypatch):
+    monkeypatch.setattr(downloads, "load_token", lambda: None)  # never a real token of this machine
+    manager = make_manager(hub, library)
+    yield manager
+    manager.shutdown()
+
+
+def make_manager(hub, library) -> DownloadManager:
+    """A manager that records every signal it sends in `manager.outcomes` and `manager.seen`."""
+    manager = DownloadManager(library=library, endpoint=hub.url, poll_ms=30)
+    manager.seen, manager.outcomes = [], []
+    manager.sig_progress.connect(lambda repo_id, progress: manager.seen.append(progress))
+    manager.sig_finished.connect(lambda repo_id, folder: manager.outcomes.append(("finished", folder)))
+    manager.sig_failed.connect(lambda repo_id, reason: manager.outcomes.append(("failed", reason)))
+    manager.sig_cancelled.connect(lambda repo_id: manager.outcomes.append(("cancelled", repo_id)))
+    return manager
+
+
+def download(qtbot, manager, repo_id: str = REPO, retry: bool = False) -> tuple[str, str]:
+    """Start (or retry) a download and wait for its end: ("finished", folder) or ("failed", reason)."""
+    before = len(manager.outcomes)
+    manager.retry(repo_id) if retry else manager.start(repo_id)
+    qtbot.waitUntil(lambda: len(manager.outcomes) > before, timeout=TIMEOUT_MS)
+    assert not manager.is_active(repo_id)
+    return manager.outcomes[-1]
+
+
+def states(manager) -> list[DownloadState]:
+    """The states the user saw, each once, in order."""
+    order: list[DownloadState] = []
+    for progress in manager.seen:
+        if not order or order[-1] is not progress.state:
+            order.append(progress.state)
+    return order
+
+
+def assert_installed(folder: Path, model_files: dict[str, bytes]) -> None:
+    files = {p.name for p in folder.iterdir() if p.is_file()}
+    assert files == set(model_files)
+    for name, data in model_files.items():
+        assert hashlib.sha256((folder / name).read_bytes()).digest() == hashlib.sha256(data).digest()
+
+
+def test_a_download_shows_each_state_and_leaves_a_verified_model(qtbot, manager, library, model_files, hub):
+    outcome, folder = download(qtbot, manager)
+    assert outcome == "finished" and Path(folder) == library.folder_for(REPO)
+    assert states(manager) == [
+        DownloadState.CHECKING,
+        DownloadState.DOWNLOADING,
+        DownloadState.VERIFYING,
+        DownloadState.DONE,
+    ]
+    downloading = [p for p in manager.seen if p.state is DownloadState.DOWNLOADING]
+    total = sum(len(d) for name, d in model_files.items() if name != "config.json")  # fetched while checking
+    assert downloading[0].bytes_total == total and downloading[-1].bytes_done == total
+    assert manager.state(REPO).describe() == "Downloaded and verified"
+    assert_installed(Path(folder), model_files)
+    assert not (Path(folder) / PARTIAL_MARKER).exists()
+    assert library.is_installed(REPO) and library.find(REPO).source == "downloaded"
+    assert len(hub.file_gets(REPO)) == len(model_files)  # each file fetched once
+
+
+def test_cancel_kills_the_child_removes_the_partial_files_and_retry_works(
+    qtbot, manager, library, model_files, hub
+):
+    hub.faults.bytes_per_s = 100_000  # the weights take several seconds
+    manager.start(REPO)
+    qtbot.waitUntil(
+        lambda: hub.bytes_sent.get(WEIGHTS, 0) > 0 and manager.state(REPO).state is DownloadState.DOWNLOADING,
+        timeout=TIMEOUT_MS,
+    )
+    pid = manager.pid(REPO)
+    assert psutil.pid_exists(pid)
+    assert library.has_partial(REPO)
+    manager.cancel(REPO)
+    assert manager.outcomes == [("cancelled", REPO)]
+    assert not psutil.pid_exists(pid)
+    assert manager.state(REPO).describe() == "Cancelled"
+    assert not library.folder_for(REPO).exists()
+    assert not library.is_installed(REPO)
+
+    hub.faults.bytes_per_s = None
+    outcome, folder = download(qtbot, manager, retry=True)
+    assert outcome == "finished"
+    assert_installed(Path(folder), model_files)
+
+
+def test_a_broken_connection_fails_with_a_reason_and_retry_succeeds(
+    qtbot, manager, library, model_files, hub
+):
+    hub.faults.break_after[WEIGHTS] = 50_000  # every attempt at the weights stops there
+    outcome, reason = download(qtbot, manager)
+    assert outcome == "failed"
+    assert reason.startswith("the connection to the Hub broke off during the download")
+    assert manager.state(REPO).state is DownloadState.FAILED
+    assert manager.state(REPO).describe() == f"Failed: {reason}"
+    assert not list(library.folder_for(REPO).rglob("*.incomplete"))
+    assert not library.is_installed(REPO)
+
+    hub.faults.break_after.clear()
+    outcome, folder = download(qtbot, manager, retry=True)
+    assert outcome == "finished"
+    assert_installed(Path(folder), model_files)
+
+
+def test_a_child_that_dies_is_reported_as_failed(qtbot, manager, library, hub):
+    hub.faults.bytes_per_s = 50_000
+    manager.start(REPO)
+    qtbot.waitUntil(lambda: hub.bytes_sent.get(WEIGHTS, 0) > 0, timeout=TIMEOUT_MS)
+    psutil.Process(manager.pid(REPO)).kill()
+    qtbot.waitUntil(lambda: bool(manager.outcomes), timeout=TIMEOUT_MS)
+    [(outcome, reason)] = manager.outcomes
+    assert outcome == "failed" and reason.startswith("the download process stopped unexpectedly (exit code")
+    assert library.has_partial(REPO) and not library.is_installed(REPO)
+
+
+def test_not_enough_disk_space_fails_before_any_byte_is_fetched(qtbot, manager, hub, monkeypatch):
+    monkeypatch.setattr(downloads, "disk_free_bytes", lambda path: 1000)
+    outcome, reason = download(qtbot, manager)
+    assert outcome == "failed"
+    assert reason.startswith("not enough disk space: need ") and ", have 1000 B on " in reason
+    assert hub.file_gets(REPO) == []
+    assert states(manager) == [DownloadState.CHECKING, DownloadState.FAILED]
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [(WEIGHTS, "does not match its sha256"), ("tokenizer.json", "bytes, the Hub lists")],
+)
+def test_bytes_that_differ_from_the_listing_fail_verification_and_are_removed(
+    qtbot, manager, library, model_files, hub, name, expected
+):
+    good = model_files[name]
+    hub.faults.wrong_bytes[name] = bytes([good[0] ^ 0xFF]) + good[1:] if name == WEIGHTS else good + b" "
+    outcome, reason = download(qtbot, manager)
+    assert outcome == "failed"
+    assert reason.startswith("verification: ") and expected in reason
+    assert manager.state(REPO).describe().startswith("Failed: verification: ")
+    assert not (library.folder_for(REPO) / name).exists()
+    assert not library.is_installed(REPO)
+
+    hub.faults.wrong_bytes.clear()
+    outcome, folder = download(qtbot, manager, retry=True)
+    assert outcome == "finished"
+    assert_installed(Path(folder), model_files)
+    assert sum(p.endswith("/" + name) for p in hub.file_gets(REPO)) == 2  # only the bad file again
+
+
+def test_an_unsupported_model_is_refused_before_its_weights(qtbot, manager, model_files, hub):
+    files = dict(model_files, **{"config.json": b'{"model_type": "llama"}'})
+    hub.add_repo(FakeRepo("dense/llama", files, model_type="llama"))
+    outcome, reason = download(qtbot, manager, "dense/llama")
+    assert outcome == "failed"
+    assert "Architecture 'llama' is not supported" in reason
+    assert [p.rsplit("/", 1)[1] for p in hub.file_gets("dense/llama")] == ["config.json"]
+
+
+class MemoryKeyring(KeyringBackend):
+    priority = 10
+
+    def __init__(self):
+        super().__init__()
+        self.passwords: dict[tuple[str, str], str] = {}
+
+    def get_password(self, service, username):
+        return self.passwords.get((service, username))
+
+    def set_password(self, service, username, password):
+        self.passwords[(service, username)] = password
+
+    def delete_password(self, service, username):
+        self.passwords.pop((service, username), None)
+
+
+@pytest.fixture
+def memory_keyring():
+    previous = keyring.get_keyring()
+    backend = MemoryKeyring()
+    keyring.set_keyring(backend)
+    yield backend
+    keyring.set_keyring(previous)
+
+
+def test_a_gated_model_needs_the_stored_token(qtbot, hub, library, model_files, memory_keyring):
+    hub.add_repo(FakeRepo("gated/moe", dict(model_files), gated=True, token="hf_secret"))
+    manager = make_manager(hub, library)
+    try:
+        outcome, reason = download(qtbot, manager, "gated/moe")
+        assert outcome == "failed" and reason.startswith("gated/moe is gated: accept its terms at ")
+
+        assert downloads.store_token(" hf_secret\n") == "the system keyring"
+        assert memory_keyring.passwords[("moe-chat", "huggingface")] == "hf_secret"
+        assert downloads.load_token() == "hf_secret"
+        assert download(qtbot, manager, "gated/moe", retry=True)[0] == "finished"
+    finally:
+        manager.shutdown()
+
+
+def test_without_a_keyring_the_token_goes_to_huggingface_hub(monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(downloads, "_keyring", lambda: None)
+    logins = []
+    monkeypatch.setattr(huggingface_hub, "login", lambda token, **kw: logins.append(token))
+    assert downloads.store_token("hf_abc") == "huggingface_hub's token file"
+    assert logins == ["hf_abc"]
+    monkeypatch.setenv("HF_TOKEN", "hf_from_env")
+    assert downloads.load_token() == "hf_from_env"
+    with pytest.raises(ValueError, match="empty"):
+        downloads.store_token("  ")
+
+
+def test_search_lists_only_supported_architectures_most_downloaded_first(hub, model_files, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # imported under conftest's "1"
+    monkeypatch.setattr(downloads, "load_token", lambda: None)
+    hub.add_repo(FakeRepo("a/mixtral-moe", {}, model_type="mixtral", downloads=50))
+    hub.add_repo(FakeRepo("b/llama-dense", {}, model_type="llama", downloads=999))
+    hub.add_repo(FakeRepo("c/qwen-moe-gated", {}, model_type="qwen3_moe", downloads=70, gated=True))
+    found = search_models("moe", endpoint=hub.url)
+    assert [m.repo_id for m in found] == ["c/qwen-moe-gated", "a/mixtral-moe", "tiny-org/tiny-moe"]
+    assert found[0].architecture == "qwen3_moe" and found[0].gated and not found[1].gated
+    assert search_models("moe", limit=1, endpoint=hub.url)[0].repo_id == "c/qwen-moe-gated"
+
+
+def test_progress_lines_say_what_is_happening():
+    progress = DownloadProgress("o/m", DownloadState.DOWNLOADING, 3 * 2**30, 12 * 2**30, 50 * 2**20, 184)
+    assert progress.describe() == "Downloading 3.0 GiB of 12.0 GiB · 50.0 MiB/s · 3 min 04 s left"
+    assert DownloadProgress("o/m", DownloadState.VERIFYING, 1, 4).describe() == "Verifying 25%…"
+    failed = DownloadProgress("o/m", DownloadState.FAILED, reason="not enough disk space: need 2 GiB")
+    assert failed.describe() == "Failed: not enough disk space: need 2 GiB"
+
+
+def test_the_rate_meter_averages_over_its_window():
+    meter = RateMeter(window_s=5.0)
+    assert meter.speed() is None
+    start = time.monotonic()
+    for second in range(10):
+        meter.add(start + second, second * 1000)
+    assert meter.speed() == pytest.approx(1000)
+    assert meter.eta(9000, 19000) == pytest.approx(10)

@@ -1,0 +1,245 @@
+"""The model picker offscreen: catalog rows and fit estimates, downloads through the row buttons
+against a fake Hub, search, import, delete and choosing a model; screenshots of each tab."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QInputDialog, QLabel, QMessageBox
+
+import app.gui.downloads as downloads
+import app.gui.model_picker as model_picker
+from app.catalog import GIB, estimate_fit
+from app.gui.downloads import DownloadManager, DownloadState
+from app.gui.model_picker import FIT_COLOURS, ModelPicker
+from app.model_library import ModelLibrary
+from engine.model.tiny import make_tiny_model
+from engine.resources import demo_model_dir
+from tests.app.fake_hub import FakeHub, FakeRepo
+from tests.screenshots import save_screenshot
+
+GRANITE = "ibm-granite/granite-3.1-3b-a800m-instruct"
+OLMOE = "allenai/OLMoE-1B-7B-0924-Instruct"
+MIXTRAL = "mistralai/Mixtral-8x7B-Instruct-v0.1"
+DEEPSEEK = "deepseek-ai/DeepSeek-V2-Lite-Chat"
+VRAM = 8 * GIB
+TIMEOUT_MS = 60_000
+
+pytestmark = pytest.mark.gui
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: make_tiny_model(root / kind, kind) for kind in ("granitemoe", "olmoe", "mixtral")}
+
+
+@pytest.fixture
+def hub(tiny_models, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # for the spawned download children
+    with FakeHub() as server:
+        server.add_repo(FakeRepo(GRANITE, files_of(tiny_models["granitemoe"]), model_type="granitemoe"))
+        server.add_repo(FakeRepo(OLMOE, files_of(tiny_models["olmoe"]), model_type="olmoe"))
+        server.add_repo(
+            FakeRepo(
+                MIXTRAL, files_of(tiny_models["mixtral"]), model_type="mixtral", gated=True, token="hf_tok"
+            )
+        )
+        yield server
+
+
+@pytest.fixture
+def picker(qtbot, hub, tmp_path, monkeypatch):
+    monkeypatch.setattr(downloads, "load_token", lambda: None)
+    monkeypatch.setattr(model_picker, "load_token", lambda: None)
+    library = ModelLibrary(tmp_path / "models")
+    manager = DownloadManager(library=library, endpoint=hub.url, poll_ms=30)
+    picker = ModelPicker(manager=manager, library=library, vram_bytes=VRAM)
+    qtbot.addWidget(picker)
+    picker.show()
+    yield picker
+    manager.shutdown()
+
+
+def row_of(picker: ModelPicker, entry_id: str) -> int:
+    return next(i for i, e in enumerate(picker.catalog) if e.id == entry_id)
+
+
+def click(qtbot, button) -> None:
+    assert button.isVisible() and button.isEnabled()
+    qtbot.mouseClick(button, Qt.MouseButton.LeftButton)
+
+
+def wait_for_status(qtbot, picker: ModelPicker, repo_id: str, text: str) -> None:
+    qtbot.waitUntil(lambda: picker.status_text(repo_id).startswith(text), timeout=TIMEOUT_MS)
+
+
+def test_the_catalog_shows_every_model_with_its_fit_on_this_computer(picker):
+    table = picker.catalog_table
+    assert table.rowCount() == len(picker.catalog) >= 9
+    for row, entry in enumerate(picker.catalog):
+        assert table.item(row, 0).text().splitlines()[0] == entry.name
+        assert table.item(row, 1).text() == entry.architecture
+        fit = estimate_fit(entry, picker.ram_bytes, VRAM)
+        assert picker.fit_text(entry.id) == f"● {fit.summary}"
+        assert FIT_COLOURS[fit.level] in table.cellWidget(row, 6).findChild(QLabel).styleSheet()
+        if not entry.bundled:
+            assert picker.status_text(entry.repo_id) == "Not downloaded"
+            assert picker.row_buttons(entry.repo_id) == ["Download"]
+    qwen = table.item(row_of(picker, "qwen3-30b-a3b"), 2).text()
+    assert qwen == "30.5B total\n3.3B active"
+    assert table.item(row_of(picker, "mixtral-8x7b-instruct-v0.1"), 5).text() == "Apache-2.0\ngated"
+    assert "GPU 8.0 GiB" in picker.machine_label.text()
+
+    picker.set_vram_bytes(None)
+    olmoe = picker.catalog[row_of(picker, "olmoe-1b-7b-0924-instruct")]
+    assert (
+        picker.fit_text("olmoe-1b-7b-0924-instruct")
+        == f"● {estimate_fit(olmoe, picker.ram_bytes, None).summary}"
+    )
+    assert "no GPU found" in picker.machine_label.text()
+
+
+def test_the_demo_can_be_chosen_at_once(qtbot, picker):
+    picker.catalog_table.selectRow(row_of(picker, "demo"))
+    with qtbot.waitSignal(picker.sig_model_chosen) as chosen:
+        click(qtbot, picker.use_button)
+    assert chosen.args == [str(demo_model_dir())]
+
+
+@pytest.mark.slow
+def test_download_through_the_row_then_use_then_delete(qtbot, picker, monkeypatch):
+    row = row_of(picker, "granite-3.1-3b-a800m-instruct")
+    picker.catalog_table.selectRow(row)
+    assert not picker.use_button.isEnabled()
+    click(qtbot, picker.download_row(GRANITE).download_button)
+    wait_for_status(qtbot, picker, GRANITE, "Installed ✓")
+    assert picker.row_buttons(GRANITE) == ["Delete"]
+    assert picker.use_button.isEnabled()
+    folder = str(picker.library.folder_for(GRANITE))
+    assert folder in [
+        picker.local_page.table.item(r, 3).text() for r in range(picker.local_page.table.rowCount())
+    ]
+    with qtbot.waitSignal(picker.sig_model_chosen) as chosen:
+        click(qtbot, picker.use_button)
+    assert chosen.args == [folder]
+    assert not picker.isVisible()  # choosing closes the dialog
+
+    picker.show()
+    monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.StandardButton.Yes)
+    click(qtbot, picker.download_row(GRANITE).delete_button)
+    assert picker.status_text(GRANITE) == "Not downloaded" and not Path(folder).exists()
+
+
+@pytest.mark.slow
+def test_a_failed_download_shows_why_and_retry_from_the_row_works(qtbot, picker, monkeypatch):
+    real_disk_free_bytes = downloads.disk_free_bytes
+    monkeypatch.setattr(downloads, "disk_free_bytes", lambda path: 10 * 2**20)
+    click(qtbot, picker.download_row(OLMOE).download_button)
+    wait_for_status(qtbot, picker, OLMOE, "Failed: not enough disk space: need ")
+    assert ", have 10.0 MiB on " in picker.status_text(OLMOE)
+    assert picker.row_buttons(OLMOE) == ["Retry"]
+
+    monkeypatch.setattr(downloads, "disk_free_bytes", real_disk_free_bytes)
+    click(qtbot, picker.download_row(OLMOE).retry_button)
+    wait_for_status(qtbot, picker, OLMOE, "Installed ✓")
+
+
+@pytest.mark.slow
+def test_cancel_from_the_row(qtbot, picker, hub):
+    hub.faults.bytes_per_s = 50_000
+    click(qtbot, picker.download_row(OLMOE).download_button)
+    qtbot.waitUntil(
+        lambda: picker.manager.state(OLMOE).state is DownloadState.DOWNLOADING, timeout=TIMEOUT_MS
+    )
+    assert picker.status_text(OLMOE).startswith("Downloading ")
+    assert picker.row_buttons(OLMOE) == ["Cancel"]
+    click(qtbot, picker.download_row(OLMOE).cancel_button)
+    assert picker.status_text(OLMOE) == "Cancelled" and picker.row_buttons(OLMOE) == ["Retry"]
+    assert not picker.library.folder_for(OLMOE).exists()
+
+
+@pytest.mark.slow
+def test_a_gated_model_asks_for_a_token_first(qtbot, picker, monkeypatch):
+    stored = []
+    monkeypatch.setattr(QInputDialog, "getText", lambda *a, **k: ("hf_tok", True))
+    monkeypatch.setattr(
+        model_picker, "store_token", lambda token: stored.append(token) or "the system keyring"
+    )
+    monkeypatch.setattr(downloads, "load_token", lambda: stored[-1] if stored else None)
+    click(qtbot, picker.download_row(MIXTRAL).download_button)
+    wait_for_status(qtbot, picker, MIXTRAL, "Installed ✓")
+    assert stored == ["hf_tok"]
+    assert picker.message_label.text() == "Token saved in the system keyring."
+
+
+@pytest.mark.slow
+def test_search_lists_supported_models_and_downloads_from_a_result(qtbot, picker, hub, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # conftest imported it offline
+    hub.add_repo(FakeRepo("someone/dense-llama", {}, model_type="llama", downloads=10**6))
+    quantized = {"quantization_config": {"quant_method": "gptq"}}
+    hub.add_repo(FakeRepo("someone/moe-gptq", {}, model_type="mixtral", downloads=5, config=quantized))
+    picker.tabs.setCurrentIndex(1)
+    picker.search_box.setText("e")
+    picker.search()
+    qtbot.waitUntil(lambda: picker.search_table.rowCount() > 0, timeout=TIMEOUT_MS)
+    table = picker.search_table
+    names = [table.item(r, 0).text() for r in range(table.rowCount())]
+    assert "someone/dense-llama" not in names and GRANITE in names
+    assert picker.search_status.text().endswith("of supported architectures found.")
+    quantized_row = names.index("someone/moe-gptq")
+    assert table.item(quantized_row, 4).text() == "pre-quantized: cannot run"
+    assert not picker.download_row("someone/moe-gptq", "search").download_button.isEnabled()
+    row = names.index(OLMOE)
+    assert table.item(row, 1).text() == "olmoe"
+    click(qtbot, picker.download_row(OLMOE, "search").download_button)
+    wait_for_status(qtbot, picker, OLMOE, "Installed ✓")
+    table.selectRow(row)
+    assert picker.selected_model_path() == str(picker.library.folder_for(OLMOE))
+    save_screenshot(picker, "model_picker_search.png", tmp_path)
+
+
+@pytest.mark.slow
+def test_a_local_folder_is_imported_and_can_be_chosen(qtbot, picker, tiny_models, tmp_path):
+    picker.tabs.setCurrentIndex(2)
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    picker.local_page.import_folder(str(bad))
+    qtbot.waitUntil(lambda: picker.message_label.text().startswith("Cannot import:"), timeout=TIMEOUT_MS)
+    assert "has no config.json" in picker.message_label.text()
+
+    picker.local_page.import_folder(str(tiny_models["olmoe"]))
+    qtbot.waitUntil(lambda: picker.message_label.text() == "Imported olmoe.", timeout=TIMEOUT_MS)
+    table = picker.local_page.table
+    assert [table.item(r, 1).text() for r in range(table.rowCount())] == ["bundled", "imported"]
+    table.selectRow(1)
+    with qtbot.waitSignal(picker.sig_model_chosen) as chosen:
+        click(qtbot, picker.use_button)
+    assert chosen.args == [str(tiny_models["olmoe"])]
+    save_screenshot(picker, "model_picker_local.png", tmp_path)
+
+
+@pytest.mark.slow
+def test_screenshot_of_the_catalog_with_an_installed_a_downloading_and_a_failed_model(
+    qtbot, picker, hub, tmp_path, monkeypatch
+):
+    click(qtbot, picker.download_row(GRANITE).download_button)
+    wait_for_status(qtbot, picker, GRANITE, "Installed ✓")
+    click(qtbot, picker.download_row(DEEPSEEK).download_button)  # not on this Hub
+    wait_for_status(qtbot, picker, DEEPSEEK, "Failed: ")
+    hub.faults.bytes_per_s = 20_000
+    click(qtbot, picker.download_row(OLMOE).download_button)
+    qtbot.waitUntil(
+        lambda: picker.manager.state(OLMOE).state is DownloadState.DOWNLOADING, timeout=TIMEOUT_MS
+    )
+    picker.catalog_table.selectRow(row_of(picker, "granite-3.1-3b-a800m-instruct"))
+    path = save_screenshot(picker, "model_picker.png", tmp_path)
+    assert path.stat().st_size > 10_000

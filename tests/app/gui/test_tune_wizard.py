@@ -1,0 +1,240 @@
+"""TuneWizard against a fake client: the flow, cancel, error and retry, Apply; with_tune; plot helpers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import QObject, Signal
+from PySide6.QtWidgets import QWizard
+
+from app.gui.tune_plot import axis_ranges, nice_ticks, series_by_draft_len
+from app.gui.tune_wizard import NO_GPU_TEXT, TuneWizard
+from app.settings import AppSettings, SettingsError
+from engine.generation_config import SamplingConfig
+from engine.worker.protocol import DeviceInfo, Ready
+from tests.screenshots import save_screenshot
+
+RESULT = json.loads((Path(__file__).parent / "tune_result.json").read_text(encoding="utf-8"))
+
+
+class FakeClient(QObject):
+    """EngineClient's tune side: the same signals, `tune` and `cancel` recorded, no worker."""
+
+    sig_stats = Signal(object)
+    sig_tune_progress = Signal(str, str, int, int)
+    sig_tune_result = Signal(str, dict)
+    sig_error = Signal(str, str, str)
+    sig_ready = Signal(object)
+
+    def __init__(self, kind: str = "cpu"):
+        super().__init__()
+        name = "x86_64" if kind == "cpu" else "NVIDIA GeForce RTX 4090"
+        memory = None if kind == "cpu" else 24 * 2**30
+        self.ready = Ready("", 2, 1, DeviceInfo(kind, name, memory, "2.5"))
+        self.tunes: list[dict] = []
+        self.cancelled: list[str] = []
+
+    def tune(self, draft_model=None, new_tokens: int = 32, retune: bool = False) -> str:
+        self.tunes.append({"draft_model": draft_model, "new_tokens": new_tokens, "retune": retune})
+        return f"tune-{len(self.tunes)}"
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+
+def _wizard(qtbot, client: FakeClient, settings: AppSettings | None = None) -> TuneWizard:
+    wizard = TuneWizard(client, settings or AppSettings())
+    qtbot.addWidget(wizard)
+    wizard.show()
+    return wizard
+
+
+def _to_profiling(wizard: TuneWizard) -> None:
+    wizard.next()
+    wizard.next()
+    assert wizard.currentPage() is wizard.profiling_page
+
+
+def _finish(wizard: TuneWizard, client: FakeClient, request_id: str) -> None:
+    for done, stage in enumerate(("probe", "copy", "layer", "search"), start=1):
+        client.sig_tune_progress.emit(request_id, stage, done, 4)
+    client.sig_tune_result.emit(request_id, RESULT)
+
+
+@pytest.mark.gui
+def test_hardware_page_says_no_gpu(qtbot):
+    wizard = _wizard(qtbot, FakeClient("cpu"))
+    page = wizard.hardware_page
+    assert page.note_label.text() == NO_GPU_TEXT and page.note_label.isVisible()
+    assert page.memory_label.text() == "Host memory: unknown"
+    wizard.hardware_page.set_stats(type("Stats", (), {"host_ram_total_bytes": 64 * 2**30})())
+    assert page.memory_label.text() == "Host memory: 64.0 GiB"
+
+
+@pytest.mark.gui
+def test_hardware_page_shows_the_gpu(qtbot):
+    wizard = _wizard(qtbot, FakeClient("cuda"))
+    assert "RTX 4090" in wizard.hardware_page.device_label.text()
+    assert "24.0 GiB" in wizard.hardware_page.device_label.text()
+    assert not wizard.hardware_page.note_label.isVisible()
+
+
+@pytest.mark.gui
+def test_flow_progress_result_and_apply(qtbot, tmp_path):
+    client = FakeClient()
+    wizard = _wizard(qtbot, client, AppSettings(spec_mode="draft", draft_len=3))
+    wizard.next()
+    wizard.budget_page.tokens_spin.setValue(16)
+    wizard.budget_page.retune_check.setChecked(True)
+    wizard.next()
+    assert client.tunes == [{"draft_model": None, "new_tokens": 16, "retune": True}]
+    page = wizard.profiling_page
+    assert not page.isComplete() and page.cancel_button.isVisible()
+    client.sig_tune_progress.emit("tune-1", "layer", 2, 5)
+    assert page.progress.value() == 2 and page.progress.maximum() == 5
+    assert "layer" in page.stage_label.text() and "2 of 5" in page.stage_label.text()
+    client.sig_tune_progress.emit("other", "copy", 9, 9)  # another request's: ignored
+    assert page.progress.value() == 2
+    _finish(wizard, client, "tune-1")
+    assert page.isComplete() and not page.cancel_button.isVisible()
+    wizard.next()
+    result_page = wizard.result_page
+    assert wizard.currentPage() is result_page
+    choice = RESULT["choice"]
+    text = result_page.choice_label.text()
+    assert "cutoff layer none (no prefetch)" in text and "draft length 0" in text
+    assert f"expected {choice['expected_tokens_per_s']:.1f} tokens/s" in text
+    assert "simulated link" in result_page.probe_label.text()
+    assert result_page.reused_label.text() == "Measured just now."
+    assert "Plain decoding" in result_page.reasons_label.text()
+    assert wizard.button(QWizard.WizardButton.FinishButton).text() == "Apply"
+    _screenshot(wizard, tmp_path)
+    with qtbot.waitSignal(wizard.sig_apply) as applied:
+        wizard.button(QWizard.WizardButton.FinishButton).click()
+    settings = applied.args[0]
+    assert settings.expert_budget == str(choice["cache_experts"])
+    assert settings.cutoff_layer == choice["cutoff_layer"]
+    assert (settings.spec_mode, settings.prefetch) == ("none", "none")  # the choice is plain decoding
+
+
+def _screenshot(wizard: TuneWizard, tmp_path: Path) -> None:
+    wizard.resize(900, 760)
+    save_screenshot(wizard, "tune_wizard_result.png", tmp_path)
+
+
+@pytest.mark.gui
+def test_changed_budget_is_announced_and_applied(qtbot):
+    client = FakeClient()
+    wizard = _wizard(qtbot, client)
+    wizard.next()
+    wizard.budget_page.budget_edit.setText("nonsense")
+    assert not wizard.budget_page.isComplete() and wizard.budget_page.budget_error.text()
+    wizard.budget_page.budget_edit.setText("2GiB")
+    assert wizard.budget_page.isComplete() and not wizard.budget_page.budget_error.text()
+    wizard.next()
+    assert "reloaded after Apply" in wizard.profiling_page.budget_note.text()
+    _finish(wizard, client, "tune-1")
+    wizard.next()
+    with qtbot.waitSignal(wizard.sig_apply) as applied:
+        wizard.accept()
+    assert applied.args[0].expert_budget == "2GiB"
+
+
+@pytest.mark.gui
+def test_cancel_calls_client_cancel_with_the_request_id(qtbot):
+    client = FakeClient()
+    wizard = _wizard(qtbot, client)
+    _to_profiling(wizard)
+    wizard.profiling_page.cancel_button.click()
+    assert client.cancelled == ["tune-1"]
+    assert wizard.profiling_page.retry_button.isVisible() and not wizard.profiling_page.isComplete()
+    client.sig_tune_result.emit("tune-1", RESULT)  # a late answer to the cancelled request: ignored
+    assert not wizard.profiling_page.isComplete()
+
+
+@pytest.mark.gui
+def test_error_shows_retry_and_retry_tunes_again(qtbot):
+    client = FakeClient()
+    wizard = _wizard(qtbot, client)
+    _to_profiling(wizard)
+    page = wizard.profiling_page
+    assert not page.retry_button.isVisible()
+    client.sig_error.emit("tune-1", "internal", "CUDA out of memory")
+    assert page.error_label.isVisible() and "CUDA out of memory" in page.error_label.text()
+    assert page.retry_button.isVisible() and not page.cancel_button.isVisible()
+    page.retry_button.click()
+    assert len(client.tunes) == 2 and page.request_id == "tune-2"
+    assert not page.error_label.isVisible()
+    _finish(wizard, client, "tune-2")
+    assert page.isComplete()
+
+
+@pytest.mark.gui
+def test_closing_the_wizard_cancels_the_running_tune(qtbot):
+    client = FakeClient()
+    wizard = _wizard(qtbot, client)
+    _to_profiling(wizard)
+    wizard.reject()
+    assert client.cancelled == ["tune-1"]
+
+
+def test_with_tune_plain_decoding_turns_speculation_and_prefetch_off():
+    settings = AppSettings(spec_mode="draft", prefetch="spmoe", draft_len=5)
+    tuned = settings.with_tune(
+        {"cutoff_layer": -1, "draft_len": 0, "cache_experts": 24, "expected_tokens_per_s": 9}
+    )
+    assert (tuned.spec_mode, tuned.prefetch, tuned.expert_budget, tuned.cutoff_layer) == (
+        "none",
+        "none",
+        "24",
+        -1,
+    )
+    assert tuned.draft_len == 5
+    tuned.validate()
+
+
+def test_with_tune_speculation_on_the_demo_turns_draft_mode_and_spmoe_on():
+    tuned = AppSettings().with_tune(
+        {"cutoff_layer": 2, "draft_len": 4, "cache_experts": 64, "expected_tokens_per_s": 1}
+    )
+    assert (tuned.spec_mode, tuned.draft_len, tuned.prefetch, tuned.cutoff_layer) == ("draft", 4, "spmoe", 2)
+    assert tuned.expert_budget == "64"
+    tuned.validate()
+    assert tuned.generation_config(SamplingConfig(), 8).cutoff == 2
+
+
+def test_with_tune_keeps_speculation_off_without_a_drafter():
+    settings = AppSettings(model_path="/models/qwen")
+    tuned = settings.with_tune(
+        {"cutoff_layer": 1, "draft_len": 3, "cache_experts": 8, "expected_tokens_per_s": 1}
+    )
+    assert (tuned.spec_mode, tuned.prefetch, tuned.draft_len) == ("none", "none", 3)
+    selfspec = AppSettings(model_path="/models/qwen", spec_mode="self")
+    tuned = selfspec.with_tune(
+        {"cutoff_layer": -1, "draft_len": 2, "cache_experts": 8, "expected_tokens_per_s": 1}
+    )
+    assert (tuned.spec_mode, tuned.prefetch) == ("self", "none")
+
+
+def test_cutoff_layer_setting_is_checked_and_reaches_the_generation_config():
+    assert AppSettings().generation_config(SamplingConfig(), 8).cutoff is None
+    assert AppSettings(cutoff_layer=-1).generation_config(SamplingConfig(), 8).cutoff == -1
+    with pytest.raises(SettingsError) as info:
+        AppSettings(cutoff_layer=-2).validate()
+    assert info.value.field == "cutoff_layer"
+
+
+def test_plot_helpers():
+    groups = series_by_draft_len(RESULT["measured"])
+    assert list(groups) == [0, 2] and groups[2][0] == (-1, groups[2][0][1])
+    assert [x for x, _ in groups[2]] == sorted(x for x, _ in groups[2])
+    (x0, x1), (y0, y1) = axis_ranges(RESULT["measured"], RESULT["prediction"]["curve"])
+    assert (x0, x1) == (-1.5, 5.5)
+    tpots = [p["tpot_ms"] for p in RESULT["measured"] + RESULT["prediction"]["curve"]]
+    assert y0 <= min(tpots) and y1 >= max(tpots) and y1 - y0 <= 2 * (max(tpots) - min(tpots))
+    assert axis_ranges([], []) == ((-1.5, 1.5), (0.0, 1.0))
+    assert nice_ticks(36.4, 61.4) == [35, 40, 45, 50, 55, 60, 65]
+    assert nice_ticks(0.0, 1.0) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert nice_ticks(3.0, 3.0) == [3.0, 3.2, 3.4, 3.6, 3.8, 4.0]  # no span: one unit

@@ -1,0 +1,71 @@
+"""`python -m engine.bench`: the table, the JSON and the side-by-side comparison (not timings)."""
+
+import json
+
+import pytest
+
+from engine.bench import main as bench
+from engine.model.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), model_type="mixtral", seed=4)
+
+
+def test_budget_sweep_with_transformers_side_by_side(folder, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(folder), "--expert-budget", "4,all", "--new-tokens", "6", "--repeats", "1"]
+    code = bench.main(
+        [*argv, "--prompts", "2", "--sim-link-gbps", "20", "--compare-transformers", "--json", str(out)]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    # One row per budget, then the side-by-side pair (interleaved passes) for the largest cache.
+    assert [r["engine"] for r in rows] == ["moe-chat", "moe-chat", "moe-chat", "transformers"]
+    small, full, side_by_side, reference = rows
+    assert side_by_side["budget"] == full["budget"] and side_by_side["hit_rate"] == 1.0
+    assert small["cache_slots"] == 4 and full["cache_slots"] == 16
+    assert small["simulated_link"] is True and full["simulated_link"] is True
+    assert full["hit_rate"] == 1.0 and full["bytes_per_token"] == 0
+    assert small["hit_rate"] < 1.0 and small["bytes_per_token"] > 0
+    assert small["decode_tokens"] == 2 * 5
+    assert result["compared_budget"] == "all experts"
+    assert result["speed_vs_transformers"] == pytest.approx(
+        side_by_side["tokens_per_s"] / reference["tokens_per_s"]
+    )
+    table = capsys.readouterr().out
+    assert "tpot_ms" in table and "simulated" in table and "of transformers' generate" in table
+
+
+def test_bad_budget_is_an_error_not_a_crash(folder, capsys):
+    assert bench.main(["--model", str(folder), "--expert-budget", "lots", "--repeats", "1"]) == 2
+    assert "expert budget" in capsys.readouterr().err
+
+
+def test_compare_runs_every_configuration_side_by_side_on_a_calibrated_link(folder, tmp_path, capsys):
+    out = tmp_path / "compare.json"
+    argv = ["--model", str(folder), "--compare", "--sim-link", "calibrated", "--new-tokens", "6"]
+    argv += ["--repeats", "1", "--prompts", "1", "--draft-model", str(folder), "--json", str(out)]
+    assert (
+        bench.main([*argv, "--configs", "next-layer", "hybrimoe", "draft+spmoe", "self", "substitute"]) == 0
+    )
+    result = json.loads(out.read_text())
+    assert result["simulated_link"] is True
+    assert result["calibration"]["copy_over_layer"] == 3.0 and result["calibration"]["link_gbps"] > 0
+    assert result["expert_budget"] == "4 experts"  # a quarter of the tiny model's 16
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == ["on-demand LRU", "next-layer", "hybrimoe", "draft+spmoe", "self", "substitute"]
+    for row in rows.values():
+        for key in ("name", "spec", "prefetch", "tpot_ms", "tokens_per_s", "hit_rate", "accept_len"):
+            assert key in row
+        assert row["h2d_bytes_per_token"] is not None and row["tpot_ms"] > 0
+        assert row["same_tokens_as_baseline"] is True  # greedy speculation is lossless
+    assert rows["on-demand LRU"]["accept_len"] is None and rows["on-demand LRU"]["prefetch_precision"] is None
+    draft = rows["draft+spmoe"]  # the target as its own draft: every draft token is accepted
+    assert draft["accept_len"] == draft["draft_len"] + 1
+    assert rows["draft+spmoe"]["prefetch"].startswith("spmoe")
+    assert rows["hybrimoe"]["policy"] == "mrs"
+    table = capsys.readouterr().out
+    assert "SIMULATED" in table and "calibrated link" in table

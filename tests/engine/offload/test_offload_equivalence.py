@@ -1,0 +1,120 @@
+"""Offloaded execution equals transformers, for every architecture, policy and disk layout.
+
+Each tiny model is built and saved in the test; the engine loads it with a
+cache holding a quarter of the routed experts on the simulated link.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import ExpertBudget, OffloadConfig
+from engine.generation import GenerationConfig, generate_text
+from engine.loader import load_model
+from engine.model.tiny import TINY_ARCHITECTURES, build_tiny_model, save_tiny_model
+from engine.sampling import SamplingConfig
+
+POLICIES = ("lru", "lfu", "mrs")
+GREEDY_32 = GenerationConfig(max_new_tokens=32, sampling=SamplingConfig(greedy=True), ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory):
+    """model_type -> (reference transformers model, folder per layout)."""
+    models = {}
+    for model_type in TINY_ARCHITECTURES:
+        model = build_tiny_model(model_type, seed=1)
+        folders = {
+            layout: save_tiny_model(model, tmp_path_factory.mktemp(f"{model_type}-{layout}"), layout=layout)
+            for layout in ("per_expert", "fused")
+        }
+        reference = AutoModelForCausalLM.from_pretrained(folders["per_expert"]).eval()
+        models[model_type] = (reference, folders)
+    return models
+
+
+def quarter_cache(policy: str) -> OffloadConfig:
+    # 2 MoE layers × 8 experts: 4 slots is a quarter, and twice top-2.
+    return OffloadConfig(
+        device="cpu", expert_budget=ExpertBudget(experts=4), policy=policy, sim_link_gbps=50.0
+    )
+
+
+def prompt_ids(vocab_size: int, length: int = 24, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_logits_and_greedy_tokens_match_transformers(saved_models, model_type, policy):
+    reference, folders = saved_models[model_type]
+    model = load_model(folders["per_expert"], quarter_cache(policy))
+    try:
+        assert model.cache.n_slots == 4
+        ids = prompt_ids(reference.config.vocab_size)
+        with torch.no_grad():
+            expected = reference(ids[None]).logits[0]
+        logits = model.forward(ids, model.new_kv_cache(), logits_to_keep=0)
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+        assert model.cache.stats.total().misses > 4, "the cache must actually evict"
+
+        with torch.no_grad():
+            expected_ids = reference.generate(
+                ids[None], max_new_tokens=32, do_sample=False, min_new_tokens=32, eos_token_id=None
+            )[0, len(ids) :]
+        finished = generate_text(model, ids.tolist(), GREEDY_32)
+        assert list(finished.token_ids) == expected_ids.tolist()
+        assert finished.stats.simulated_link
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
+def test_fused_disk_layout_loads_the_same_model(saved_models, model_type):
+    reference, folders = saved_models[model_type]
+    per_expert = load_model(folders["per_expert"], quarter_cache("lru"))
+    fused = load_model(folders["fused"], quarter_cache("lru"))
+    try:
+        assert fused.disk_layout.startswith("fused")
+        if model_type != "gpt_oss":  # gpt-oss checkpoints are only ever fused
+            assert per_expert.disk_layout != fused.disk_layout
+        ids = prompt_ids(reference.config.vocab_size, seed=3)
+        a = per_expert.forward(ids, per_expert.new_kv_cache(), logits_to_keep=0)
+        b = fused.forward(ids, fused.new_kv_cache(), logits_to_keep=0)
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    finally:
+        per_expert.close()
+        fused.close()
+
+
+def test_sharded_and_half_precision_checkpoints(tmp_path):
+    model = build_tiny_model("qwen3_moe", seed=2)
+    for dtype in (torch.bfloat16, torch.float16):
+        folder = save_tiny_model(model, tmp_path / str(dtype), max_shard_size="60KB", dtype=dtype)
+        assert (folder / "model.safetensors.index.json").is_file()
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        offloaded = load_model(
+            folder, OffloadConfig(device="cpu", dtype="float32", expert_budget=ExpertBudget(experts=4))
+        )
+        try:
+            ids = prompt_ids(reference.config.vocab_size, seed=5)
+            with torch.no_grad():
+                expected = reference(ids[None]).logits[0]
+            got = offloaded.forward(ids, offloaded.new_kv_cache(), logits_to_keep=0)
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        finally:
+            offloaded.close()
+
+
+def test_auto_dtype_keeps_checkpoint_precision_when_asked(tmp_path):
+    folder = save_tiny_model(build_tiny_model("mixtral"), tmp_path / "m", dtype=torch.bfloat16)
+    model = load_model(
+        folder, OffloadConfig(device="cpu", dtype="bfloat16", expert_budget=ExpertBudget(experts=4))
+    )
+    try:
+        assert model.dtype == torch.bfloat16
+        assert model.store.layout.fields[0].dtype == torch.bfloat16
+        finished = generate_text(model, [1, 2, 3], GenerationConfig(max_new_tokens=4, ignore_eos=True))
+        assert len(finished.token_ids) == 4
+    finally:
+        model.close()
