@@ -1,31 +1,74 @@
 """The open conversation and its reply in flight, between the store, the engine client and the view.
 
+A reply is one `Reply` from its request to its end. Its events come on one path,
+the client's `sig_reply` (`ReplyText`s, then one `Finished`, `Error` or
+`WorkerCrashed`), to one handler; the app's own reasons to let a reply go (another
+conversation opened, the conversation deleted, the engine restarted, the app
+closed) end it through the same `_end`. `_end` records the `FinishReason` on
+the reply, stores it, shows it and emits `sig_reply_ended` once; the window
+picks its banner from the reason.
+
 Order of writes keeps the user's words safe: the user's message is stored
-before it is sent; a reply is stored when it finishes, is stopped, fails, or
-the engine dies mid-reply (with what had streamed so far and why it ended).
+before it is sent; a reply is stored when it ends, whole when the engine
+finished it, else with what had streamed so far and why it ended.
 Regenerate and edit-and-resend delete the stored tail first, then send again.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from PySide6.QtCore import QObject, Signal
 
 from app.gui.chat_settings import sampling_from
 from app.gui.chat_view import ChatView
-from app.gui.engine_client import EngineClient
+from app.gui.engine_client import EngineClient, ReplyEvent, ReplyText, WorkerCrashed
 from app.settings import AppSettings
-from app.storage import Conversation, ConversationStore
-from engine.worker.protocol import ChatMessage, Finished
+from app.storage import Conversation, ConversationStore, StoredMessage
+from engine.worker.protocol import ChatMessage, Error, Finished
 
 log = logging.getLogger(__name__)
+
+
+class FinishReason(enum.Enum):
+    """Why a reply ended: the engine's reasons (`Finished.reason`), then the app's own."""
+
+    EOS = "eos"  # the model ended it
+    STOP = "stop"  # a stop string
+    LENGTH = "length"  # the token limit
+    CANCELLED = "cancelled"  # the user pressed Stop
+    ERROR = "error"  # the engine failed the request
+    CRASHED = "crashed"  # the worker died mid-reply
+    ABANDONED = "abandoned"  # the app let it go: another conversation, a restart, closing the app
+    DISCARDED = "discarded"  # its conversation was deleted: nothing is kept
+
+
+@dataclass
+class Reply:
+    """One reply, from its request to its end; `reason` stays None while it streams."""
+
+    request_id: str
+    conversation_id: int
+    streamed: list[str] = field(default_factory=list)  # the text chunks so far
+    reason: FinishReason | None = None
+    finished: Finished | None = None  # the engine's end of it, when the engine finished it
+    error: str = ""  # why it ended, when the engine did not finish it
+    message: StoredMessage | None = None  # as stored; None when nothing was kept
+
+    @property
+    def text(self) -> str:
+        """The whole reply when the engine finished it, else what streamed."""
+        return self.finished.text if self.finished is not None else "".join(self.streamed)
 
 
 class ChatSession(QObject):
     sig_conversation_changed = Signal(int)
     """The open conversation changed or gained messages (its id)."""
+    sig_reply_ended = Signal(object)
+    """A reply ended, was stored and shown (a `Reply`, its `reason` set): once per reply."""
 
     def __init__(
         self,
@@ -37,8 +80,8 @@ class ChatSession(QObject):
         super().__init__(view)
         self.store, self.client, self.view, self._settings = store, client, view, settings
         self.conversation_id: int | None = None
-        self.request_id: str | None = None
-        self._partial: list[str] = []
+        self.reply: Reply | None = None  # the reply in flight
+        client.sig_reply.connect(self._on_reply_event)
         view.sig_send.connect(self.send)
         view.sig_stop.connect(self.stop)
         view.sig_regenerate.connect(self.regenerate)
@@ -46,26 +89,26 @@ class ChatSession(QObject):
 
     @property
     def busy(self) -> bool:
-        return self.request_id is not None
+        return self.reply is not None
 
     def conversation(self) -> Conversation | None:
         return self.store.get(self.conversation_id) if self.conversation_id is not None else None
 
     def open(self, conversation_id: int) -> None:
-        if self.busy:
-            self.client.cancel(self.request_id)
-            self.abandon_reply("Stopped: another conversation was opened.")
+        self._cancel_reply(FinishReason.ABANDONED, "Stopped: another conversation was opened.")
         self.conversation_id = conversation_id
         self.view.set_conversation(self.store.get(conversation_id))
 
     def close_conversation(self) -> None:
-        """Show no conversation (the open one was deleted); a reply in flight is stopped."""
-        if self.busy:
-            self.client.cancel(self.request_id)
-            self.request_id = None
-            self.view.set_busy(False)
+        """Show no conversation (the open one was deleted); a reply in flight is stopped, not kept."""
+        self._cancel_reply(FinishReason.DISCARDED, "The conversation was deleted.")
         self.conversation_id = None
         self.view.set_conversation(None)
+
+    def abandon_reply(self, why: str) -> None:
+        """End the reply in flight now, its worker going away (a restart, the app closing)."""
+        if self.reply is not None:
+            self._end(FinishReason.ABANDONED, why)
 
     # -- user actions ------------------------------------------------------------------------------
 
@@ -79,8 +122,9 @@ class ChatSession(QObject):
         self._generate()
 
     def stop(self) -> None:
-        if self.busy:
-            self.client.cancel(self.request_id)
+        """Ask the engine to stop the reply; it ends when the engine's `Finished` (cancelled) comes."""
+        if self.reply is not None:
+            self.client.cancel(self.reply.request_id)
 
     def regenerate(self) -> None:
         conversation = self.conversation()
@@ -106,8 +150,7 @@ class ChatSession(QObject):
         messages += [ChatMessage(m.role, m.content) for m in conversation.messages]
         sampling, max_new_tokens = sampling_from(conversation.settings)
         config = self._settings().generation_config(sampling, max_new_tokens)
-        self._partial = []
-        self.request_id = self.client.generate(messages, config)
+        self.reply = Reply(self.client.generate(messages, config), conversation.id)
         self.view.begin_reply()
         self.view.set_busy(True)
 
@@ -115,37 +158,49 @@ class ChatSession(QObject):
         self.view.set_conversation(self.conversation())
         self.sig_conversation_changed.emit(self.conversation_id)
 
-    # -- engine events -----------------------------------------------------------------------------
+    # -- the reply's end ---------------------------------------------------------------------------
 
-    def on_tokens(self, request_id: str, text: str, count: int) -> None:
-        if request_id == self.request_id:
-            self._partial.append(text)
-            self.view.append_reply_text(text)
+    def _on_reply_event(self, event: ReplyEvent) -> None:
+        reply = self.reply
+        if reply is None or event.request_id != reply.request_id:
+            return  # the late end of a reply this session already let go of
+        match event:
+            case ReplyText(text=text):
+                reply.streamed.append(text)
+                self.view.append_reply_text(text)
+            case Finished(reason=reason):
+                reply.finished = event
+                self._end(FinishReason(reason))
+            case Error(message=message):
+                self._end(FinishReason.ERROR, message)
+            case WorkerCrashed(message=message):
+                self._end(FinishReason.CRASHED, message)
 
-    def on_finished(self, request_id: str, finished: Finished) -> None:
-        if request_id != self.request_id:
-            return
-        stats = dict(finished.stats, finish_reason=finished.reason)
-        message = self.store.add_message(self.conversation_id, "assistant", finished.text, stats)
-        self.request_id = None
-        self.view.end_reply(message)
+    def _cancel_reply(self, reason: FinishReason, why: str) -> None:
+        """Stop the reply in flight without waiting for the engine's answer (which is then ignored)."""
+        if self.reply is not None:
+            self.client.cancel(self.reply.request_id)
+            self._end(reason, why)
+
+    def _end(self, reason: FinishReason, error: str = "") -> None:
+        """The one way a reply ends: record why, store it, show it, tell the window."""
+        reply, self.reply = self.reply, None
+        reply.reason, reply.error = reason, error
+        reply.message = self._store(reply)
+        if reply.finished is not None:
+            self.view.end_reply(reply.message)
+        else:
+            self.view.fail_reply(error)
         self.view.set_busy(False)
+        self.sig_reply_ended.emit(reply)
 
-    def on_error(self, request_id: str, kind: str, message: str) -> bool:
-        """Handle an error of the reply in flight; False when the error is not about it."""
-        if request_id != self.request_id:
-            return False
-        self.abandon_reply(message)
-        return True
-
-    def abandon_reply(self, reason: str) -> None:
-        """End the reply in flight without its Finished: keep what streamed, say why it ended."""
-        if not self.busy:
-            return
-        text = "".join(self._partial)
-        if text:
-            stats = {"finish_reason": "interrupted", "error": reason}
-            self.store.add_message(self.conversation_id, "assistant", text, stats)
-        self.request_id = None
-        self.view.fail_reply(reason)
-        self.view.set_busy(False)
+    def _store(self, reply: Reply) -> StoredMessage | None:
+        """Keep the reply: whole when the engine finished it, else what streamed and why it stopped."""
+        if reply.finished is not None:
+            stats = dict(reply.finished.stats, finish_reason=reply.finished.reason)
+        elif reply.text and reply.reason is not FinishReason.DISCARDED:
+            # "interrupted" is what stored conversations and the bubble's stats line know
+            stats = {"finish_reason": "interrupted", "error": reply.error}
+        else:
+            return None
+        return self.store.add_message(reply.conversation_id, "assistant", reply.text, stats)

@@ -3,9 +3,14 @@
 `EngineClient` starts the worker (spawn), sends it requests and turns its events
 into Qt signals on the GUI thread. A reader thread blocks on the pipe and queues
 events; a timer on the GUI thread drains the queue every `flush_ms`, merging a
-request's consecutive tokens into one `sig_tokens` and keeping only the newest
+request's consecutive tokens into one `ReplyText` and keeping only the newest
 `Stats`, so a fast stream never floods the event loop. A dead worker is noticed
 by the reader at once (the pipe closes) and reported within one flush.
+
+A reply (a `generate` request) has one path: `sig_reply` carries its events in
+order, `ReplyText`s and then exactly one of `Finished`, `Error` or `WorkerCrashed`.
+Only a reply in flight when the caller itself calls `restart()` or `shutdown()`
+gets no end: whoever stops the worker ends it.
 
 No torch import here: the GUI needs no CUDA context and starts fast.
 """
@@ -18,6 +23,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
@@ -60,6 +66,26 @@ class _Died:
         self.message = message
 
 
+@dataclass(frozen=True)
+class ReplyText:
+    """New text of a reply: the `Token` events of one flush, merged."""
+
+    request_id: str
+    text: str
+    tokens: int  # how many Token events it merges
+
+
+@dataclass(frozen=True)
+class WorkerCrashed:
+    """The worker died while this reply was in flight: no `Finished` will come."""
+
+    request_id: str
+    message: str
+
+
+ReplyEvent = ReplyText | Finished | Error | WorkerCrashed
+
+
 class EngineClient(QObject):
     sig_state_changed = Signal(object)
     """The connection state changed (a `ConnectionState`)."""
@@ -71,10 +97,8 @@ class EngineClient(QObject):
     """A model finished loading: request id, model info."""
     sig_notice = Signal(str, str)
     """Something the user should know that is not an error: request id, message."""
-    sig_tokens = Signal(str, str, int)
-    """New reply text: request id, the text since the last emit, tokens it holds."""
-    sig_finished = Signal(str, object)
-    """A reply ended: request id, the `Finished` event (reason, whole text, stats)."""
+    sig_reply = Signal(object)
+    """A reply's event (a `ReplyEvent`): its `ReplyText`s, then one `Finished`, `Error` or `WorkerCrashed`."""
     sig_stats = Signal(object)
     """The newest telemetry (a `Stats` event)."""
     sig_tune_progress = Signal(str, str, int, int)
@@ -82,7 +106,7 @@ class EngineClient(QObject):
     sig_tune_result = Signal(str, dict)
     """Auto-tune finished: request id, the result (probe, profile, prediction, measured, choice …)."""
     sig_error = Signal(str, str, str)
-    """A request failed: request id, error kind, message (the worker goes on)."""
+    """A request other than a reply failed: request id, error kind, message (the worker goes on)."""
     sig_worker_died = Signal(str)
     """The worker process is gone: why. Call `restart()` to start a new one."""
 
@@ -100,6 +124,7 @@ class EngineClient(QObject):
         self._outbox: list[Request] = []  # requests made before the worker was ready
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._replies: set[str] = set()  # request ids of the replies in flight
         self.state = ConnectionState.STOPPED
         self.ready: Ready | None = None
         self._timer = QTimer(self)
@@ -138,6 +163,7 @@ class EngineClient(QObject):
         if self._reader is not None:
             self._reader.join(timeout_s)
         self._inbox.clear()
+        self._replies.clear()
         self.ready = None
 
     # -- requests ----------------------------------------------------------------------------------
@@ -147,7 +173,10 @@ class EngineClient(QObject):
         return self._request(lambda rid: LoadModel(rid, model_dir, offload))
 
     def generate(self, messages: Sequence[ChatMessage], config: GenerationConfig = GenerationConfig()) -> str:
-        return self._request(lambda rid: Generate(rid, tuple(messages), config))
+        """Ask for a reply; returns its request id. Its events come on `sig_reply`."""
+        request_id = self._request(lambda rid: Generate(rid, tuple(messages), config))
+        self._replies.add(request_id)  # a send error is queued, so it is routed after this
+        return request_id
 
     def tune(self, draft_model: str | None = None, new_tokens: int = 32, retune: bool = False) -> str:
         """Auto-tune the loaded model; returns the request id (cancel it with `cancel`)."""
@@ -214,7 +243,7 @@ class EngineClient(QObject):
 
     def _emit_tokens(self, pending: dict[str, list[Token]]) -> None:
         for request_id, tokens in pending.items():
-            self.sig_tokens.emit(request_id, "".join(t.text for t in tokens), len(tokens))
+            self.sig_reply.emit(ReplyText(request_id, "".join(t.text for t in tokens), len(tokens)))
         pending.clear()
 
     def _emit(self, event) -> None:
@@ -233,8 +262,9 @@ class EngineClient(QObject):
                 self.sig_loaded.emit(rid, model)
             case Notice(request_id=rid, message=message):
                 self.sig_notice.emit(rid, message)
-            case Finished(request_id=rid):
-                self.sig_finished.emit(rid, event)
+            case Finished() | Error() if event.request_id in self._replies:
+                self._replies.discard(event.request_id)
+                self.sig_reply.emit(event)
             case TuneProgress(request_id=rid, stage=stage, done=done, total=total):
                 self.sig_tune_progress.emit(rid, stage, done, total)
             case TuneResult(request_id=rid, result=result):
@@ -245,6 +275,9 @@ class EngineClient(QObject):
                 dead, self._worker = self._worker, None
                 if dead is not None:
                     dead.kill()
+                replies, self._replies = self._replies, set()
+                for request_id in replies:  # the replies end before the worker's death is told
+                    self.sig_reply.emit(WorkerCrashed(request_id, message))
                 self._set_state(ConnectionState.DEAD)
                 self.sig_worker_died.emit(message)
 

@@ -1,10 +1,12 @@
 """The main window: conversations on the left, the chat in the middle, the live dashboard on the right.
 
 It owns the `EngineClient` and the conversation store and wires them to the
-widgets: a message is stored before it is sent, a reply is stored when it ends
+widgets. The `ChatSession` owns each reply from request to end and stores it
 (also when stopped, also the part streamed before an engine crash), so the
-user's conversations never depend on the worker. Errors are banners with an
-action; a crashed worker is restarted and the model loaded again.
+user's conversations never depend on the worker; the window hears one
+`sig_reply_ended` per reply and picks the banner from its finish reason.
+Errors are banners with an action; a crashed worker is restarted and the
+model loaded again.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QDockWidget, QLabel, QMainWindow, QSplitter, QVBoxLayout, QWidget
 
 from app.gui.banner import BannerArea
-from app.gui.chat_session import ChatSession
+from app.gui.chat_session import ChatSession, FinishReason, Reply
 from app.gui.chat_settings import ChatSettingsDialog
 from app.gui.chat_view import ChatView
 from app.gui.conversation_list import ConversationList
@@ -27,7 +29,7 @@ from app.gui.engine_client import ConnectionState, EngineClient
 from app.gui.settings_dialog import SettingsDialog
 from app.settings import AppSettings, SettingsStore
 from app.storage import ConversationStore
-from engine.worker.protocol import Finished, Stats
+from engine.worker.protocol import Stats
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +123,7 @@ class MainWindow(QMainWindow):
         c.sig_stats.connect(self._on_stats)
         c.sig_error.connect(self._on_error)
         c.sig_worker_died.connect(self._on_worker_died)
-        c.sig_tokens.connect(self.session.on_tokens)
-        c.sig_finished.connect(self._on_finished)
+        self.session.sig_reply_ended.connect(self._on_reply_ended)
         self.conversations.sig_selected.connect(self._on_conversation_selected)
         self.conversations.sig_new_requested.connect(self.new_conversation)
         self.conversations.sig_deleted.connect(self._on_conversation_deleted)
@@ -169,16 +170,16 @@ class MainWindow(QMainWindow):
         self.latest_stats = stats
         self.dashboard.update_stats(stats)
 
-    def _on_finished(self, request_id: str, finished: Finished) -> None:
-        self.session.on_finished(request_id, finished)
-        self.conversations.refresh()
+    def _on_reply_ended(self, reply: Reply) -> None:
+        if reply.message is not None:  # the conversation gained a reply: its preview and order change
+            self.conversations.refresh()
+        if reply.reason is FinishReason.ERROR:
+            actions = [("Retry", self.session.regenerate)]
+            self.banners.show_banner(reply.error, "error", actions, key="reply")
 
     def _on_error(self, request_id: str, kind: str, message: str) -> None:
-        if self.session.on_error(request_id, kind, message):
-            self.banners.show_banner(
-                message, "error", actions=[("Retry", self.session.regenerate)], key="reply"
-            )
-        elif request_id == self._load_id:
+        """A request other than a reply failed: the model's load, or something else."""
+        if request_id == self._load_id:
             self.chat_view.set_input_enabled(False, "No model is loaded.")
             self._show_engine_state("No model loaded")
             actions = [("Retry", self.load_model), ("Settings…", self.open_settings)]
@@ -190,7 +191,7 @@ class MainWindow(QMainWindow):
             self.banners.show_banner(message, "error", key="engine-error")
 
     def _on_worker_died(self, message: str) -> None:
-        self.session.abandon_reply(message)
+        """Any reply in flight has ended already (`WorkerCrashed`); start a new worker and load again."""
         self._show_engine_state("Engine stopped — restarting")
         self.banners.show_banner(
             f"{message} It was restarted; your conversations are safe.",

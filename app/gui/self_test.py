@@ -71,6 +71,7 @@ def window_self_test(device: str = "auto", screenshot: Path | None = None) -> in
     from PySide6.QtCore import QTimer
 
     with _throwaway_profile():
+        from app.gui.chat_session import Reply
         from app.gui.main_window import MainWindow
         from app.main import application
         from app.settings import AppSettings
@@ -95,8 +96,11 @@ def window_self_test(device: str = "auto", screenshot: Path | None = None) -> in
             window.store.set_settings(window.session.conversation_id, greedy)
             window.chat_view.sig_send.emit(QUESTION)
 
-        def on_finished(request_id: str, reply: Finished) -> None:
-            problem = _reply_problem(reply)
+        def on_reply_ended(reply: Reply) -> None:
+            if reply.finished is None:
+                finish(1, f"self-test FAILED: the reply ended {reply.reason.value}: {reply.error}")
+                return
+            problem = _reply_problem(reply.finished)
             took = time.perf_counter() - started
             line = (
                 f"self-test FAILED: {problem}"
@@ -106,7 +110,7 @@ def window_self_test(device: str = "auto", screenshot: Path | None = None) -> in
             QTimer.singleShot(300, lambda: finish(1 if problem else 0, line))  # let the reply render
 
         window.client.sig_loaded.connect(on_loaded)
-        window.client.sig_finished.connect(on_finished)
+        window.session.sig_reply_ended.connect(on_reply_ended)
         window.client.sig_error.connect(lambda _, kind, text: finish(1, f"self-test FAILED: {kind}: {text}"))
         window.client.sig_worker_died.connect(lambda message: finish(1, f"self-test FAILED: {message}"))
         QTimer.singleShot(

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from app.gui.engine_client import ConnectionState, EngineClient
+from app.gui.engine_client import ConnectionState, EngineClient, ReplyText, WorkerCrashed
 from engine.config import OffloadConfig
 from engine.generation_config import GenerationConfig, SamplingConfig
-from engine.worker.protocol import ChatMessage, Finished, Stats
+from engine.worker.protocol import ChatMessage, Error, Finished, Stats
 
 pytestmark = [pytest.mark.gui, pytest.mark.slow]
 
@@ -30,6 +30,14 @@ def _load(qtbot, client) -> None:
         client.load_model(None, CPU)
 
 
+def _is_text(event) -> bool:
+    return isinstance(event, ReplyText)
+
+
+def _is_finished(event) -> bool:
+    return isinstance(event, Finished)
+
+
 def test_requests_made_while_starting_are_sent_once_ready(qtbot, client):
     with qtbot.waitSignal(client.sig_ready, timeout=START_S) as ready:
         client.start()
@@ -44,14 +52,17 @@ def test_requests_made_while_starting_are_sent_once_ready(qtbot, client):
 def test_a_reply_streams_coalesced_and_ends_with_finished(qtbot, client):
     client.start()
     _load(qtbot, client)
-    pieces, emits, stats = [], [], []
-    client.sig_tokens.connect(lambda rid, text, n: (pieces.append(text), emits.append(n)))
+    events, stats = [], []
+    client.sig_reply.connect(events.append)
     client.sig_stats.connect(stats.append)
     config = GenerationConfig(max_new_tokens=300, ignore_eos=True, sampling=SamplingConfig(greedy=True))
-    with qtbot.waitSignal(client.sig_finished, timeout=60_000) as done:
+    with qtbot.waitSignal(client.sig_reply, timeout=60_000, check_params_cb=_is_finished) as done:
         request_id = client.generate(COW, config)
-    rid, finished = done.args
-    assert rid == request_id and isinstance(finished, Finished)
+    finished = done.args[0]
+    assert finished.request_id == request_id and events[-1] == finished
+    texts = events[:-1]
+    assert all(_is_text(e) and e.request_id == request_id for e in texts), "text, then one end"
+    pieces, emits = [e.text for e in texts], [e.tokens for e in texts]
     assert "".join(pieces) + finished.tail == finished.text
     assert sum(emits) == finished.completion_tokens == 300
     assert len(emits) < 300 / 3, "token events are merged per flush, not emitted one by one"
@@ -62,33 +73,37 @@ def test_a_killed_worker_is_reported_within_a_second_and_restart_works(qtbot, cl
     client.start()
     _load(qtbot, client)
     config = GenerationConfig(max_new_tokens=2000, ignore_eos=True, sampling=SamplingConfig(greedy=True))
-    with qtbot.waitSignal(client.sig_tokens, timeout=30_000):
-        client.generate(COW, config)
+    with qtbot.waitSignal(client.sig_reply, timeout=30_000, check_params_cb=_is_text):
+        request_id = client.generate(COW, config)
+    ends = []
+    client.sig_reply.connect(lambda event: None if _is_text(event) else ends.append(event))
+    client.sig_worker_died.connect(lambda message: ends.append("died"))
     with qtbot.waitSignal(client.sig_worker_died, timeout=1000) as died:
         os.kill(client.ready.pid, signal.SIGKILL)
         killed = time.perf_counter()
     assert time.perf_counter() - killed < 1.0
     assert "stopped unexpectedly" in died.args[0] and client.state is ConnectionState.DEAD
+    assert ends == [WorkerCrashed(request_id, died.args[0]), "died"], "the reply ends first, once"
 
-    errors = []
-    client.sig_error.connect(lambda rid, kind, message: errors.append(kind))
+    ends.clear()
     client.generate(COW)  # while dead: an error, not a hang
-    qtbot.waitUntil(lambda: errors == ["worker_died"], timeout=2000)
+    qtbot.waitUntil(lambda: [type(e) for e in ends] == [Error], timeout=2000)
+    assert ends[0].kind == "worker_died"
 
     with qtbot.waitSignal(client.sig_ready, timeout=START_S):
         client.restart()
     _load(qtbot, client)
-    with qtbot.waitSignal(client.sig_finished, timeout=60_000) as done:
+    with qtbot.waitSignal(client.sig_reply, timeout=60_000, check_params_cb=_is_finished) as done:
         client.generate(COW, GenerationConfig(sampling=SamplingConfig(greedy=True)))
-    assert done.args[1].text == "A cow says moo."
+    assert done.args[0].text == "A cow says moo."
 
 
 def test_cancel_ends_the_reply_as_cancelled(qtbot, client):
     client.start()
     _load(qtbot, client)
     config = GenerationConfig(max_new_tokens=2000, ignore_eos=True, sampling=SamplingConfig(greedy=True))
-    with qtbot.waitSignal(client.sig_tokens, timeout=30_000):
+    with qtbot.waitSignal(client.sig_reply, timeout=30_000, check_params_cb=_is_text):
         request_id = client.generate(COW, config)
-    with qtbot.waitSignal(client.sig_finished, timeout=5000) as done:
+    with qtbot.waitSignal(client.sig_reply, timeout=5000, check_params_cb=_is_finished) as done:
         client.cancel(request_id)
-    assert done.args[1].reason == "cancelled" and done.args[1].completion_tokens < 2000
+    assert done.args[0].reason == "cancelled" and done.args[0].completion_tokens < 2000

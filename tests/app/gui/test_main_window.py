@@ -8,6 +8,8 @@ import time
 import pytest
 from PySide6.QtCore import QElapsedTimer, QTimer
 
+from app.gui.chat_session import FinishReason
+from app.gui.engine_client import ReplyText
 from app.gui.main_window import MainWindow
 from app.settings import AppSettings, SettingsStore
 from app.storage import ConversationStore
@@ -47,13 +49,26 @@ def send(qtbot, window: MainWindow, text: str, settings: dict) -> None:
     window.chat_view.sig_send.emit(text)
 
 
+def first_text(qtbot, window: MainWindow, timeout: int):
+    """Wait for a reply's first streamed text."""
+    return qtbot.waitSignal(
+        window.client.sig_reply, timeout=timeout, check_params_cb=lambda e: isinstance(e, ReplyText)
+    )
+
+
+def reply_end(qtbot, window: MainWindow, timeout: int):
+    """Wait for the end of a reply; `.args[0]` is the session's `Reply`."""
+    return qtbot.waitSignal(window.session.sig_reply_ended, timeout=timeout)
+
+
 def test_a_message_gets_a_streamed_reply_that_is_stored(qtbot, dirs):
     window = open_window(qtbot)
     chunks = []
-    window.client.sig_tokens.connect(lambda rid, text, n: chunks.append(text))
-    with qtbot.waitSignal(window.client.sig_finished, timeout=60_000) as done:
+    window.client.sig_reply.connect(lambda e: chunks.append(e.text) if isinstance(e, ReplyText) else None)
+    with reply_end(qtbot, window, 60_000) as done:
         send(qtbot, window, "What sound does a cow make?", GREEDY)
-    assert done.args[1].text == "A cow says moo."
+    reply = done.args[0]
+    assert reply.finished.text == "A cow says moo." and reply.reason.value == reply.finished.reason
     assert chunks, "the reply streamed in pieces"
     messages = window.session.conversation().messages
     assert [m.role for m in messages] == ["user", "assistant"]
@@ -64,28 +79,29 @@ def test_a_message_gets_a_streamed_reply_that_is_stored(qtbot, dirs):
 def test_stop_keeps_the_partial_reply_and_regenerate_replaces_it(qtbot, dirs, tmp_path):
     # a slow simulated link and a quarter of the experts cached: ~15 tokens/s, slow enough to stop
     window = open_window(qtbot, AppSettings(device="cpu", expert_budget="24", sim_link_gbps=0.05))
-    with qtbot.waitSignal(window.client.sig_tokens, timeout=60_000):
+    with first_text(qtbot, window, 60_000):
         send(qtbot, window, "Tell me a long story about a cow.", LONG)
     qtbot.wait(2000)  # streaming re-renders and a few Stats on the dashboard
     save_screenshot(window, "main_window_mid_reply.png", tmp_path)
-    with qtbot.waitSignal(window.client.sig_finished, timeout=10_000) as done:
+    with reply_end(qtbot, window, 10_000) as done:
         window.chat_view.sig_stop.emit()
-    assert done.args[1].reason == "cancelled"
+    assert done.args[0].finished.reason == "cancelled" and done.args[0].reason is FinishReason.CANCELLED
     stored = window.session.conversation().messages
     assert stored[-1].role == "assistant" and stored[-1].stats["finish_reason"] == "cancelled"
 
     window.store.set_settings(window.session.conversation_id, GREEDY)
-    with qtbot.waitSignal(window.client.sig_finished, timeout=60_000) as again:
+    with reply_end(qtbot, window, 60_000) as again:
         window.chat_view.sig_regenerate.emit()
     messages = window.session.conversation().messages
     assert [m.role for m in messages] == ["user", "assistant"]
-    assert messages[-1].content == again.args[1].text and again.args[1].reason in ("eos", "length")
+    finished = again.args[0].finished
+    assert messages[-1].content == finished.text and finished.reason in ("eos", "length")
     window.close()
 
 
 def test_conversations_and_settings_survive_a_restart_of_the_app(qtbot, dirs):
     window = open_window(qtbot)
-    with qtbot.waitSignal(window.client.sig_finished, timeout=60_000):
+    with reply_end(qtbot, window, 60_000):
         send(qtbot, window, "What sound does a cow make?", GREEDY)
     conversation_id = window.session.conversation_id
     window.apply_settings(AppSettings(device="cpu", policy="lfu", draft_len=6))
@@ -106,14 +122,14 @@ def test_the_event_loop_never_stalls_100_ms_while_a_reply_streams(qtbot, dirs):
     gaps, clock, timer = [], QElapsedTimer(), QTimer()
     timer.setInterval(5)
     timer.timeout.connect(lambda: gaps.append(clock.restart()))
-    with qtbot.waitSignal(window.client.sig_tokens, timeout=60_000):
+    with first_text(qtbot, window, 60_000):
         send(qtbot, window, "Tell me a long story about a cow.", LONG)
     clock.start()
     timer.start()
-    with qtbot.waitSignal(window.client.sig_finished, timeout=120_000) as done:
+    with reply_end(qtbot, window, 120_000) as done:
         pass
     timer.stop()
-    assert done.args[1].completion_tokens > 30 and len(gaps) > 50
+    assert done.args[0].finished.completion_tokens > 30 and len(gaps) > 50
     print(f"longest event-loop gap while streaming: {max(gaps)} ms over {len(gaps)} ticks")
     assert max(gaps) < 100
     window.close()
@@ -121,10 +137,13 @@ def test_the_event_loop_never_stalls_100_ms_while_a_reply_streams(qtbot, dirs):
 
 def test_a_crashed_worker_shows_a_banner_restarts_and_keeps_the_conversation(qtbot, dirs):
     window = open_window(qtbot)
-    with qtbot.waitSignal(window.client.sig_tokens, timeout=60_000):
+    with first_text(qtbot, window, 60_000):
         send(qtbot, window, "Tell me a long story about a cow.", LONG)
+    ended = []
+    window.session.sig_reply_ended.connect(ended.append)
     with qtbot.waitSignal(window.client.sig_loaded, timeout=START_MS):
         os.kill(window.client.ready.pid, 9)
+    assert [reply.reason for reply in ended] == [FinishReason.CRASHED]
     assert any("stopped unexpectedly" in b.message for b in window.banners.banners())
     messages = window.session.conversation().messages
     assert messages[0].content == "Tell me a long story about a cow."
