@@ -1,4 +1,4 @@
-"""The settings dialog, built from `app.settings.FIELDS`.
+"""The settings dialog, built from `app.settings.fields.FIELDS`.
 
 Each field gets the editor its kind calls for (a combo box for choices, a spin
 box for numbers, a line edit for text, a line edit with "Browse…" for
@@ -37,7 +37,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.settings import FIELDS, RELOAD_FIELDS, AppSettings, FieldInfo, SettingsError, needs_reload
+from app.settings import AppSettings, SettingsError
+from app.settings.app_settings import needs_reload
+from app.settings.fields import FIELDS, RELOAD_FIELDS, FieldInfo
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,10 @@ import pytest
 from PySide6.QtWidgets import QDialogButtonBox
 
 from app.gui.settings_dialog import SIM_LINK_WITH_GPU, SettingsDialog
-from app.settings import FIELDS, AppSettings, SettingsError, SettingsStore, config_dir, needs_reload
+from app.settings import AppSettings, SettingsError, SettingsStore
+from app.settings.app_settings import needs_reload
+from app.settings.fields import FIELDS
+from app.settings.store import config_dir
 from engine.config import ExpertBudget
 from engine.generation_config import SPEC_MODES, SamplingConfig
 from tests.screenshots import save_screenshot
