@@ -20,6 +20,13 @@ pytestmark = [pytest.mark.gui, pytest.mark.slow]
 START_MS = 90_000
 GREEDY = {"temperature": 0.0, "max_new_tokens": 64}
 LONG = {"temperature": 0.0, "max_new_tokens": 400}
+STORY_PROMPTS = (
+    tuple(
+        f"Tell me a long story about {animal}."
+        for animal in ("a cow", "a horse", "a sheep", "a pig", "a dog", "a cat")
+    )
+    * 2
+)
 
 
 @pytest.fixture
@@ -118,18 +125,25 @@ def test_conversations_and_settings_survive_a_restart_of_the_app(qtbot, dirs):
 
 
 def test_the_event_loop_never_stalls_100_ms_while_a_reply_streams(qtbot, dirs):
+    """Ticks of a 5 ms timer while replies stream: replies go on until at least 50 ticks are seen
+    (the demo model answers a story in well under a second on a fast machine)."""
     window = open_window(qtbot)
     gaps, clock, timer = [], QElapsedTimer(), QTimer()
     timer.setInterval(5)
     timer.timeout.connect(lambda: gaps.append(clock.restart()))
-    with first_text(qtbot, window, 60_000):
-        send(qtbot, window, "Tell me a long story about a cow.", LONG)
-    clock.start()
-    timer.start()
-    with reply_end(qtbot, window, 120_000) as done:
-        pass
-    timer.stop()
-    assert done.args[0].finished.completion_tokens > 30 and len(gaps) > 50
+    tokens = 0
+    for prompt in STORY_PROMPTS:
+        with first_text(qtbot, window, 60_000):
+            send(qtbot, window, prompt, LONG)
+        clock.start()
+        timer.start()
+        with reply_end(qtbot, window, 120_000) as done:
+            pass
+        timer.stop()
+        tokens += done.args[0].finished.completion_tokens
+        if len(gaps) > 50:
+            break
+    assert tokens > 30 and len(gaps) > 50
     print(f"longest event-loop gap while streaming: {max(gaps)} ms over {len(gaps)} ticks")
     assert max(gaps) < 100
     window.close()
