@@ -23,7 +23,7 @@ from transformers import GenerationConfig as HFGenerationConfig
 
 from engine.errors import InvalidRequestError
 from engine.generation_config import GenerationConfig
-from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot, phase_delta
+from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot
 from engine.offload.model import OffloadedModel
 from engine.sampling import Sampler
 from engine.speculative.decoder import open_decoder
@@ -113,7 +113,7 @@ def generate(
     history = torch.tensor(prompt_ids, dtype=torch.long, device=model.device)
     detok = IncrementalDetokenizer(model.tokenizer) if model.tokenizer is not None else None
     stops = StopStringMatcher(config.stop_strings)
-    before = live.before = cache_snapshot(model.cache)
+    live.before = cache_snapshot(model.cache)
     live.prompt_tokens = len(prompt_ids)
     kv_cache = model.new_kv_cache(rewindable=config.spec.mode != "none")
     decoder = live.decoder = open_decoder(
@@ -121,7 +121,7 @@ def generate(
     )
     try:
         logits = _prefill(model, history, kv_cache, config.prefill_chunk)
-        prefilled = live.prefilled = time.perf_counter()
+        live.prefilled = time.perf_counter()
 
         generated: list[int] = []
         text_parts: list[str] = []
@@ -143,32 +143,20 @@ def generate(
                     break
             if reason is None:
                 new_tokens = decoder.step(history, kv_cache, config.max_new_tokens - len(generated))
-        finished = live.finished = time.perf_counter()
+        live.finished = time.perf_counter()
     finally:
         decoder.close()  # uninstalls the prefetch policy; unused prefetches are counted as wasted
 
     tail, reason = _held_back_text(detok, stops, reason)
-    end = cache_snapshot(model.cache)
-    stats = GenerationStats.build(
-        prompt_tokens=len(prompt_ids),
-        generated_tokens=len(generated),
-        prefill_s=prefilled - started,
-        decode_s=finished - prefilled,
-        # Counters are kept per phase, so one delta over the run is exact even for prefetches the
-        # worker thread issued (in the phase that asked for them) after that phase ended.
-        phases={phase: phase_delta(before, end, phase) for phase in ("prefill", "decode", "draft", "verify")},
-        simulated_link=model.simulated_link,
-        speculation=decoder.summary(),
-    )
+    stats = live.stats(model.cache, live.finished, model.simulated_link)  # the run's final figures
     yield FinishedEvent(reason, "".join(text_parts) + tail, tail, tuple(generated), stats)
 
 
 def _prefill(model: OffloadedModel, ids: torch.Tensor, kv_cache, chunk: int) -> torch.Tensor:
     """Run the prompt through the model in chunks; the last position's logits."""
-    model.cache.phase = "prefill"
-    for start in range(0, len(ids), chunk):
-        logits = model.forward(ids[start : start + chunk], kv_cache)[-1]
-    model.cache.phase = "decode"
+    with model.cache.in_phase("prefill"):
+        for start in range(0, len(ids), chunk):
+            logits = model.forward(ids[start : start + chunk], kv_cache)[-1]
     return logits
 
 

@@ -46,7 +46,13 @@ from engine.offload.eviction import make_policy
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertLayout, ExpertStore, build_store, find_layout
 from engine.offload.model import OffloadedModel
-from engine.offload.moe_layer import OffloadedExperts, RoutingTrace, expert_field_shapes, moe_blocks
+from engine.offload.moe_layer import (
+    ExpertControl,
+    OffloadedExperts,
+    RoutingTrace,
+    expert_field_shapes,
+    moe_blocks,
+)
 from engine.offload.quant import QuantSpec
 from engine.offload.store_cache import StoreKey, load_or_build
 from engine.offload.transfer import make_transfer
@@ -71,13 +77,8 @@ def load_model(
     transfer = n_slots = None
     try:
         dtype = resolve_dtype(config.dtype, checkpoint, device)
-        with torch.device("meta"):
-            hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        blocks = moe_blocks(hf_model, arch)
-        if not blocks:
-            raise UnsupportedArchitectureError(f"{folder} has no layers with routed experts.")
-        first_experts = next(iter(blocks.values()))[1].experts
-        num_experts, top_k = first_experts.num_experts, hf_config.num_experts_per_tok
+        hf_model, blocks = _skeleton(hf_config, arch, dtype, folder)
+        top_k = hf_config.num_experts_per_tok
         disk_layout = find_layout(checkpoint, arch.layouts, next(iter(blocks.values()))[0] + ".")
         store = _load_store(folder, checkpoint, disk_layout, blocks, dtype, device, config, progress)
         auto_nbytes = _auto_expert_nbytes(hf_model, blocks, device) if config.expert_budget.is_auto else None
@@ -87,14 +88,9 @@ def load_model(
         transfer = make_transfer(device, config.sim_link_gbps, config.sim_latency_us)
         policy = make_policy(config.policy, top_k=top_k, alpha=config.mrs_alpha)
         cache = ExpertCache(store, n_slots, device, transfer, policy)
-        trace = RoutingTrace()
-        for layer, (_, block) in blocks.items():
-            block.experts = OffloadedExperts(block.experts, layer, cache, trace)
-            getattr(block, arch.router_attr).register_forward_hook(trace.hook(layer))
-
-        expert_names = _expert_tensor_names(disk_layout, blocks, num_experts)
+        trace, control = _offload_experts(blocks, arch, cache)
+        expert_names = _expert_tensor_names(disk_layout, blocks, store.num_experts)
         _load_resident_weights(hf_model, checkpoint, expert_names, device, progress)
-        hf_model.eval()
         tokenizer = load_tokenizer(folder)
     except BaseException as err:
         if transfer is not None:
@@ -107,13 +103,7 @@ def load_model(
 
     log.info(
         "Loaded %s (%s): %d MoE layers × %d experts (%s), %d cache slots, device %s",
-        folder,
-        arch.model_type,
-        len(blocks),
-        num_experts,
-        config.expert_dtype,
-        n_slots,
-        device,
+        *(folder, arch.model_type, len(blocks), store.num_experts, config.expert_dtype, n_slots, device),
     )
     return OffloadedModel(
         path=folder,
@@ -127,9 +117,29 @@ def load_model(
         cache=cache,
         transfer=transfer,
         trace=trace,
+        control=control,
         top_k=top_k,
         disk_layout=disk_layout.name,
     )
+
+
+def _skeleton(hf_config, arch, dtype: torch.dtype, folder: Path) -> tuple[torch.nn.Module, dict]:
+    """transformers' model built on the meta device (no memory), and its MoE blocks by layer."""
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    blocks = moe_blocks(hf_model, arch)
+    if not blocks:
+        raise UnsupportedArchitectureError(f"{folder} has no layers with routed experts.")
+    return hf_model.eval(), blocks
+
+
+def _offload_experts(blocks: dict, arch, cache: ExpertCache) -> tuple[RoutingTrace, ExpertControl]:
+    """Replace every MoE block's experts with one served by `cache`; all share one control."""
+    trace, control = RoutingTrace(), ExpertControl()
+    for layer, (_, block) in blocks.items():
+        block.experts = OffloadedExperts(block.experts, layer, cache, trace, control)
+        getattr(block, arch.router_attr).register_forward_hook(trace.hook(layer))
+    return trace, control
 
 
 def _load_store(

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from engine.offload.expert_cache import ExpertCache, PhaseCounters
+from engine.offload.cache_stats import PHASES, PhaseCounters
+from engine.offload.expert_cache import ExpertCache
 
 Snapshot = dict[str, PhaseCounters]
 
@@ -115,7 +116,7 @@ class GenerationStats:
         speculation: SpecSummary | None = None,
     ) -> GenerationStats:
         spec = speculation or SpecSummary()
-        phase = {name: phases.get(name, PhaseCounters()) for name in ("prefill", "decode", "draft", "verify")}
+        phase = {name: phases.get(name, PhaseCounters()) for name in PHASES}
         decode_steps = generated_tokens - 1  # the first token comes from the prefill's logits
         tpot_ms = decode_s * 1e3 / decode_steps if decode_steps > 0 else None
         total, after_prefill = PhaseCounters(), PhaseCounters()
@@ -179,13 +180,13 @@ class LiveGeneration:
         end = self.finished or now
         prefilled = self.prefilled or end
         after = cache_snapshot(cache)
-        before = self.before or after
+        before = self.before if self.before is not None else after  # an empty snapshot is a real one
         return GenerationStats.build(
             prompt_tokens=self.prompt_tokens,
             generated_tokens=self.generated,
             prefill_s=prefilled - self.started,
             decode_s=end - prefilled,
-            phases={p: phase_delta(before, after, p) for p in ("prefill", "decode", "draft", "verify")},
+            phases={p: phase_delta(before, after, p) for p in PHASES},
             simulated_link=simulated_link,
             speculation=self.decoder.summary() if self.decoder is not None else None,
         )

@@ -1,4 +1,5 @@
-"""The layers stay apart: the engine never imports Qt; the GUI never imports torch & co."""
+"""The layers stay apart: the engine never imports Qt; the GUI never imports torch & co.;
+within the engine a room imports only rooms below it; nothing imports in a circle."""
 
 import ast
 import subprocess
@@ -54,3 +55,184 @@ def test_importing_a_package_does_not_load_the_other_side(package, forbidden):
     code = f"import sys, {package}; print({forbidden!r} in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False"
+
+
+# The engine's rooms, bottom up (engine/__init__.py says what each holds). A module may import
+# modules of its own room or of a lower one, never of a higher one.
+ENGINE_ROOMS: tuple[tuple[str, ...], ...] = (
+    ("engine.errors", "engine.config", "engine.generation_config", "engine.resources"),
+    ("engine.sampling", "engine.textstream"),
+    ("engine.model",),
+    ("engine.offload",),
+    ("engine.metrics",),
+    ("engine.speculative",),
+    ("engine.generation", "engine.loader", "engine.prompts", "engine.options"),
+    ("engine.tune",),
+    ("engine.worker",),
+    ("engine.bench", "engine.cli", "engine.__main__"),
+)
+APP_ROOMS: tuple[tuple[str, ...], ...] = (
+    (
+        "app.settings",
+        "app.storage",
+        "app.catalog",
+        "app.model_library",
+        "app.download_child",
+        "app.session_setup",
+        "app.desktop_entry",
+        "app.markdown_render",
+    ),
+    ("app.server",),
+    ("app.terminal",),
+    ("app.gui",),
+    ("app.main", "app.__main__"),
+)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_imports(path: Path) -> set[str]:
+    """Every engine/app module `path` imports, at any depth (function-level imports too),
+    resolved to the module (not the name imported from it). TYPE_CHECKING blocks count too."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+    return {name for name in found if name.split(".")[0] in {"engine", "app"} and _is_module(name)}
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def room_of(module: str, rooms: tuple[tuple[str, ...], ...]) -> int | None:
+    for rank, members in enumerate(rooms):
+        if any(module == m or module.startswith(m + ".") for m in members):
+            return rank
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph = {}
+    for package in ("engine", "app"):
+        for path in (ROOT / package).rglob("*.py"):
+            graph[module_name(path)] = project_imports(path) - {module_name(path)}
+    return graph
+
+
+@pytest.mark.parametrize(("package", "rooms"), [("engine", ENGINE_ROOMS), ("app", APP_ROOMS)])
+def test_every_module_has_a_room_and_imports_none_above_it(package, rooms):
+    graph = import_graph()
+    modules = [m for m in graph if m.split(".")[0] == package and m != package]
+    homeless = [m for m in modules if room_of(m, rooms) is None]
+    assert not homeless, f"modules in no room of {package}'s layering: {homeless}"
+    upward = {
+        f"{m} -> {dep}"
+        for m in modules
+        for dep in graph[m]
+        if dep.split(".")[0] == package and dep != package and room_of(dep, rooms) > room_of(m, rooms)
+    }
+    assert not upward, f"a lower room imports a higher one: {sorted(upward)}"
+
+
+def test_the_rooms_name_what_each_layer_must_never_import():
+    """The issue's rules, spelled out: offload never imports speculative, worker or bench."""
+    graph = import_graph()
+    never = {
+        "engine.model": (
+            "engine.offload",
+            "engine.speculative",
+            "engine.worker",
+            "engine.bench",
+            "engine.tune",
+        ),
+        "engine.offload": ("engine.speculative", "engine.worker", "engine.bench", "engine.tune"),
+        "engine.speculative": ("engine.generation", "engine.worker", "engine.bench", "engine.tune"),
+        "engine.tune": ("engine.worker", "engine.bench", "engine.cli"),
+    }
+    for module, deps in graph.items():
+        for room, forbidden in never.items():
+            if room_of(module, ((room,),)) is not None:
+                bad = {d for d in deps if room_of(d, (forbidden,)) is not None}
+                assert not bad, f"{module} imports {sorted(bad)}"
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm: the import cycles (components with more than one module)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for dep in graph.get(node, ()):
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in on_stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_nothing_imports_in_a_circle():
+    # a package's __init__ importing its own modules is not a circle of responsibilities
+    graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in import_graph().items()}
+    assert strongly_connected(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_subpackage_opens_with_its_contract():
+    for package in ("engine", "app"):
+        for init in (ROOT / package).rglob("__init__.py"):
+            doc = ast.get_docstring(ast.parse(init.read_text()))
+            assert doc and len(doc.splitlines()) >= 2, f"{init.relative_to(ROOT)} says nothing of its room"
+
+
+def test_modules_and_functions_stay_small():
+    """No module past ~400 lines, no function past ~60 (STYLE.md)."""
+    too_long = []
+    for package in ("engine", "app"):
+        for path in (ROOT / package).rglob("*.py"):
+            source = path.read_text()
+            if len(source.splitlines()) > 400:
+                too_long.append(f"{path.relative_to(ROOT)}: {len(source.splitlines())} lines")
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    length = node.end_lineno - node.lineno + 1
+                    if length > 60:
+                        too_long.append(f"{path.relative_to(ROOT)}:{node.name}: {length} lines")
+    assert not too_long, too_long

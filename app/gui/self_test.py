@@ -71,9 +71,9 @@ def window_self_test(device: str = "auto", screenshot: Path | None = None) -> in
     from PySide6.QtCore import QTimer
 
     with _throwaway_profile():
+        from app.gui.application import application
         from app.gui.chat_session import Reply
         from app.gui.main_window import MainWindow
-        from app.main import application
         from app.settings import AppSettings
 
         app = application([])

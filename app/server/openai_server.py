@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
 from app.server.openai_api import ApiError, ChatBackend
-from app.terminal.session_setup import add_session_arguments, model_id, open_session, report_start_failure
+from app.session_setup import add_session_arguments, model_id, open_session, report_start_failure
 from engine.errors import EngineError
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The terminal chat (`moe-chat-cli`) and the session set-up it shares with the server.
+"""The terminal chat (`moe-chat-cli`); `moe-chat-cli serve` hands over to `app.server`.
 
 No Qt and no torch: it drives the worker through `engine.worker.client`.
 """

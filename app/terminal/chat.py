@@ -23,7 +23,7 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
-from app.terminal.session_setup import add_session_arguments, open_session, report_start_failure
+from app.session_setup import add_session_arguments, open_session, report_start_failure
 from engine.config import format_bytes
 from engine.errors import EngineError
 from engine.generation_config import GenerationConfig

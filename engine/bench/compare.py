@@ -23,6 +23,7 @@ import statistics
 from dataclasses import dataclass, replace
 
 from engine.config import ExpertBudget, OffloadConfig
+from engine.offload.cache_stats import PHASES
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ def _row(conf: Configuration, runs, drafter_bytes: int) -> CompareRow:
     hits = {p: sum(getattr(s, p).hits for s in stats) for p in ("decode", "draft", "verify")}
     steps = sum(s.verify_steps for s in stats)
     recall_phase = "verify" if conf.spec != "none" else "decode"
-    all_phases = [getattr(s, p) for s in stats for p in ("prefill", "decode", "draft", "verify")]
+    all_phases = [getattr(s, p) for s in stats for p in PHASES]
     prefetched = sum(phase.prefetched for phase in all_phases)
     used = sum(phase.prefetch_used for phase in all_phases)
     tpot = _pass_tpot(runs)

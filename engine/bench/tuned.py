@@ -14,27 +14,15 @@ from dataclasses import asdict, replace
 
 
 def run_tuned(args) -> dict:
-    from engine.bench.compare import LINK_RATIO, calibrate_link
     from engine.generation import generate_text
     from engine.loader import load_model
     from engine.options import model_folder, offload_config
     from engine.prompts import PROMPTS, encode_prompts, greedy
     from engine.resources import demo_draft_dir
-    from engine.tune.analytic import predict_plain_tpot, predict_tpot
     from engine.tune.run import TuneConfig, choice_config, tune
 
     folder = model_folder(args)
-    offload = offload_config(args)
-    calibration = None
-    if args.sim_link == "calibrated":
-        probe_model = load_model(folder, offload)
-        try:
-            prompt_ids = encode_prompts(probe_model, PROMPTS[: args.prompts])
-        finally:
-            probe_model.close()
-        gbps, layer_ms = calibrate_link(folder, offload, prompt_ids, args.new_tokens)
-        offload = replace(offload, sim_link_gbps=gbps)
-        calibration = {"layer_ms": layer_ms, "link_gbps": gbps, "copy_over_layer": LINK_RATIO}
+    offload, calibration = _calibrated(args, folder, offload_config(args))
     draft_model = args.draft_model or (None if args.model else str(demo_draft_dir()))
     model = load_model(folder, offload)
     try:
@@ -55,12 +43,7 @@ def run_tuned(args) -> dict:
                 runs = [generate_text(model, ids, gen) for ids in prompt_ids]
                 passes[name].append(statistics.median(r.stats.tpot_ms for r in runs))
                 outputs[name] = [r.token_ids for r in runs]
-        if choice.draft_len > 0:
-            predicted = predict_tpot(
-                result.profile, result.probe, choice.cache_experts, choice.cutoff_layer, choice.draft_len
-            )
-        else:
-            predicted = predict_plain_tpot(result.profile, result.probe, choice.cache_experts)
+        predicted = _predicted_tpot(result)
         info = model.info()
     finally:
         model.close()
@@ -80,6 +63,37 @@ def run_tuned(args) -> dict:
         "prediction_error": abs(predicted - fixed_ms) / fixed_ms,
         "same_tokens": all(tokens == outputs["default"] for tokens in outputs.values()),
     }
+
+
+def _calibrated(args, folder: str, offload):
+    """`--sim-link calibrated`: the offload config on a link calibrated to this host, and the
+    calibration; otherwise the config as given and None."""
+    from engine.bench.compare import LINK_RATIO, calibrate_link
+    from engine.loader import load_model
+    from engine.prompts import PROMPTS, encode_prompts
+
+    if args.sim_link != "calibrated":
+        return offload, None
+    probe_model = load_model(folder, offload)
+    try:
+        prompt_ids = encode_prompts(probe_model, PROMPTS[: args.prompts])
+    finally:
+        probe_model.close()
+    gbps, layer_ms = calibrate_link(folder, offload, prompt_ids, args.new_tokens)
+    calibration = {"layer_ms": layer_ms, "link_gbps": gbps, "copy_over_layer": LINK_RATIO}
+    return replace(offload, sim_link_gbps=gbps), calibration
+
+
+def _predicted_tpot(result) -> float:
+    """The analytic model's TPOT for the chosen settings (a fixed draft length, as searched)."""
+    from engine.tune.analytic import predict_plain_tpot, predict_tpot
+
+    choice = result.choice
+    if choice.draft_len > 0:
+        return predict_tpot(
+            result.profile, result.probe, choice.cache_experts, choice.cutoff_layer, choice.draft_len
+        )
+    return predict_plain_tpot(result.profile, result.probe, choice.cache_experts)
 
 
 def format_tuned(result: dict) -> str:

@@ -40,7 +40,7 @@ class EvictionPolicy(ABC):
 
     name: str
     uses_scores = False  # True when observe_scores matters (the cache then feeds it routing scores)
-    layer_share = False  # the cache prefers victims from layers holding more than their share
+    layer_share = False  # the cache offers victims of layers over their kept share first, and streams
 
     def __init__(self) -> None:
         self._clock = 0
@@ -82,9 +82,11 @@ class EvictionPolicy(ABC):
 
 
 class LRUPolicy(EvictionPolicy):
-    """Evict the least recently accessed expert (an insert counts as an access), taken from a layer
-    holding more than its share of the slots: Mixtral-offloading's per-layer LRU groups, which
-    survive a step that touches more experts than the cache holds."""
+    """Evict the least recently accessed expert (an insert counts as an access).
+
+    `layer_share` asks the cache to offer only candidates of layers keeping more than their share
+    of the slots (`ExpertCache.kept_share`): with that, LRU behaves as Mixtral-offloading's
+    per-layer LRU groups, which survive a step that touches more experts than the cache holds."""
 
     name = "lru"
     layer_share = True

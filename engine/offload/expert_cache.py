@@ -1,27 +1,22 @@
 """The device expert cache: a fixed pool of slots, each holding one packed expert.
 
-Slot states: FREE (empty), LOADING (a copy is in flight; its handle says when it
-lands), READY (resident). Independently, a slot is *pinned* while compute uses
-it. Eviction only ever picks READY, unpinned slots, chosen by the eviction
-policy (pure bookkeeping in `engine.offload.eviction`); this module does the memory
-moves and counts hits, misses and bytes per phase.
+Eviction only ever picks a READY, unpinned slot (`Slot` says what each state
+means), chosen by the eviction policy (pure bookkeeping in `engine.offload.eviction`);
+this module does the memory moves and counts uses and copies per phase
+(`engine.offload.cache_stats`). A use is a hit when the expert is resident or
+already on its way (a prefetch in flight); a miss starts an on-demand copy.
 
-A use is a hit when the expert is resident or already on its way (a prefetch in
-flight); a miss starts an on-demand copy.
+Streaming (LRU only): each MoE layer keeps a share of the slots across steps
+(`kept_share`: the slots less `STREAM_DEPTH`, split evenly over the layers). That one
+rule decides three things: a step that needs more of a layer's experts than its share (a
+verify over several tokens, a prefill) *streams* (`streams`); a streamed miss beyond the
+share loads as *transient*, evicted before anything else, so the experts every layer keeps
+survive the step (`acquire`); and the LRU victim comes from a layer keeping more than its
+share (`_preferred_victims`). A prefetch may be limited to spare slots (`spare_only`: free
+or transient ones); it then loads as transient too, and `expire_prefetches` releases those
+its layer turned out not to need.
 
-Prefetch accounting: every prefetched expert ends up either *used* (acquired by
-compute before it left the cache) or *wasted* (evicted, cleared or settled
-unused), counted in the phase that issued it, so `prefetched == prefetch_used +
-prefetch_wasted` once `settle_prefetches()` has run. The first use of a
-prefetched expert also counts as a `prefetch_hit` in the phase that used it
-(`prefetch_recall` = verify-phase prefetch hits / verify-phase uses).
-
-Streaming (LRU only): a step that needs more of one layer's experts than the layer's
-share of the slots (a verify over several tokens, a prefill) loads its misses beyond
-what the layer keeps as *transient*; transient slots are evicted before any other, so
-the experts every layer keeps survive the step (see `streams`). A prefetch may be
-limited to spare slots (`spare_only`: free or transient ones); it then loads as
-transient too, and `expire_prefetches` releases those its layer turned out not to need.
+The phase a use counts in is scoped with `in_phase` (always restored).
 
 Thread safety: the prefetch worker thread and compute share the cache; every
 table change happens under one lock. Waiting for a copy happens outside it.
@@ -33,19 +28,20 @@ import enum
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Collection
-from dataclasses import dataclass, field, fields
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
 from engine.errors import DeviceOutOfMemoryError
+from engine.offload.cache_stats import CacheStats, PhaseCounters
 from engine.offload.eviction import EvictionPolicy, ExpertKey
 from engine.offload.expert_store import ExpertStore
 from engine.offload.transfer import CopyHandle, TransferEngine
 
 log = logging.getLogger(__name__)
 
-PHASES = ("prefill", "decode", "draft", "verify")
 STREAM_DEPTH = 2  # streamed misses pinned at once: one computing while the next is on the link
 
 
@@ -57,51 +53,25 @@ class SlotState(enum.Enum):
 
 @dataclass
 class Slot:
+    """One device buffer holding one packed expert, and what the cache knows about it.
+
+    - `state`: FREE, LOADING (`copy` says when it lands) or READY;
+    - `pins`: compute's uses in progress; a pinned slot is never evicted;
+    - `released`: the transfer engine's marker of compute's last use (a CUDA event): the
+      next copy into the slot waits for it, so it never overwrites an expert still being read;
+    - `prefetch_phase`: the phase that prefetched the expert, until its first use (then None);
+    - `transient`: streamed through by a multi-token step beyond its layer's kept share.
+    """
+
     index: int
     views: dict[str, torch.Tensor]
     key: ExpertKey | None = None
     state: SlotState = SlotState.FREE
     pins: int = 0
     copy: CopyHandle | None = None
-    released: object | None = None  # marker of compute's last use; a new copy waits for it
-    prefetch_phase: str | None = None  # set while it holds a prefetched expert not used yet
-    transient: bool = False  # streamed through by a multi-token step: the first to be evicted
-
-
-@dataclass
-class PhaseCounters:
-    hits: int = 0
-    misses: int = 0
-    bytes_copied: int = 0
-    copies: int = 0
-    prefetched: int = 0  # experts this phase asked to prefetch that were copied
-    prefetch_used: int = 0  # of those, used by compute before leaving the cache
-    prefetch_wasted: int = 0  # of those, evicted, cleared or settled unused
-    prefetch_hits: int = 0  # uses in this phase that were a prefetched expert's first use
-    cpu_computed: int = 0  # misses computed on the CPU from the host store instead of copied
-
-    def add(self, other: PhaseCounters) -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-    @property
-    def uses(self) -> int:
-        return self.hits + self.misses
-
-    @property
-    def hit_rate(self) -> float | None:
-        return self.hits / self.uses if self.uses else None
-
-
-@dataclass
-class CacheStats:
-    phases: dict[str, PhaseCounters] = field(default_factory=lambda: defaultdict(PhaseCounters))
-
-    def total(self) -> PhaseCounters:
-        total = PhaseCounters()
-        for counters in self.phases.values():
-            total.add(counters)
-        return total
+    released: object | None = None
+    prefetch_phase: str | None = None
+    transient: bool = False
 
 
 class NoEvictableSlot(Exception):
@@ -145,21 +115,38 @@ class ExpertCache:
     def used_slots(self) -> int:
         return len(self._table)
 
-    def streams(self, layer_experts: int) -> bool:
-        """Whether a step of one layer needing `layer_experts` experts should stream its misses.
+    def kept_share(self, layer: int | None = None) -> int:
+        """How many of `layer`'s experts stay cached from one step to the next: the slots less the
+        `STREAM_DEPTH` that streamed misses pass through, split evenly over the MoE layers (the
+        first `room % layers` of them keep one more). With no layer: the smallest share.
 
-        Layers are visited in a cycle. A step that needs more of a layer's experts than the
-        layer's share of the slots (a verify over several tokens, a prefill) would, with every
-        miss kept, evict the experts of the layers coming next, whose turn is nearer: a verify
-        over 7.5 tokens of a 16-expert, top-2 layer needs ~10 experts, and with a 24-slot cache
-        only ~14 slots stayed warm from step to step. Streamed misses instead pass through a
-        few transient slots (compute pins at most `STREAM_DEPTH` of them), so every layer keeps
-        its share (`_keeps`) across steps (LRU only: its per-layer groups are what this keeps)."""
+        Layers are visited in a cycle. Without shares, a step needing more of one layer's experts
+        than that (a verify over 7.5 tokens of a 16-expert, top-2 layer needs ~10) would evict the
+        experts of the layers coming next, whose turn is nearer; each layer keeping its share is
+        what Mixtral-offloading's per-layer LRU groups do."""
+        layers = self.store.layer_indices
+        share, extra = divmod(max(self.n_slots - STREAM_DEPTH, 0), max(len(layers), 1))
+        return share if layer is None else share + (layers.index(layer) < extra)
+
+    def streams(self, layer_experts: int, layer: int | None = None) -> bool:
+        """Whether a step needing `layer_experts` of `layer`'s experts streams its misses: it needs
+        more than the layer's kept share, and not every expert fits (LRU only: its per-layer
+        groups are what this keeps)."""
         return (
             self.policy.layer_share
             and self.n_slots < self.store.total_experts
-            and layer_experts > self.n_slots / max(len(self.store.layer_indices), 1)
+            and layer_experts > self.kept_share(layer)
         )
+
+    @contextmanager
+    def in_phase(self, phase: str) -> Iterator[None]:
+        """Count the uses and copies inside the block in `phase`; the previous phase comes back
+        however the block ends."""
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = previous
 
     # -- use by compute ---------------------------------------------------------------------
 
@@ -236,7 +223,7 @@ class ExpertCache:
                 return False
             slot, copy = loading[0], loading[0].copy
         try:
-            copy.wait()
+            copy.synchronize()  # the host sleeps until it lands: never a spin on `done()`
         except Exception as err:  # a failed prefetch: its slot is dropped, which also makes room
             log.debug("A prefetch copy failed: %s", err)
             with self.lock:
@@ -295,11 +282,8 @@ class ExpertCache:
     # -- internals -------------------------------------------------------------------------
 
     def _keeps(self, layer: int) -> bool:
-        """Whether a streamed miss of `layer` is kept: the slots less `STREAM_DEPTH`, split evenly
-        over the layers (the first `room % layers` of them keep one more)."""
-        layers = self.store.layer_indices
-        share, extra = divmod(self.n_slots - STREAM_DEPTH, max(len(layers), 1))
-        return self._kept[layer] < share + (layers.index(layer) < extra)
+        """Whether a streamed miss of `layer` is kept: the layer holds less than its share."""
+        return self._kept[layer] < self.kept_share(layer)
 
     def _load(
         self, key: ExpertKey, counters: PhaseCounters, transient: bool = False, slot: Slot | None = None
@@ -353,24 +337,14 @@ class ExpertCache:
     def _preferred_victims(self, candidates: dict[ExpertKey, Slot]) -> dict[ExpertKey, Slot]:
         """Narrow the policy's choice: never a prefetched expert still waiting for its use while
         something else can go; transient (streamed) slots before any other; and (LRU) experts of
-        layers holding more than their share of slots.
-
-        Layers are visited in a cycle, so when one step needs more experts than there are slots
-        (a verify over several tokens) a global LRU would evict every expert before its layer
-        comes round again; each layer keeping its share is what Mixtral-offloading's per-layer
-        LRU groups do.
-        """
+        layers keeping more than their share (`kept_share`)."""
         unprefetched = {k: s for k, s in candidates.items() if s.prefetch_phase is None} or candidates
         transient = {k: s for k, s in unprefetched.items() if s.transient}
         if transient:
             return transient
         if not self.policy.layer_share:
             return unprefetched
-        per_layer: dict[int, int] = defaultdict(int)
-        for layer, _ in self._table:
-            per_layer[layer] += 1
-        share = self.n_slots / max(len(self.store.layer_indices), 1)
-        crowded = {k: s for k, s in unprefetched.items() if per_layer[k[0]] > share}
+        crowded = {k: s for k, s in unprefetched.items() if self._kept[k[0]] > self.kept_share(k[0])}
         return crowded or unprefetched
 
     def _drop_prefetch(self, slot: Slot) -> None:
@@ -392,7 +366,7 @@ class ExpertCache:
             for slot in self.slots:
                 if slot.copy is not None:
                     try:
-                        slot.copy.wait()
+                        slot.copy.synchronize()
                     except Exception as err:  # its consumer got (or would get) the error; dropped
                         log.debug("Discarding slot %d after a failed copy: %s", slot.index, err)
                 if slot.key is not None:

@@ -62,6 +62,7 @@ class OffloadedModel:
         cache: ExpertCache,
         transfer: TransferEngine,
         trace: RoutingTrace,
+        control: ExpertControl,
         top_k: int,
         disk_layout: str,
     ):
@@ -78,7 +79,7 @@ class OffloadedModel:
         self.trace = trace
         self.top_k = top_k
         self.disk_layout = disk_layout
-        self.control = ExpertControl()  # shared by every MoE layer: observers, draft routing
+        self.control = control  # the one every MoE layer shares: what a run installs on them
         self.draft_models: dict[Path, torch.nn.Module] = {}  # loaded once, reused by every run
         # engine.speculative's draft-length controller per speculation setting: the acceptance
         # learnt so far carries over to the next reply (this layer only keeps them)
@@ -87,7 +88,6 @@ class OffloadedModel:
         self.experts: dict[int, OffloadedExperts] = {}
         for module in hf_model.modules():
             if isinstance(module, OffloadedExperts):
-                module.control = self.control
                 self.experts[module.layer] = module
 
     @property

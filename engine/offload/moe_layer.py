@@ -2,37 +2,44 @@
 
 transformers' MoE block routes (its own router, so routing is exactly the
 model's) and calls `experts(hidden, top_k_index, top_k_weights)`. The
-replacement groups tokens by expert, pins every needed expert's cache slot
-(hits first, so misses' copies overlap the hits' compute), and computes each
-expert from its slot with the original module's activation (`_apply_gate`,
-`act_fn`, transposed or biased weights as the family has them). A step that
-streams (see `ExpertCache.streams`) pins at most `STREAM_DEPTH` misses at once,
-computing the oldest before the next miss's copy starts; once its own misses are
-issued, the spare slots it frees take the next layer's likely experts
-(`ExpertControl.lookahead`, installed by SP-MoE prefetch).
+replacement runs in named stages, as vLLM's modular fused-MoE layer does:
 
-The router's logits of the latest forward are kept per layer (`RoutingTrace`)
-for the cache policy. `ExpertControl`, shared by every layer, carries what
-changes per phase: observers (the prefetch predictors see each layer's hidden
-state and routes before its experts run) and, while drafting, a `DraftRouting`
-(SS-MoE top-r self-draft, optionally from cached experts only, or SubSpec's
-resident low-bit substitutes, which never touch the cache).
+    route       the routes each expert serves (SS-MoE's top-r while self-drafting);
+                the router's scores go to a score-based cache policy (MRS)
+    plan        which misses the CPU computes (HybriMoE), the order the rest are
+                brought in (hits first, so misses' copies overlap the hits' compute),
+                whether the step streams, and the next layer's lookahead
+    bring in    `pipeline.ready_experts`: slots pinned, copies issued, experts
+                yielded as they land
+    compute     each expert from its slot with the original module's activation
+                (`_apply_gate`, `act_fn`, transposed or biased weights as the family has them)
+    combine     weighted and added into the output, row by row
+
+`ExpertControl` is the one object every layer of a model shares (built by the loader):
+what a run installs for its duration, always through `ExpertControl.installed`, which
+restores on exit — observers (the prefetch predictors see each layer's hidden state and
+routes before its experts run), the lookahead, CPU execution of misses and, while
+drafting, a `DraftRouting` (SS-MoE top-r self-draft, optionally from cached experts only,
+or SubSpec's resident low-bit substitutes, which never touch the cache).
+
+The router's logits of the latest forward are kept per layer (`RoutingTrace`) for the
+cache policy.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from engine.errors import BudgetTooSmallError
 from engine.model.adapters.base import Architecture
 from engine.offload import quant
-from engine.offload.expert_cache import STREAM_DEPTH, ExpertCache, NoEvictableSlot
+from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertStore
+from engine.offload.pipeline import ready_experts
 
 LayerObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, hidden [T, H], top-k [T, K])
 
@@ -48,14 +55,27 @@ class DraftRouting:
 
 @dataclass
 class ExpertControl:
-    """Per-phase behaviour shared by every `OffloadedExperts` of a model."""
+    """What a run installs on every MoE layer of one model; the loader builds one per model and
+    hands the same object to each `OffloadedExperts`."""
 
-    observers: list[LayerObserver] = field(default_factory=list)
+    observers: tuple[LayerObserver, ...] = ()
     draft: DraftRouting | None = None
     hybrid: object | None = None  # engine.offload.cpu_experts.HybridExecutor: misses computed on the CPU
     # (layer, hidden [T, H]) -> the next MoE layer's likely experts, best first: a streaming step
     # copies the first `STREAM_DEPTH` of them once its own misses are issued (SP-MoE's policy).
     lookahead: Callable[[int, torch.Tensor], list[tuple[int, int]]] | None = None
+
+    @contextmanager
+    def installed(self, **changes) -> Iterator[ExpertControl]:
+        """Set the named fields for the block; their previous values come back however it ends."""
+        previous = {name: getattr(self, name) for name in changes}
+        for name, value in changes.items():
+            setattr(self, name, value)
+        try:
+            yield self
+        finally:
+            for name, value in previous.items():
+                setattr(self, name, value)
 
 
 class RoutingTrace:
@@ -82,6 +102,17 @@ class _Step:
     weights: torch.Tensor  # [T*K] routing weights, flat
     top_k: int
     out: torch.Tensor  # [T, H]
+    routes: dict[int, list[int]]  # expert -> its flat [T*K] positions
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where each routed expert of one step is computed, and in what order it is brought in."""
+
+    on_cpu: list[int]  # misses the CPU computes from the host store (no copy)
+    on_device: list[int]  # acquire order
+    streaming: bool
+    lookahead: Callable[[], list[tuple[int, int]]] | None  # the next layer's experts, once issued
 
 
 def _group_by_expert(flat_experts: list[int]) -> dict[int, list[int]]:
@@ -100,7 +131,7 @@ class OffloadedExperts(nn.Module):
         layer: int,
         cache: ExpertCache,
         trace: RoutingTrace,
-        control: ExpertControl | None = None,
+        control: ExpertControl,
     ):
         super().__init__()
         # The original (weights on the meta device) supplies the activation and layout flags;
@@ -110,7 +141,7 @@ class OffloadedExperts(nn.Module):
         self.num_experts = original.num_experts
         self.cache = cache
         self.trace = trace
-        self.control = control or ExpertControl()
+        self.control = control
         self.has_gate = getattr(original, "has_gate", True)
         self.has_bias = getattr(original, "has_bias", False)
         self.is_transposed = getattr(original, "is_transposed", False)
@@ -123,70 +154,51 @@ class OffloadedExperts(nn.Module):
         draft = self.control.draft
         if draft is not None and draft.substitute is not None:
             return self._forward_substitute(hidden_states, top_k_index, top_k_weights, draft.substitute)
+        step = self._route(hidden_states, top_k_index, top_k_weights, draft)
+        plan = self._plan(step, drafting=draft is not None)
+        for expert in plan.on_cpu:
+            self._compute_on_cpu(step.routes[expert], expert, step)
+        experts = ready_experts(
+            self.cache, self.layer, plan.on_device, streaming=plan.streaming, lookahead=plan.lookahead
+        )
+        with closing(experts):  # an error mid-layer releases every slot still pinned
+            for expert, weights in experts:
+                self._accumulate(step.routes[expert], weights, step)
+        return step.out
+
+    def _route(
+        self,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        draft: DraftRouting | None,
+    ) -> _Step:
+        """The routes each expert serves; a score-based cache policy sees the router's scores."""
         if draft is not None and draft.top_r is not None:
             top_k_index, top_k_weights = self._draft_routes(top_k_index, top_k_weights, draft)
-        out = torch.zeros_like(hidden_states)  # [T, H]
         if self.cache.policy.uses_scores and self.layer in self.trace.logits:
             scores = self.trace.logits[self.layer].float().softmax(dim=-1).mean(dim=0)  # [E]
             self.cache.policy.observe_scores(self.layer, scores.tolist())
-        routes = _group_by_expert(top_k_index.reshape(-1).tolist())  # expert -> flat [T*K] positions
-        step = _Step(hidden_states, top_k_weights.reshape(-1), top_k_index.shape[-1], out)
-        if self.control.hybrid is not None and draft is None:
-            for expert in self.control.hybrid.cpu_experts(self.layer, routes):
-                self._compute_on_cpu(routes.pop(expert), expert, step)
-        # Hits first (their compute overlaps the misses' copies), streamed ones (prefetched into
-        # transient slots) first among them to free their slots early; busy experts first within each.
+        routes = _group_by_expert(top_k_index.reshape(-1).tolist())
+        out = torch.zeros_like(hidden)  # [T, H]
+        return _Step(hidden, top_k_weights.reshape(-1), top_k_index.shape[-1], out, routes)
+
+    def _plan(self, step: _Step, drafting: bool) -> _Plan:
+        """CPU misses first (HybriMoE's cost model, target steps only); then hits before misses,
+        streamed hits (prefetched into transient slots) first among them to free their slots
+        early, busy experts first within each group."""
+        routes = dict(step.routes)
+        hybrid = self.control.hybrid
+        on_cpu = list(hybrid.cpu_experts(self.layer, routes)) if hybrid is not None and not drafting else []
+        for expert in on_cpu:
+            routes.pop(expert)
         order = sorted(routes, key=lambda e: (self._rank(e), -len(routes[e])))
-        streaming = self.cache.streams(len(order))
-        target_streams = streaming and draft is None  # a verify or prefill, not a self-draft
+        streaming = self.cache.streams(len(order), self.layer)
+        target_streams = streaming and not drafting  # a verify or prefill, not a self-draft
         if target_streams:
             self.cache.expire_prefetches(self.layer, routes)
-        ahead: list[tuple[int, int]] = []  # the next layer's experts, once this layer's copies are issued
-        pending: deque = deque()  # (positions, slot, takes a stream slot), in acquire order
-        streamed_pending = 0
-
-        def issue_ahead() -> None:  # into free stream slots: keeps the link busy with the next layer
-            while ahead and (ahead[0] in self.cache or self.cache.prefetch(ahead[0], spare_only=True)):
-                ahead.pop(0)
-
-        def compute_oldest() -> None:
-            nonlocal streamed_pending
-            positions, slot, streamed = pending.popleft()
-            streamed_pending -= streamed
-            self._compute(positions, slot, step)
-            if streamed:
-                issue_ahead()
-
-        try:
-            for expert in order:
-                streamed = self.cache.streamed((self.layer, expert))
-                while streaming and streamed and streamed_pending >= STREAM_DEPTH:
-                    compute_oldest()
-                while True:
-                    try:
-                        slot = self.cache.acquire((self.layer, expert), streaming)
-                        pending.append((routes[expert], slot, streamed))
-                        streamed_pending += streamed
-                        break
-                    except NoEvictableSlot:
-                        if not pending and self.cache.wait_for_a_copy():
-                            continue  # a prefetch in flight landed: its slot can be evicted now
-                        if not pending:  # every slot is pinned by other work
-                            raise BudgetTooSmallError(
-                                f"Every expert cache slot is busy; layer {self.layer} cannot load "
-                                f"expert {expert}. Raise --expert-budget."
-                            ) from None
-                        # Every slot is pinned by this layer: compute the oldest to free one.
-                        compute_oldest()
-            if target_streams:  # this layer's copies are all issued: the next layer's may go
-                ahead = self._ahead(hidden_states)[:STREAM_DEPTH]
-                issue_ahead()
-            while pending:
-                compute_oldest()
-        finally:
-            for _, slot, _ in pending:  # only after an error: never leave a slot pinned
-                self.cache.release(slot)
-        return out
+        lookahead = (lambda: self._ahead(step.hidden)) if target_streams else None
+        return _Plan(on_cpu, order, streaming, lookahead)
 
     def _rank(self, expert: int) -> int:
         """Acquire order: streamed hits (a transient prefetch), other hits, misses."""
@@ -200,13 +212,6 @@ class OffloadedExperts(nn.Module):
         if lookahead is None:
             return []
         return [key for key in lookahead(self.layer, hidden) if key not in self.cache]
-
-    def _compute(self, positions: list[int], slot, step: _Step) -> None:
-        """One expert on the tokens routed to it, from its cache slot."""
-        try:
-            self._accumulate(positions, self.cache.wait(slot), step)
-        finally:
-            self.cache.release(slot)
 
     def _accumulate(self, positions: list[int], weights: dict[str, torch.Tensor], step: _Step) -> None:
         """One expert on the tokens routed to it, weighted and added into the output."""
@@ -236,11 +241,13 @@ class OffloadedExperts(nn.Module):
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, store: ExpertStore
     ) -> torch.Tensor:
         """SubSpec drafting: every expert from its resident low-bit copy; the cache is not touched."""
-        out = torch.zeros_like(hidden)
-        step = _Step(hidden, top_k_weights.reshape(-1), top_k_index.shape[-1], out)
-        for expert, positions in _group_by_expert(top_k_index.reshape(-1).tolist()).items():
+        routes = _group_by_expert(top_k_index.reshape(-1).tolist())
+        step = _Step(
+            hidden, top_k_weights.reshape(-1), top_k_index.shape[-1], torch.zeros_like(hidden), routes
+        )
+        for expert, positions in routes.items():
             self._accumulate(positions, store.views(self.layer, expert), step)
-        return out
+        return step.out
 
     def _draft_routes(
         self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, draft: DraftRouting

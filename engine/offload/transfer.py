@@ -7,7 +7,9 @@ that contract:
 - `CudaTransfer`: a dedicated copy stream; each copy first waits for `after`
   (the event recorded when the slot's previous user finished on the compute
   stream), then records its own CUDA event. `wait()` makes the *compute
-  stream* wait on that event: the host never blocks.
+  stream* wait on that event: the host does not block. `synchronize()` blocks
+  the host on the event itself (a blocking-sync event: the thread sleeps, it
+  never spins on `query()`).
 - `SimulatedLink`: for machines without a GPU. A link thread performs each
   copy with a real memcpy, then holds it until the time a link of the given
   bandwidth and latency would have delivered it (copies are serialised, as on
@@ -28,10 +30,21 @@ import torch
 log = logging.getLogger(__name__)
 
 
+COPY_TIMEOUT_S = 120.0  # no copy of one expert takes this long: a link that stalls this long is broken
+
+
+class CopyTimeout(RuntimeError):
+    """A copy did not land within `COPY_TIMEOUT_S`."""
+
+
 class CopyHandle(ABC):
     @abstractmethod
     def wait(self) -> None:
-        """Make the consumer wait until the copy has landed."""
+        """Make the consumer wait until the copy has landed (on CUDA: the compute stream waits)."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the calling thread until the copy has landed (or raise `CopyTimeout`)."""
 
     @abstractmethod
     def done(self) -> bool:
@@ -65,6 +78,9 @@ class _CudaCopy(CopyHandle):
         # The slot's device, not the current one: compute on cuda:1 runs on cuda:1's current stream.
         torch.cuda.current_stream(self.device).wait_event(self.event)
 
+    def synchronize(self) -> None:
+        self.event.synchronize()  # created with blocking=True: the thread sleeps until the event
+
     def done(self) -> bool:
         return self.event.query()
 
@@ -81,7 +97,7 @@ class CudaTransfer(TransferEngine):
             if after is not None:
                 self.stream.wait_event(after)
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)
             event.record(self.stream)
         return _CudaCopy(event, self.device)
 
@@ -100,9 +116,13 @@ class _SimCopy(CopyHandle):
         self.error: BaseException | None = None
 
     def wait(self) -> None:
-        self._landed.wait()
+        if not self._landed.wait(COPY_TIMEOUT_S):
+            raise CopyTimeout(f"A simulated copy did not land within {COPY_TIMEOUT_S:.0f} s.")
         if self.error is not None:
             raise self.error
+
+    def synchronize(self) -> None:
+        self.wait()
 
     def done(self) -> bool:
         return self._landed.is_set()

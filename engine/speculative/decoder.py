@@ -13,12 +13,18 @@ reads top to bottom:
     rewind    the target's and the drafter's KV caches drop everything past the accepted
               prefix; a try/finally rewinds even when a step fails, so the caches always
               hold exactly the committed tokens but the last
+
+The decoder is the one place that rewinds caches: a self-drafter's entries in the target's
+cache are dropped after the draft (`_draft`), and both caches go back to the accepted
+prefix at the end of a step (`_rewind`). `open_decoder` installs the run's prefetch policy
+and CPU execution on the model's `ExpertControl`; `close()` restores it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
 import torch
@@ -59,6 +65,7 @@ class PlainDecoder:
 
     def __init__(self, model, sampler: Sampler, prefetch: Prefetch):
         self.model, self.sampler, self.prefetch = model, sampler, prefetch
+        self.installed = ExitStack()  # what `open_decoder` installed on the model for this run
 
     def step(self, history: torch.Tensor, kv_cache: DynamicCache, wanted: int | None = None) -> list[int]:
         self.prefetch.begin_step()
@@ -73,7 +80,7 @@ class PlainDecoder:
 
     def close(self) -> None:
         self.prefetch.close(self.model)
-        self.model.control.hybrid = None
+        self.installed.close()
 
 
 class SpeculativeDecoder:
@@ -92,6 +99,7 @@ class SpeculativeDecoder:
         self.spec, self.prefetch, self.length = spec, prefetch, length
         self.plain = PlainDecoder(model, sampler, prefetch)  # for a step with nothing worth drafting
         self.counters = SpecCounters()
+        self.installed = ExitStack()
 
     def step(self, history: torch.Tensor, kv_cache: DynamicCache, wanted: int | None = None) -> list[int]:
         draft_len = self.length.draft_len
@@ -114,11 +122,16 @@ class SpeculativeDecoder:
             # the confidence rule's business, and counting it would shorten every later draft
             self.length.update(min(verdict.accepted, draft.confident), draft.confident)
         finally:
-            kept = committed + (verdict.accepted + 1 if verdict is not None else 0)
-            rewind_cache(kv_cache, kept)  # after a failure: back to where the step began
-            self.drafter.rewind(kept)
+            # the accepted tokens and the correction or bonus one, all but the newest in the cache;
+            # after a failure, back to where the step began
+            self._rewind(kv_cache, committed + (verdict.accepted + 1 if verdict is not None else 0))
             self.prefetch.end_step()
         return list(verdict.tokens)
+
+    def _rewind(self, kv_cache: DynamicCache, kept: int) -> None:
+        """Both caches keep their first `kept` positions (mlx-lm's `_rewind_cache`)."""
+        rewind_cache(kv_cache, kept)
+        self.drafter.rewind(kept)
 
     def _tune_cutoff(self, drafted: int, draft_s: float) -> None:
         """SP-MoE 4.2.1, when no cutoff was given: the deepest layer whose predicted experts both
@@ -152,22 +165,20 @@ class SpeculativeDecoder:
         )
 
     def _draft(self, history: torch.Tensor, kv_cache: DynamicCache, draft_len: int):
-        cache, phase = self.model.cache, self.model.cache.phase
-        cache.phase = "draft"  # expert uses and prefetches while drafting count as the draft's
+        """The drafter's proposal; its expert uses and prefetches count as the draft's. A
+        self-drafter's entries in the target's cache are approximate: verification recomputes them."""
+        committed = kv_cache.get_seq_length()
         try:
-            return self.drafter.propose(history, draft_len, kv_cache)
+            with self.model.cache.in_phase("draft"):
+                return self.drafter.propose(history, draft_len, kv_cache)
         finally:
-            cache.phase = phase
+            rewind_cache(kv_cache, committed)
 
     def _verify(self, history: torch.Tensor, draft: list[int], kv_cache: DynamicCache) -> torch.Tensor:
         """Target distributions `[γ+1, V]` after the last committed token and after each draft token."""
-        cache, phase = self.model.cache, self.model.cache.phase
-        cache.phase = "verify"
-        try:
+        with self.model.cache.in_phase("verify"):
             ids = torch.cat([history[-1:], history.new_tensor(draft)])
             logits = self.model.forward(ids, kv_cache, logits_to_keep=0)  # [γ+1, V]
-        finally:
-            cache.phase = phase
         context = torch.cat([history, history.new_tensor(draft)])
         committed = len(history)
         rows = [self.sampler.probs(logits[i], context[: committed + i]) for i in range(len(draft) + 1)]
@@ -212,7 +223,7 @@ class SpeculativeDecoder:
 
     def close(self) -> None:
         self.prefetch.close(self.model)
-        self.model.control.hybrid = None
+        self.installed.close()
         self.drafter.close()
 
 
@@ -227,9 +238,8 @@ def open_decoder(
     """The decoder for one run, with its drafter, prefetch policy and CPU execution installed on `model`."""
     spec.validate()
     hybrid = HybridExecutor(model, cpu_experts) if cpu_experts != "never" else None  # validates the mode
-    model.control.hybrid = None
     decoder = _build_decoder(model, spec, prefetch_policy, cutoff, sampler)
-    model.control.hybrid = hybrid  # installed only once nothing else can fail
+    decoder.installed.enter_context(model.control.installed(hybrid=hybrid))  # once nothing else can fail
     return decoder
 
 

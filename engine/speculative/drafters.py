@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,10 +60,13 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, history: torch.Tensor, n: int, target_kv_cache: DynamicCache) -> Draft:
-        """Up to `n` draft tokens following `history`."""
+        """Up to `n` draft tokens following `history` (the target's KV cache holds all but its last
+        token). A self-drafter drafts in `target_kv_cache` itself and leaves its approximate
+        entries there: the decoder drops them before verifying (`SpeculativeDecoder._draft`)."""
 
-    def rewind(self, committed: int) -> None:  # noqa: B027 - drafters with no state of their own
-        """The first `committed` history tokens are final; forget anything drafted past them."""
+    def rewind(self, kept: int) -> None:  # noqa: B027 - drafters with no state of their own
+        """The first `kept` tokens of the new history are final (all of it but its last token, as
+        in the target's KV cache after the step); forget anything drafted past them."""
 
     def close(self) -> None:  # noqa: B027
         """Release what the drafter holds."""
@@ -128,8 +130,8 @@ class ModelDrafter(Drafter):
         except torch.OutOfMemoryError as err:
             raise DeviceOutOfMemoryError("Out of device memory running the draft model.") from err
 
-    def rewind(self, committed: int) -> None:
-        rewind_cache(self.kv_cache, committed)
+    def rewind(self, kept: int) -> None:
+        rewind_cache(self.kv_cache, kept)
 
     def close(self) -> None:
         self.kv_cache = DynamicCache()
@@ -170,28 +172,15 @@ class _TargetDrafter(Drafter):
         self.target = target
         self.routing = routing
 
-    @contextmanager
-    def _drafting(self):
-        control = self.target.control
-        control.draft = self.routing
-        try:
-            yield
-        finally:
-            control.draft = None
-
     def propose(self, history: torch.Tensor, n: int, target_kv_cache: DynamicCache) -> Draft:
-        kv_cache = target_kv_cache
-        start = kv_cache.get_seq_length()
+        start = target_kv_cache.get_seq_length()
 
         def logits_fn(token: int | None) -> torch.Tensor:
             ids = history[start:] if token is None else history.new_tensor([token])
-            return self.target.forward(ids, kv_cache)[-1]
+            return self.target.forward(ids, target_kv_cache)[-1]
 
-        try:
-            with self._drafting():
-                return self._draw(logits_fn, history, n)
-        finally:
-            rewind_cache(kv_cache, start)  # draft entries are approximate: verification recomputes them
+        with self.target.control.installed(draft=self.routing):
+            return self._draw(logits_fn, history, n)
 
 
 class SelfDrafter(_TargetDrafter):

@@ -36,7 +36,8 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -263,6 +264,12 @@ class Prefetch:
     predictor: _Predictor | None = None
     manual_cutoff: bool = False
     _load_ms: float | None = None
+    _installed: ExitStack = field(default_factory=ExitStack)  # the model's control, restored on close
+
+    def install(self, model, **changes) -> Prefetch:
+        """Install `changes` on the model's `ExpertControl` until `close()`."""
+        self._installed.enter_context(model.control.installed(**changes))
+        return self
 
     def load_ms(self, model) -> float:
         """One expert's copy time: the simulated link's by construction, else measured once."""
@@ -284,13 +291,9 @@ class Prefetch:
             self.predictor.end_step()
 
     def close(self, model) -> None:
-        if self.predictor is not None:
-            if self.predictor in model.control.observers:
-                model.control.observers.remove(self.predictor)
-            if isinstance(self.predictor, SpMoePredictor):
-                if model.control.lookahead == self.predictor.lookahead:
-                    model.control.lookahead = None
-                self.predictor.close()
+        self._installed.close()
+        if isinstance(self.predictor, SpMoePredictor):
+            self.predictor.close()
         if self.worker is not None:
             self.worker.close()
         model.cache.settle_prefetches()
@@ -336,15 +339,15 @@ def install_prefetch(
         cutoff = layers - 1 if cutoff is None else cutoff  # auto: refined after the first measured draft
         predictor: _Predictor = SpMoePredictor(model, worker, cutoff, draft_model)
         description = f"spmoe (cutoff {cutoff} of {layers} MoE layers{'' if manual else ', auto'})"
-        model.control.observers.append(predictor)
-        model.control.lookahead = predictor.lookahead
-        return Prefetch(policy, description, worker, predictor, manual_cutoff=manual)
-    else:
-        depth = 1 if policy == "next-layer" else HYBRIMOE_DEPTH
-        predictor = LayerAheadPredictor(model, worker, depth)
-        description = policy
-    model.control.observers.append(predictor)
-    return Prefetch(policy, description, worker, predictor)
+        prefetch = Prefetch(policy, description, worker, predictor, manual_cutoff=manual)
+        return prefetch.install(
+            model, observers=(*model.control.observers, predictor), lookahead=predictor.lookahead
+        )
+    depth = 1 if policy == "next-layer" else HYBRIMOE_DEPTH
+    predictor = LayerAheadPredictor(model, worker, depth)
+    return Prefetch(policy, policy, worker, predictor).install(
+        model, observers=(*model.control.observers, predictor)
+    )
 
 
 def measure_load_ms(model) -> float:

@@ -17,7 +17,7 @@ import psutil
 import torch
 
 from engine.metrics import LiveGeneration, cache_snapshot
-from engine.offload.expert_cache import PhaseCounters
+from engine.offload.cache_stats import PhaseCounters
 from engine.worker.protocol import Stats
 
 log = logging.getLogger(__name__)

@@ -43,7 +43,27 @@ class ManualCopy(CopyHandle):
     def wait(self) -> None:
         self.land()  # a blocking wait: returns once the copy is in
 
+    def synchronize(self) -> None:
+        self.land()
+
     def done(self) -> bool:
+        return self.landed
+
+
+class StreamWaitCopy(ManualCopy):
+    """A copy as CUDA's: `wait()` only queues a stream wait (nothing lands on the host's side);
+    only `synchronize()` blocks until it lands. `done()` calls are counted: a host loop that polls
+    it instead of blocking shows up as thousands of calls."""
+
+    polls = 0
+
+    def wait(self) -> None:
+        pass
+
+    def done(self) -> bool:
+        StreamWaitCopy.polls += 1
+        if StreamWaitCopy.polls > 10_000:
+            raise AssertionError("the host spins on done() instead of blocking on the copy")
         return self.landed
 
 
@@ -65,6 +85,13 @@ class ManualTransfer(TransferEngine):
 
     def in_flight(self) -> list[ManualCopy]:
         return [c for c in self.copies if not c.landed]
+
+
+class StreamWaitTransfer(ManualTransfer):
+    def copy(self, dst, src, after=None) -> ManualCopy:
+        handle = StreamWaitCopy(dst, src, after)
+        self.copies.append(handle)
+        return handle
 
 
 def make_cache(

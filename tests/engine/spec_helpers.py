@@ -20,7 +20,7 @@ from engine.generation import FinishedEvent, GenerationConfig
 from engine.loader import load_model
 from engine.metrics import Snapshot, cache_snapshot, phase_delta
 from engine.model.tiny import build_tiny_model, save_tiny_model, tiny_config, tiny_tokenizer
-from engine.offload.expert_cache import PHASES, PhaseCounters
+from engine.offload.cache_stats import PHASES, PhaseCounters
 from engine.offload.model import OffloadedModel
 from engine.sampling import SamplingConfig
 from engine.speculative.decoder import SpecConfig
@@ -177,5 +177,5 @@ def check_accounting(
     # Each prefetched expert's first use counts once where it was issued and once where it was used.
     assert sum(c.prefetch_hits for c in delta.values()) == sum(c.prefetch_used for c in delta.values())
     assert all(slot.pins == 0 for slot in model.cache.slots)
-    assert model.control.observers == [] and model.control.draft is None
+    assert model.control.observers == () and model.control.draft is None
     return delta

@@ -1,4 +1,8 @@
-"""Registry of architecture adapters, one module per Hugging Face `model_type`."""
+"""Registry of architecture adapters, one module per Hugging Face `model_type`.
+
+Each adapter module holds one `Architecture` (engine.model.adapters.base): data on where
+a family's MoE blocks are and what its router and experts need, no code paths.
+"""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import pytest
 
 from app.server.openai_api import ChatBackend
 from app.server.openai_server import ApiServer, HostNotAllowed, main
-from app.terminal.session_setup import DEMO_MODEL_ID
+from app.session_setup import DEMO_MODEL_ID
 from engine.config import OffloadConfig
 from engine.generation_config import GenerationConfig
 from engine.worker.client import EngineSession

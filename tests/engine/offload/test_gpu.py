@@ -7,6 +7,8 @@ enough (~0.5 s) that an ordering bug would let the other side overtake it.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -88,6 +90,21 @@ def test_copies_run_on_their_own_stream_beside_compute(cuda, transfer) -> None:
     assert not compute.query(), "the copy waited for compute: it is not on a stream of its own"
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), src)
+
+
+def test_synchronize_blocks_the_host_until_the_copy_lands_without_spinning(cuda, transfer) -> None:
+    src = pinned_bytes(random_matrix(2))
+    dst = torch.zeros_like(src, device=cuda)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(transfer.stream):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the copy stream is busy for ~0.5 s: the copy lands after it
+    handle = transfer.copy(dst, src)
+    assert not handle.done()
+    cpu_before, wall_before = time.process_time(), time.perf_counter()
+    handle.synchronize()
+    cpu_s, wall_s = time.process_time() - cpu_before, time.perf_counter() - wall_before
+    assert handle.done() and torch.equal(dst.cpu(), src)
+    assert wall_s > 0.1 and cpu_s < 0.5 * wall_s, f"the host spun: {cpu_s:.2f} s CPU in {wall_s:.2f} s"
 
 
 def test_wait_makes_compute_read_the_slot_only_after_the_copy(cuda, transfer) -> None:

@@ -29,9 +29,10 @@ def streamed_use(cache, key):
 
 
 def test_only_an_lru_step_needing_more_than_its_layers_share_streams(store, link) -> None:
-    cache = make_cache(store, link, n_slots=6)  # a share of 2 per layer
+    cache = make_cache(store, link, n_slots=STREAM_DEPTH + 2 * NUM_LAYERS)  # a kept share of 2 per layer
+    assert cache.kept_share() == 2
     assert cache.streams(3) and not cache.streams(2)
-    assert not make_cache(store, link, n_slots=6, policy=LFUPolicy()).streams(3)
+    assert not make_cache(store, link, n_slots=8, policy=LFUPolicy()).streams(3)
     assert not make_cache(store, link, n_slots=NUM_LAYERS * NUM_EXPERTS).streams(NUM_EXPERTS)
 
 

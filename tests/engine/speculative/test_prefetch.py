@@ -177,8 +177,11 @@ def test_spmoe_on_a_streaming_cache_asks_only_for_its_spare_slots(deep, roomy):
     assert worker.keys == [(0, 0), (0, 1)][:STREAM_DEPTH] and worker.spare_only
 
     roomy_predictor = SpMoePredictor(roomy, RecordingWorker(), cutoff=3)
-    roomy_predictor.begin_step(verify_tokens=2)  # 2 tokens need at most 4 experts: its share
+    assert roomy.cache.kept_share() == 3  # (16 slots - STREAM_DEPTH) over 4 layers, at least
+    roomy_predictor.begin_step(verify_tokens=1)  # one token needs its top-2: within its share
     assert not roomy_predictor.spare_only
+    roomy_predictor.begin_step(verify_tokens=2)  # ~3.5 experts: more than the 3 it keeps
+    assert roomy_predictor.spare_only
 
 
 def test_spmoe_cutoff_minus_one_requests_nothing(deep):
@@ -259,7 +262,7 @@ def test_spmoe_in_a_run_asks_only_for_layers_up_to_the_cutoff(models, deep, monk
 def target(models, no_worker_left):
     model = load(models.target("qwen3_moe"))
     yield model
-    assert model.control.observers == []
+    assert model.control.observers == ()
     model.close()
 
 
@@ -295,10 +298,10 @@ def test_install_attaches_one_predictor_and_close_removes_it(target, policy, des
     try:
         assert prefetch.description == description
         assert isinstance(prefetch.predictor, predictor)
-        assert target.control.observers == [prefetch.predictor]
+        assert target.control.observers == (prefetch.predictor,)
     finally:
         prefetch.close(target)
-    assert target.control.observers == []
+    assert target.control.observers == ()
 
 
 def test_spmoe_falls_back_to_next_layer_for_a_draft_of_another_width(models, target, caplog):

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import importlib.util
 import random
-import threading
 
 import pytest
 import torch
 
 from engine.generation import generate_text
 from engine.metrics import cache_snapshot, phase_delta
-from engine.offload.expert_cache import PHASES, Slot, SlotState
+from engine.offload.cache_stats import PHASES
+from engine.offload.expert_cache import Slot, SlotState
 from engine.offload.moe_layer import OffloadedExperts
 from engine.speculative.decoder import SpecConfig
 from tests.engine.spec_helpers import ExpertUses, TinyModels, greedy, load, prompt_for
@@ -47,7 +47,6 @@ class SlotChecker:
         self.cache = model.cache
         self.violations: list[str] = []  # appended from any thread; asserted empty at the end
         self.acquired_for: dict[int, tuple[int, int]] = {}  # slot index -> key acquired (pinned)
-        self.computing = threading.local()
         self.computed = self.copies = 0
 
     @classmethod
@@ -55,7 +54,6 @@ class SlotChecker:
         checker = cls(model)
         cache = model.cache
         acquire, wait, copy = cache.acquire, cache.wait, cache.transfer.copy
-        compute = OffloadedExperts._compute
         expert_forward = OffloadedExperts.expert_forward
 
         def checked_acquire(key, streaming=False):
@@ -75,15 +73,8 @@ class SlotChecker:
             checker.copies += 1
             return copy(dst, src, after)
 
-        def checked_compute(experts, positions, slot, step):
-            checker.computing.slot = slot
-            try:
-                compute(experts, positions, slot, step)
-            finally:
-                checker.computing.slot = None
-
         def checked_expert_forward(experts, x, weights):
-            slot = getattr(checker.computing, "slot", None)
+            slot = checker.slot_of(weights)
             if slot is not None:  # from a cache slot (substitutes and CPU experts are not)
                 checker.check(slot, f"computing layer {experts.layer}")
                 if slot.key is None or slot.key[0] != experts.layer:
@@ -98,9 +89,16 @@ class SlotChecker:
         monkeypatch.setattr(cache, "acquire", checked_acquire)
         monkeypatch.setattr(cache, "wait", checked_wait)
         monkeypatch.setattr(cache.transfer, "copy", checked_copy)
-        monkeypatch.setattr(OffloadedExperts, "_compute", checked_compute)
         monkeypatch.setattr(OffloadedExperts, "expert_forward", checked_expert_forward)
         return checker
+
+    def slot_of(self, weights: dict[str, torch.Tensor]) -> Slot | None:
+        """The cache slot whose buffer the weights are views of; None when they are not in the pool."""
+        pool = self.cache.pool
+        offset = next(iter(weights.values())).data_ptr() - pool.data_ptr()
+        if not 0 <= offset < pool.numel():
+            return None
+        return self.cache.slots[offset // pool.stride(0)]
 
     def check(self, slot: Slot, where: str) -> None:
         key = self.acquired_for.get(slot.index)
@@ -168,7 +166,7 @@ def test_speculation_with_prefetch_on_a_slow_link_computes_from_settled_slots(mo
                 delta = phase_delta(before, after, phase)
                 assert delta.prefetched == delta.prefetch_used + delta.prefetch_wasted, phase
             assert all(slot.pins == 0 for slot in model.cache.slots)
-            assert model.control.observers == []
+            assert model.control.observers == ()
         assert checker.computed > 0 and checker.copies > model.cache.n_slots
         total = sum(uses.acquired.values())
         assert total == sum(c.uses for c in model.cache.stats.phases.values())

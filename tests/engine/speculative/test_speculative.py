@@ -20,6 +20,7 @@ from engine.errors import EngineError
 from engine.generation import FinishedEvent, GenerationConfig, TokenEvent, generate, generate_text
 from engine.metrics import cache_snapshot
 from engine.model.tiny import TINY_ARCHITECTURES
+from engine.offload.expert_cache import STREAM_DEPTH
 from engine.sampling import Sampler, SamplingConfig
 from engine.speculative.decoder import SpecConfig, open_decoder
 from engine.speculative.prefetch import PREFETCH_POLICIES
@@ -120,8 +121,10 @@ def test_speculative_greedy_is_plain_greedy(
         assert delta["draft"].uses == 0, "a draft model and substitutes never touch the cache"
     if prefetch == "none":
         assert all(c.prefetched == 0 for c in delta.values())
-    if prefetch == "spmoe":  # while drafting, and streaming ahead in multi-token target forwards
-        assert {phase for phase, c in delta.items() if c.prefetched} <= {"draft", "verify", "prefill"}
+    if prefetch == "spmoe":  # while drafting; and streaming ahead in target forwards that stream,
+        # at most STREAM_DEPTH experts per layer (a lone last token streams when the cache is this small)
+        assert delta["draft"].prefetched + delta["verify"].prefetched > 0
+        assert delta["decode"].prefetched <= STREAM_DEPTH * uses.moe_calls["decode"]
 
 
 @pytest.mark.parametrize(
@@ -223,7 +226,7 @@ def test_a_rejected_request_leaves_nothing_installed(target, spec, prefetch):
     config = dataclasses.replace(greedy(spec, prefetch), cpu_experts="always")
     with pytest.raises(EngineError):
         generate_text(model, prompt_for(0), config)
-    assert model.control.observers == [] and model.control.draft is None
+    assert model.control.observers == () and model.control.draft is None
     assert model.control.hybrid is None, "CPU execution stayed installed after a rejected request"
 
 
@@ -360,7 +363,7 @@ def test_cancel_mid_generation_then_generate_again(models, plain, target, drafte
     finished = events[-1]
     assert isinstance(finished, FinishedEvent) and finished.reason == "cancelled"
     assert finished.token_ids == plain("qwen3_moe")[:5]
-    assert model.control.observers == [] and model.control.draft is None
+    assert model.control.observers == () and model.control.draft is None
     assert all(slot.pins == 0 for slot in model.cache.slots)
     prefetch_threads = [t for t in set(threading.enumerate()) - threads_before if t.name == "expert-prefetch"]
     assert not prefetch_threads, "the prefetch worker outlived its run"
