@@ -49,5 +49,23 @@ class InvalidRequestError(EngineError):
     kind = "invalid_request"
 
 
+class ContextLengthError(InvalidRequestError):
+    """The prompt fills the context window (the model's, or a smaller one the request set)."""
+
+    kind = "context_length_exceeded"
+
+    # defaults: pickle and copy rebuild an exception from its message, then restore these
+    def __init__(self, message: str, context_length: int | None = None, prompt_tokens: int | None = None):
+        super().__init__(message)
+        self.context_length = context_length  # the window that applied, in tokens
+        self.prompt_tokens = prompt_tokens
+
+
 class GenerationCancelled(EngineError):
     kind = "cancelled"
+
+
+class UnsupportedQuantizationError(EngineError):
+    """A quantized tensor of a type the engine cannot dequantize (e.g. a GGUF type with no entry)."""
+
+    kind = "unsupported_quantization"

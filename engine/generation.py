@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig as HFGenerationConfig
 
-from engine.errors import InvalidRequestError
-from engine.generation_config import GenerationConfig
+from engine.errors import ContextLengthError, InvalidRequestError
+from engine.generation_config import GenerationConfig, is_unicode
 from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot
 from engine.offload.model import OffloadedModel
 from engine.sampling import Sampler
 from engine.speculative.decoder import open_decoder
-from engine.textstream import IncrementalDetokenizer, StopStringMatcher
+from engine.textstream import IncrementalDetokenizer, StopStringMatcher, encode_chat
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,8 @@ class FinishedEvent:
 
 def encode_prompt(model: OffloadedModel, prompt: str | Sequence[Message] | Sequence[int]) -> list[int]:
     """Token ids for a prompt: ids pass through; a string is one user message through the chat
-    template when the tokenizer has one (else raw text); messages go through the template."""
+    template when the tokenizer has one (else raw text); messages go through the template, with
+    control tokens typed in a message kept as plain text (see `encode_chat`)."""
     if not isinstance(prompt, str) and all(isinstance(t, int) for t in prompt):
         ids = list(prompt)
     else:
@@ -62,9 +63,9 @@ def encode_prompt(model: OffloadedModel, prompt: str | Sequence[Message] | Seque
         if tokenizer is None:
             raise InvalidRequestError(f"{model.path} has no tokenizer: give the prompt as token ids.")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        _check_unicode(messages)
         if tokenizer.chat_template:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            ids = encode_chat(tokenizer, messages)
         elif isinstance(prompt, str):
             ids = tokenizer(prompt)["input_ids"]
         else:
@@ -78,6 +79,18 @@ def encode_prompt(model: OffloadedModel, prompt: str | Sequence[Message] | Seque
             f"Prompt token id {bad[0]} is outside this model's vocabulary [0, {vocab})."
         )
     return list(ids)
+
+
+def _check_unicode(messages: Sequence[Message]) -> None:
+    """A lone surrogate (JSON's "\\ud800") cannot be tokenized, logged or sent back: refuse it."""
+    for n, message in enumerate(messages, start=1):
+        for text in message.values():
+            if isinstance(text, str) and not is_unicode(text):
+                at = next(i for i, char in enumerate(text) if not is_unicode(char))
+                raise InvalidRequestError(
+                    f"Message {n} contains text that is not valid Unicode (a lone surrogate at "
+                    f"character {at}): send the text as UTF-8 or remove the broken character."
+                )
 
 
 def eos_token_ids(model: OffloadedModel) -> set[int]:
@@ -108,6 +121,7 @@ def generate(
     live = live or LiveGeneration(started)
     live.started = started
     prompt_ids = encode_prompt(model, prompt)
+    max_new_tokens = _max_new_tokens(model, config, len(prompt_ids))
     eos = set() if config.ignore_eos else eos_token_ids(model)
     sampler = Sampler(config.sampling, device=model.device)
     history = torch.tensor(prompt_ids, dtype=torch.long, device=model.device)
@@ -138,11 +152,11 @@ def generate(
                 now = time.perf_counter()
                 yield TokenEvent(token, delta, len(generated) - 1, (now - last) * 1e3)
                 last = now
-                reason = _end_reason(stopped, token in eos, len(generated), config.max_new_tokens, cancel)
+                reason = _end_reason(stopped, token in eos, len(generated), max_new_tokens, cancel)
                 if reason is not None:
                     break
             if reason is None:
-                new_tokens = decoder.step(history, kv_cache, config.max_new_tokens - len(generated))
+                new_tokens = decoder.step(history, kv_cache, max_new_tokens - len(generated))
         live.finished = time.perf_counter()
     finally:
         decoder.close()  # uninstalls the prefetch policy; unused prefetches are counted as wasted
@@ -150,6 +164,29 @@ def generate(
     tail, reason = _held_back_text(detok, stops, reason)
     stats = live.stats(model.cache, live.finished, model.simulated_link)  # the run's final figures
     yield FinishedEvent(reason, "".join(text_parts) + tail, tail, tuple(generated), stats)
+
+
+def _max_new_tokens(model: OffloadedModel, config: GenerationConfig, prompt_tokens: int) -> int:
+    """`config.max_new_tokens`, capped so the prompt and the reply fit the context window (the
+    model's, or the request's when smaller): a model reads garbage past the positions it learnt."""
+    windows = [w for w in (model.context_length, config.context_length) if w is not None]
+    if not windows:
+        return config.max_new_tokens
+    window = min(windows)
+    if prompt_tokens >= window:
+        if window == model.context_length:
+            limit = f"This model's maximum context length is {window} tokens."
+            advice = "Shorten the conversation or start a new one."
+        else:
+            model_window = f" (the model's is {model.context_length})" if model.context_length else ""
+            limit = f"This request's context limit is {window} tokens{model_window}."
+            advice = "Shorten the conversation, start a new one or raise the limit."
+        raise ContextLengthError(
+            f"{limit} However, your messages resulted in {prompt_tokens} tokens. {advice}",
+            context_length=window,
+            prompt_tokens=prompt_tokens,
+        )
+    return min(config.max_new_tokens, window - prompt_tokens)
 
 
 def _prefill(model: OffloadedModel, ids: torch.Tensor, kv_cache, chunk: int) -> torch.Tensor:

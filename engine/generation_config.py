@@ -16,6 +16,8 @@ SPEC_MODES = ("none", "draft", "self", "substitute")
 ACCEPTANCE_RULES = ("lossless", "adaptive")
 PREFETCH_POLICIES = ("none", "next-layer", "hybrimoe", "spmoe")
 CPU_EXPERT_MODES = ("auto", "never", "always")
+# Seeds are signed 64-bit on every side (torch's generators, JSON clients): 0 <= seed < SEED_LIMIT
+SEED_LIMIT = 2**63
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,11 @@ class SamplingConfig:
             raise InvalidRequestError(
                 f"repetition_penalty must be a number > 0 (1 turns it off), got {self.repetition_penalty!r}"
             )
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not _is_whole(self.seed, 0, SEED_LIMIT):
+            raise InvalidRequestError(
+                f"seed must be an integer from 0 to 2**63 - 1 ({SEED_LIMIT - 1}), or unset for a new "
+                f"draw each time; got {self.seed!r}"
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -53,6 +58,27 @@ class SamplingConfig:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_whole(value: object, low: int, high: int | None = None) -> bool:
+    """An int (not a bool) with low <= value (< high when given)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return False
+    return low <= value and (high is None or value < high)
+
+
+def is_unicode(text: str) -> bool:
+    """Whether `text` can be written as UTF-8 (a lone surrogate such as "\\ud800" cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def derived_seed(seed: int | None, offset: int) -> int | None:
+    """A second generator's seed, apart from `seed` and still in [0, SEED_LIMIT) (None stays None)."""
+    return None if seed is None else (seed + offset) % SEED_LIMIT
 
 
 @dataclass(frozen=True)
@@ -114,14 +140,26 @@ class GenerationConfig:
     prefetch: str = "none"  # none | next-layer | hybrimoe | spmoe
     cutoff: int | None = None  # spmoe: last MoE layer (0-based, in order) prefetched; None: auto
     cpu_experts: str = "never"  # auto | never | always: compute missing experts on the CPU (hybrid)
+    # a context window (prompt + reply, in tokens) below the model's; None: the model's own
+    context_length: int | None = None
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise InvalidRequestError("max_new_tokens must be at least 1.")
+        if self.context_length is not None and not _is_whole(self.context_length, 1):
+            raise InvalidRequestError(
+                f"context_length must be a whole number of tokens >= 1 (None: the model's own "
+                f"window), got {self.context_length!r}"
+            )
         if self.prefill_chunk < 1:
             raise InvalidRequestError("prefill_chunk must be at least 1.")
         if any(not s for s in self.stop_strings):
             raise InvalidRequestError("Stop strings cannot be empty.")
+        if any(not is_unicode(s) for s in self.stop_strings):
+            raise InvalidRequestError(
+                "A stop string contains text that is not valid Unicode (a lone surrogate): "
+                "send it as UTF-8 or remove the broken character."
+            )
         if self.prefetch not in PREFETCH_POLICIES:
             raise InvalidRequestError(
                 f"Unknown prefetch policy {self.prefetch!r}; choose one of {', '.join(PREFETCH_POLICIES)}."

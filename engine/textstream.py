@@ -1,6 +1,9 @@
-"""Streaming text out of a token stream: incremental detokenization and stop strings.
+"""Text at the engine's edges: a chat prompt into ids, and streaming text out of a token stream.
 
 Contract:
+- `encode_chat(tokenizer, messages)` gives the chat-templated prompt ids, with a control token
+  typed in a message (`<|im_end|>` …) kept as plain text: only the template puts control tokens
+  in a prompt. A conversation without one gets exactly `apply_chat_template`'s ids.
 - `IncrementalDetokenizer.push(id)` returns only complete text: a character whose UTF-8 bytes
   span several byte-level (or byte-fallback) tokens is held back until it is whole, and the
   concatenation of every delta plus `flush()` equals `tokenizer.decode(all_ids)` (up to the
@@ -19,6 +22,8 @@ Contract:
 from __future__ import annotations
 
 import logging
+import re
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -145,3 +150,90 @@ class StopStringMatcher:
                     longest = length
                     break
         return longest
+
+
+# -- chat prompts into ids ----------------------------------------------------------------------
+
+Message = dict[str, str]
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
+    """Prompt ids of `messages` through the chat template, control tokens in contents as text.
+
+    A content holding a control token's string is rendered as a marker, the text is cut at the
+    template's own control tokens, and each piece between two of them (contents put back) is
+    tokenized with control tokens split into ordinary text, as the tokenizer treats the text
+    between two added tokens. (A SentencePiece 'first' prepend scheme adds a ▁ at each piece.)
+    """
+    controls = control_tokens(tokenizer)
+    if not controls:
+        return _templated_ids(tokenizer, messages)
+    control = re.compile("|".join(map(re.escape, controls)))  # longest first: leftmost-longest
+    typed = {}  # message index -> a control token its content holds
+    for n, message in enumerate(messages):
+        if role_token := _first_control(message.get("role"), control):
+            raise InvalidRequestError(
+                f"Message {n + 1}'s role contains the control token {role_token!r}: "
+                "a role is a plain name such as user or assistant."
+            )
+        if content_token := _first_control(message.get("content"), control):
+            typed[n] = content_token
+    if not typed:
+        return _templated_ids(tokenizer, messages)
+    nonce = secrets.token_hex(8)  # markers: letters and digits, so templates that escape keep them
+    marked = [{**m, "content": f"{nonce}x{n}x"} if n in typed else m for n, m in enumerate(messages)]
+    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    pieces = re.split(f"{nonce}x(\\d+)x", rendered)  # template text, message index, template text …
+    if any(nonce[:8] in piece.lower() for piece in pieces[0::2]):  # the template changed a marker
+        n, token = next(iter(typed.items()))
+        raise InvalidRequestError(
+            f"Message {n + 1} contains the control token {token!r}, which this model's chat template "
+            "cannot take as plain text: remove it from the message."
+        )
+    segments = [  # odd pieces are message indices: their contents go back in
+        (messages[int(piece)]["content"], True) if i % 2 else (piece, False) for i, piece in enumerate(pieces)
+    ]
+    return _ids_with_plain_contents(tokenizer, segments, control)
+
+
+def control_tokens(tokenizer: Any) -> list[str]:
+    """The strings the tokenizer reads as special tokens, longest first."""
+    names = set(tokenizer.all_special_tokens)
+    names.update(token.content for token in tokenizer.added_tokens_decoder.values() if token.special)
+    return sorted((name for name in names if name), key=len, reverse=True)
+
+
+def _first_control(text: object, control: re.Pattern) -> str | None:
+    """The first control token in `text`, when it is a string that holds one."""
+    match = control.search(text) if isinstance(text, str) else None
+    return match.group() if match else None
+
+
+def _templated_ids(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+
+
+def _ids_with_plain_contents(
+    tokenizer: Any, segments: Sequence[tuple[str, bool]], control: re.Pattern
+) -> list[int]:
+    """Ids of the joined segments (text, is_content): only control tokens outside contents count."""
+    ids: list[int] = []
+    plain = ""  # text since the template's last control token
+    for text, is_content in segments:
+        if is_content:
+            plain += text
+            continue
+        start = 0
+        for match in control.finditer(text):
+            ids += _plain_ids(tokenizer, plain + text[start : match.start()])
+            ids.append(tokenizer.convert_tokens_to_ids(match.group()))
+            plain, start = "", match.end()
+        plain += text[start:]
+    return ids + _plain_ids(tokenizer, plain)
+
+
+def _plain_ids(tokenizer: Any, text: str) -> list[int]:
+    if not text:
+        return []
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]

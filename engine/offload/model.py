@@ -45,6 +45,7 @@ class ModelInfo:
     resident_nbytes: int
     store_nbytes: int
     expert_dtype: str = "native"  # native | int8 | int4: the routed experts' precision in the store
+    context_length: int | None = None  # tokens (prompt + reply) the model was built for; None: unknown
 
 
 class OffloadedModel:
@@ -98,6 +99,13 @@ class OffloadedModel:
     def simulated_link(self) -> bool:
         return self.transfer.simulated
 
+    @property
+    def context_length(self) -> int | None:
+        """The model's context window in tokens (the config's max_position_embeddings); None when
+        the config does not say."""
+        length = getattr(self.hf_config, "max_position_embeddings", None)
+        return length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
+
     def info(self) -> ModelInfo:
         resident = sum(p.numel() * p.element_size() for p in self.hf_model.parameters())
         return ModelInfo(
@@ -107,7 +115,7 @@ class OffloadedModel:
             moe_layers=len(self.store.layer_indices),
             num_experts=self.store.num_experts,
             top_k=self.top_k,
-            expert_nbytes=self.store.layout.nbytes,
+            expert_nbytes=self.store.expert_nbytes,
             cache_slots=self.cache.n_slots,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
@@ -116,6 +124,7 @@ class OffloadedModel:
             resident_nbytes=resident,
             store_nbytes=self.store.nbytes,
             expert_dtype=self.store.layout.quant.name if self.store.layout.quant else "native",
+            context_length=self.context_length,
         )
 
     def substitutes(self, bits: int) -> ExpertStore:

@@ -30,7 +30,12 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import DynamicCache
 
-from engine.generation_config import SPEC_MODES, SamplingConfig, SpecConfig  # noqa: F401  (re-exported)
+from engine.generation_config import (  # noqa: F401  (SPEC_MODES is re-exported)
+    SPEC_MODES,
+    SamplingConfig,
+    SpecConfig,
+    derived_seed,
+)
 from engine.metrics import SpecSummary
 from engine.offload.cpu_experts import HybridExecutor
 from engine.offload.expert_cache import STREAM_DEPTH
@@ -151,8 +156,8 @@ class SpeculativeDecoder:
         inputs = CutoffInputs(
             moe_layers=len(predictor.layers),
             experts_per_layer=to_copy,
-            expert_nbytes=model.store.layout.nbytes,
-            free_nbytes=int(free_slots * model.store.layout.nbytes),
+            expert_nbytes=model.store.expert_nbytes,
+            free_nbytes=int(free_slots * model.store.expert_nbytes),
             t_load_ms=self.prefetch.load_ms(model),
             draft_ms=draft_s * 1e3,
         )
@@ -280,7 +285,7 @@ def _new_draft_length(spec: SpecConfig) -> DraftLengthController:
 
 def _draft_sampling(config: SamplingConfig) -> SamplingConfig:
     """The draft samples as the target does, from its own generator (seeded apart when seeded)."""
-    return replace(config, seed=None if config.seed is None else config.seed + 1)
+    return replace(config, seed=derived_seed(config.seed, 1))  # wraps: 2**63 - 1 gives 0
 
 
 def make_drafter(model, spec: SpecConfig, sampler: Sampler) -> Drafter:
