@@ -8,76 +8,41 @@ these dicts over HTTP, so the API is testable without a socket.
 Understood: `messages` (system, developer, user, assistant; content as a string
 or as text parts), `model`, `stream`, `stream_options.include_usage`,
 `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop`
-and `n` (1 only). What a request leaves out comes from the server's command line
-(`--temperature`, `--max-new-tokens`, `--spec` …). Features the engine does not
-have (tools, logprobs, penalties …) are refused with a 400, never silently ignored.
+and `n` (1 only), checked by `app.server.schemas`. What a request leaves out comes
+from the server's command line (`--temperature`, `--max-new-tokens`, `--spec` …).
+Features the engine does not have (tools, logprobs, penalties …) are refused with a
+400, never silently ignored.
+
+The engine is supervised: when its worker dies (a crash, kill -9, a stall), the request
+that saw it gets a 503 and a new worker is started in the background with the same model
+(from the converted-store cache, so in seconds); `health()` says which state it is in.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import itertools
 import logging
-import math
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from app.server.schemas import ApiError, ChatCompletionRequest, invalid
 from engine.errors import EngineError
 from engine.generation_config import GenerationConfig
-from engine.worker.client import EngineSession, WorkerDied
+from engine.worker.client import EngineBusy, EngineSession, WorkerDied
 from engine.worker.protocol import ChatMessage, Finished, Token
 
 log = logging.getLogger(__name__)
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
-UNSUPPORTED = (
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-    "logprobs",
-    "top_logprobs",
-    "logit_bias",
-    "response_format",
-    "presence_penalty",
-    "frequency_penalty",
-    "audio",
-    "modalities",
-    "prediction",
-)
-# Values of UNSUPPORTED fields that ask for nothing the engine lacks (clients send some by default).
-HARMLESS = (None, False, 0, [], {}, "none", "auto", {"type": "text"})
-
-
-class ApiError(Exception):
-    """An error response: HTTP status and OpenAI's `{"error": {message, type, param, code}}`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        error_type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.error_type = error_type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        error = {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
-        return {"error": error}
-
-
-def invalid(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param)
+WATCH_INTERVAL_S = 1.0
+CLIENT_ERRORS = ("invalid_request", "invalid_config", "context_length_exceeded")
 
 
 def model_not_found(asked: object, served: str) -> ApiError:
@@ -88,19 +53,14 @@ def model_not_found(asked: object, served: str) -> ApiError:
 def api_error(err: EngineError) -> ApiError:
     """The HTTP face of an engine error."""
     if isinstance(err, WorkerDied):
-        message = f"{err} Restart the server to load the model again."
+        message = f"{err} The engine is being restarted: try again in a few seconds."
         return ApiError(503, message, "server_error", code="engine_unavailable")
-    if err.kind in ("invalid_request", "invalid_config"):
-        return ApiError(400, str(err), code=err.kind)
+    if isinstance(err, EngineBusy):
+        return ApiError(503, str(err), "server_error", code=err.kind)
+    if err.kind in CLIENT_ERRORS:
+        param = "messages" if err.kind == "context_length_exceeded" else None
+        return ApiError(400, str(err), param=param, code=err.kind)
     return ApiError(500, str(err), "server_error", code=err.kind)
-
-
-@contextlib.contextmanager
-def engine_errors() -> Iterator[None]:
-    try:
-        yield
-    except EngineError as err:
-        raise api_error(err) from err
 
 
 @dataclass(frozen=True)
@@ -114,104 +74,46 @@ class ChatRequest:
 
 def parse_chat_request(body: object, model_id: str, defaults: GenerationConfig) -> ChatRequest:
     """Check a chat-completions body; raises `ApiError` (400, or 404 for another model)."""
-    if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.")
-    model = body.get("model", model_id)
+    request = ChatCompletionRequest.parse(body)
+    model = request.model if request.model is not None else model_id
     if model != model_id:
         raise model_not_found(model, model_id)
-    for name in UNSUPPORTED:
-        if body.get(name) not in HARMLESS:
-            raise invalid(f"{name} is not supported by this server.", name)
-    if body.get("n") not in (None, 1):
-        raise invalid("Only n=1 is supported: one choice per request.", "n")
-    stream = _typed(body, "stream", bool) or False
-    options = _typed(body, "stream_options", dict) or {}
-    include_usage = stream and options.get("include_usage") is True
-    with engine_errors():
-        config = _generation_config(body, defaults)
+    messages = tuple(ChatMessage(ROLES[m.role], m.text) for m in request.messages)
+    config = _generation_config(request, defaults)
+    try:
         config.validate()
-    return ChatRequest(model, _messages(body.get("messages")), config, stream, include_usage)
+    except EngineError as err:
+        raise api_error(err) from err
+    stream = request.stream is True
+    include_usage = (
+        stream and request.stream_options is not None and request.stream_options.include_usage is True
+    )
+    return ChatRequest(model, messages, config, stream, include_usage)
 
 
-def _messages(value: object) -> tuple[ChatMessage, ...]:
-    if not isinstance(value, list) or not value:
-        raise invalid("messages must be a non-empty array.", "messages")
-    messages = []
-    for i, message in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise invalid(f"{where} must be an object.", where)
-        role = message.get("role")
-        if role not in ROLES:
-            raise invalid(
-                f"{where}.role {role!r} is not supported: use system, developer, user or assistant.",
-                f"{where}.role",
-            )
-        messages.append(ChatMessage(ROLES[role], _content(message.get("content"), f"{where}.content")))
-    return tuple(messages)
-
-
-def _content(value: object, where: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(
-        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-        for part in value
-    ):
-        return "".join(part["text"] for part in value)
-    raise invalid(f"{where} must be a string or a list of text parts (the model reads text only).", where)
-
-
-def _generation_config(body: dict, defaults: GenerationConfig) -> GenerationConfig:
+def _generation_config(request: ChatCompletionRequest, defaults: GenerationConfig) -> GenerationConfig:
     config, sampling = defaults, defaults.sampling
-    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
-        max_tokens = _typed(body, name, int)
-        if max_tokens is not None:
-            if max_tokens < 1:
-                raise invalid(f"{name} must be at least 1.", name)
-            config = replace(config, max_new_tokens=max_tokens)
-            break
-    temperature = _number(body, "temperature", 0, 2)
-    if temperature is not None:  # the request's choice wins over --greedy; 0 means greedy
-        sampling = replace(sampling, temperature=temperature, greedy=False)
-    top_p = _number(body, "top_p", 0, 1)
-    if top_p is not None:
-        if top_p == 0:
-            raise invalid("top_p must be greater than 0.", "top_p")
-        sampling = replace(sampling, top_p=top_p)
-    if "seed" in body:
-        sampling = replace(sampling, seed=_typed(body, "seed", int))
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+    max_tokens = request.max_completion_tokens or request.max_tokens  # the newer name wins
+    if max_tokens is not None:
+        config = replace(config, max_new_tokens=max_tokens)
+    if request.temperature is not None:  # the request's choice wins over --greedy; 0 means greedy
+        sampling = replace(sampling, temperature=request.temperature, greedy=False)
+    if request.top_p is not None:
+        sampling = replace(sampling, top_p=request.top_p)
+    if "seed" in request.model_fields_set:
+        sampling = replace(sampling, seed=request.seed)
+    if request.stop is not None:
+        stops = [request.stop] if isinstance(request.stop, str) else request.stop
+        if not stops or not all(stops):
             raise invalid("stop must be a non-empty string or an array of them.", "stop")
         config = replace(config, stop_strings=tuple(stops))
     return replace(config, sampling=sampling)
 
 
-def _typed(body: dict, name: str, kind: type) -> Any:
-    """body[name] when it is a `kind` (None when absent or null); a bool is not an int here."""
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise invalid(f"{name} must be {'an' if kind is int else 'a'} {_KIND_NAMES[kind]}.", name)
-    return value
-
-
-_KIND_NAMES = {int: "integer", bool: "boolean", dict: "object"}
-
-
-def _number(body: dict, name: str, low: float, high: float) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise invalid(f"{name} must be a number.", name)
-    if not low <= value <= high:
-        raise invalid(f"{name} must be between {low} and {high}, got {value}.", name)
-    return float(value)
+class EngineState(enum.Enum):
+    READY = "ok"
+    RESTARTING = "restarting"
+    FAILED = "unavailable"
 
 
 class ChatBackend:
@@ -220,6 +122,21 @@ class ChatBackend:
     def __init__(self, session: EngineSession, model_id: str, defaults: GenerationConfig):
         self.session, self.model_id, self.defaults = session, model_id, defaults
         self.created = int(time.time())
+        self.state = EngineState.READY
+        self.state_detail = ""
+        self._restart_lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch_worker, name="engine-watch", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _watch_worker(self) -> None:
+        """A worker that dies between requests is noticed within a second and started again."""
+        while not self._closed.wait(WATCH_INTERVAL_S):
+            if self.state is EngineState.READY and not self.session.worker.alive:
+                log.warning("The engine process stopped; starting it again.")
+                self._restart_in_background()
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_card()]}
@@ -229,11 +146,23 @@ class ChatBackend:
             raise model_not_found(model_id, self.model_id)
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "moe-chat"}
 
-    def complete(self, body: object) -> dict[str, Any]:
-        """A whole (not streamed) chat completion."""
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """HTTP status and body of `/health`: 200 while the engine can answer, else 503."""
+        body = {"status": self.state.value, "model": self.model_id, "restarts": self.session.restarts}
+        if self.state_detail:
+            body["detail"] = self.state_detail
+        return (200 if self.state is EngineState.READY else 503), body
+
+    def complete(self, body: object, cancelled: threading.Event | None = None) -> dict[str, Any]:
+        """A whole (not streamed) chat completion; setting `cancelled` (the client left) cancels it."""
         request = parse_chat_request(body, self.model_id, self.defaults)
-        with engine_errors():
-            *_, finished = self.session.generate(list(request.messages), request.config)  # Finished is last
+        finished = None
+        with self._engine_errors(), contextlib.closing(self._generate(request)) as events:
+            for event in events:
+                if cancelled is not None and cancelled.is_set():
+                    raise ApiError(499, "The client closed the request.", code="client_closed_request")
+                if isinstance(event, Finished):
+                    finished = event
         return {
             **_envelope("chat.completion", request.model),
             "choices": [
@@ -253,9 +182,9 @@ class ChatBackend:
         The first chunk comes once the engine made its first token, so every error until then
         (a bad request, the queue, the engine) still has its own HTTP status."""
         request = parse_chat_request(body, self.model_id, self.defaults)
-        events = self.session.generate(list(request.messages), request.config)
+        events = self._generate(request)
         try:
-            with engine_errors():
+            with self._engine_errors():
                 first = next(events)
                 envelope = _envelope("chat.completion.chunk", request.model)
                 if request.include_usage:
@@ -265,6 +194,40 @@ class ChatBackend:
                     yield from _event_chunks(envelope, event, request.include_usage)
         finally:
             events.close()  # cancels the generation unless it finished
+
+    def _generate(self, request: ChatRequest) -> Iterator[Token | Finished]:
+        if self.state is EngineState.FAILED:
+            self._restart_in_background()  # try again: the cause (a full disk …) may be gone
+        return self.session.generate(list(request.messages), request.config)
+
+    @contextlib.contextmanager
+    def _engine_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except WorkerDied as err:
+            self._restart_in_background()
+            raise api_error(err) from err
+        except EngineError as err:
+            raise api_error(err) from err
+
+    def _restart_in_background(self) -> None:
+        """Start a new worker with the same model now, so the next request finds it ready."""
+        if not self._restart_lock.acquire(blocking=False):
+            return  # one restart at a time
+        self.state, self.state_detail = EngineState.RESTARTING, ""
+
+        def restart() -> None:
+            try:
+                with self.session.turn():
+                    self.session.ensure_worker()
+                self.state = EngineState.READY
+            except EngineError as err:
+                log.error("The engine could not be restarted: %s", err)
+                self.state, self.state_detail = EngineState.FAILED, str(err)
+            finally:
+                self._restart_lock.release()
+
+        threading.Thread(target=restart, name="engine-restart", daemon=True).start()
 
 
 def _event_chunks(envelope: dict, event: Token | Finished, include_usage: bool) -> Iterator[dict[str, Any]]:

@@ -1,30 +1,44 @@
 """Local OpenAI-compatible server: `moe-chat-cli serve [--port 8000] [--model DIR] [options]`.
 
-Serves `GET /v1/models`, `GET /v1/models/{id}` and `POST /v1/chat/completions`
-(a JSON response, or server-sent events with `"stream": true`) for the one
-loaded model. It has no authentication, so it listens on 127.0.0.1 only and
-refuses any other host. The standard library's `ThreadingHTTPServer` gives each
-connection a thread; requests wait their turn for the engine, which runs one at
-a time. A client that disconnects mid-stream cancels its generation: the next
-write fails and the chunk stream is closed. The API itself is `app.server.openai_api`.
+Serves `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` and
+`POST /v1/chat/completions` (a JSON response, or server-sent events with
+`"stream": true`) for the one loaded model, on the stack vLLM, SGLang and
+llama.cpp's Python server use: Starlette/FastAPI on uvicorn, requests checked as
+pydantic models (`app.server.schemas`), events through `sse-starlette`.
+
+It listens on 127.0.0.1 only and answers only requests addressed to it by that
+name (`TrustedHostMiddleware`: a web page cannot reach it through DNS rebinding);
+a POST must be `application/json` (no preflight-free cross-origin request gets in);
+`--api-key` asks for `Authorization: Bearer KEY`. Query strings are never logged.
+A client that disconnects cancels its generation, streamed or not. The API itself
+is `app.server.openai_api`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import itertools
 import json
 import logging
 import multiprocessing
+import os
+import secrets
 import signal
 import sys
-import urllib.parse
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol
 
-from app.server.openai_api import ApiError, ChatBackend
+import anyio
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+from app.server.schemas import ApiError
 from app.session_setup import add_session_arguments, model_id, open_session, report_start_failure
 from engine.errors import EngineError
 
@@ -32,6 +46,8 @@ log = logging.getLogger(__name__)
 
 LOOPBACK = {"127.0.0.1": "127.0.0.1", "localhost": "127.0.0.1"}
 MAX_BODY_BYTES = 16 * 1024**2
+DISCONNECT_POLL_S = 0.25
+API_KEY_ENV = "MOE_CHAT_API_KEY"
 
 
 class HostNotAllowed(ValueError):
@@ -43,140 +59,231 @@ def loopback_address(host: str) -> str:
     address = LOOPBACK.get(host.strip().lower())
     if address is None:
         raise HostNotAllowed(
-            f"Refusing to listen on {host!r}: the server has no authentication, so it only listens "
-            "on 127.0.0.1 (this computer). Use --host 127.0.0.1 or leave --host out."
+            f"Refusing to listen on {host!r}: the server only listens on 127.0.0.1 (this computer). "
+            "Use --host 127.0.0.1 or leave --host out."
         )
     return address
 
 
 class ChatApi(Protocol):
-    """What the handler asks of the API (`ChatBackend`, or a stand-in in tests)."""
+    """What the routes ask of the API (`ChatBackend`, or a stand-in in tests)."""
 
     def models(self) -> dict[str, Any]: ...
     def model_card(self, model_id: str | None = None) -> dict[str, Any]: ...
-    def complete(self, body: object) -> dict[str, Any]: ...
+    def health(self) -> tuple[int, dict[str, Any]]: ...
+    def complete(self, body: object, cancelled: threading.Event | None = None) -> dict[str, Any]: ...
     def stream(self, body: object) -> Iterator[dict[str, Any]]: ...
 
 
-class ApiServer(ThreadingHTTPServer):
-    """The HTTP server around one `ChatApi`; port 0 picks a free port (see `url`)."""
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
 
-    daemon_threads = True  # a stuck client never keeps the process from exiting
 
-    def __init__(self, api: ChatApi, port: int = 8000, host: str = "127.0.0.1"):
-        self.api = api
-        super().__init__((loopback_address(host), port), ApiRequestHandler)
+def create_app(api: ChatApi, api_key: str | None = None) -> FastAPI:
+    """The ASGI app around one `ChatApi`."""
+    app = FastAPI(title="MoE Chat", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(LOOPBACK))
+    app.add_middleware(Guard, api_key=api_key)  # outermost: every request is logged, then checked
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, err: ApiError) -> JSONResponse:
+        return error_response(err)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        if err.status_code == 404:
+            message, code = f"Unknown route: {request.method} {request.url.path}.", "unknown_url"
+        elif err.status_code == 405:
+            message, code = (
+                f"{request.url.path} does not take {request.method} requests.",
+                "method_not_allowed",
+            )
+        else:
+            message, code = str(err.detail), None
+        return error_response(ApiError(err.status_code, message, code=code))
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, err: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=err)
+        return error_response(ApiError(500, "Internal server error; see the server's log.", "server_error"))
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return api.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    def model_card(model_id: str) -> dict:
+        return api.model_card(model_id)
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        status, body = api.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _json_body(request)
+        if isinstance(body, dict) and body.get("stream") is True:
+            return await _stream(api, body)
+        return await _complete(api, body, request)
+
+    return app
+
+
+class Guard:
+    """Pure ASGI middleware (a `BaseHTTPMiddleware` would hide a client's disconnect from the
+    routes): logs each request's method, path and status, never its query string (it may hold
+    a key); with an API key, answers 401 unless `Authorization: Bearer KEY` matches."""
+
+    def __init__(self, app, api_key: str | None = None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {}
+
+        async def record(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        if self.api_key is not None and not _authorized(Headers(scope=scope), self.api_key):
+            error = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+            await error_response(error)(scope, receive, record)
+        else:
+            await self.app(scope, receive, record)
+        log.info("%s %s %s", scope["method"], scope["path"], status.get("code", "-"))
+
+
+def _authorized(headers: Headers, api_key: str) -> bool:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
+
+
+async def _json_body(request: Request) -> object:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != "application/json":
+        raise ApiError(415, "The request body must be JSON, sent as Content-Type: application/json.")
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
+        raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
+    data = b""
+    async for part in request.stream():
+        data += part
+        if len(data) > MAX_BODY_BYTES:
+            raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ApiError(400, f"We could not parse the JSON body of your request: {err}.") from None
+    except RecursionError:
+        raise ApiError(400, "The JSON body of your request is nested too deeply.") from None
+
+
+async def _complete(api: ChatApi, body: object, request: Request) -> dict:
+    """Run the completion in a thread; a client that disconnects meanwhile cancels it."""
+    cancelled = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    async def run(scope: anyio.CancelScope) -> None:
+        try:
+            outcome["reply"] = await anyio.to_thread.run_sync(api.complete, body, cancelled)
+        except Exception as err:  # raised below, outside the task group (which would wrap it)
+            outcome["error"] = err
+        scope.cancel()
+
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await anyio.sleep(DISCONNECT_POLL_S)
+        log.info("POST %s: the client disconnected; its generation is cancelled", request.url.path)
+        cancelled.set()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run, group.cancel_scope)
+        group.start_soon(watch)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["reply"]
+
+
+async def _stream(api: ChatApi, body: object) -> EventSourceResponse:
+    """Server-sent events; the first chunk is made before the response starts, so an error until
+    then has its own status. Closing the chunks (always, also when the client went) cancels."""
+    chunks = api.stream(body)
+    try:
+        first = await anyio.to_thread.run_sync(next, chunks)
+    except BaseException:
+        await anyio.to_thread.run_sync(chunks.close)
+        raise
+    return EventSourceResponse(_events(first, chunks), ping=15, sep="\n")
+
+
+async def _events(first: dict, chunks: Iterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+    done = object()
+    try:
+        chunk = first
+        while chunk is not done:
+            yield {"data": json.dumps(chunk, ensure_ascii=False)}
+            try:
+                chunk = await anyio.to_thread.run_sync(next, chunks, done)
+            except ApiError as err:  # the status is sent already: OpenAI's clients read an error event
+                yield {"data": json.dumps(err.body(), ensure_ascii=False)}
+                return
+        yield {"data": "[DONE]"}
+    finally:
+        with anyio.CancelScope(shield=True):  # the client may be gone: still cancel the generation
+            await anyio.to_thread.run_sync(chunks.close)
+            log.info("A stream ended (finished, failed or the client disconnected)")
+
+
+class ApiServer:
+    """uvicorn serving `create_app(api)` on 127.0.0.1; port 0 picks a free port (see `url`)."""
+
+    def __init__(self, api: ChatApi, port: int = 8000, host: str = "127.0.0.1", api_key: str | None = None):
+        config = uvicorn.Config(
+            create_app(api, api_key),
+            host=loopback_address(host),
+            port=port,
+            access_log=False,  # its lines carry query strings (?api_key=…); `guard` logs paths only
+            log_level="warning",
+            backlog=256,
+            timeout_graceful_shutdown=5,
+            h11_max_incomplete_event_size=64 * 1024,
+        )
+        self.server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
         return f"http://{host}:{port}/v1"
 
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.server.servers[0].sockets[0].getsockname()[:2]
 
-class ApiRequestHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive for JSON responses; an event stream closes its connection
-    server: ApiServer
+    def start(self, timeout_s: float = 30.0) -> ApiServer:
+        """Serve from a thread; returns once the socket listens."""
+        self._thread = threading.Thread(target=self.server.run, name="api-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise OSError("The server did not start (is the port in use?).")
+            time.sleep(0.02)
+        return self
 
-    def do_GET(self) -> None:
-        self._handle("GET")
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to `timeout_s` while it serves; False once it has stopped."""
+        self._thread.join(timeout_s)
+        return self._thread.is_alive()
 
-    def do_POST(self) -> None:
-        self._handle("POST")
-
-    def _handle(self, method: str) -> None:
-        path = urllib.parse.urlsplit(self.path).path.rstrip("/")
-        try:
-            self._route(method, path)
-        except ConnectionError:  # BrokenPipe, ConnectionReset: the client went away
-            self._client_gone(method, path)
-        except ApiError as err:
-            self._send_error(err, method, path)
-        except Exception:  # a bug: answer 500 and keep serving
-            log.exception("%s %s failed", method, path)
-            error = ApiError(500, "Internal server error; see the server's log.", "server_error")
-            self._send_error(error, method, path)
-
-    def _send_error(self, err: ApiError, method: str, path: str) -> None:
-        try:
-            self._send_json(err.status, err.body())
-        except ConnectionError:
-            self._client_gone(method, path)
-
-    def _client_gone(self, method: str, path: str) -> None:
-        log.info("%s %s: the client disconnected", method, path)
-        self.close_connection = True
-
-    def _route(self, method: str, path: str) -> None:
-        api = self.server.api
-        if path == "/v1/chat/completions":
-            _allow(method, "POST", path)
-            body = self._read_json()
-            if isinstance(body, dict) and body.get("stream") is True:
-                self._send_stream(api.stream(body))
-            else:
-                self._send_json(200, api.complete(body))
-        elif path == "/v1/models":
-            _allow(method, "GET", path)
-            self._send_json(200, api.models())
-        elif path.startswith("/v1/models/"):
-            _allow(method, "GET", path)
-            self._send_json(200, api.model_card(urllib.parse.unquote(path.removeprefix("/v1/models/"))))
-        else:
-            raise ApiError(404, f"Unknown route: {method} {path}.", code="unknown_url")
-
-    def _read_json(self) -> object:
-        try:
-            length = int(self.headers.get("Content-Length", ""))
-        except ValueError:
-            raise ApiError(411, "The request needs a Content-Length header.") from None
-        if not 0 <= length <= MAX_BODY_BYTES:
-            raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
-        data = self.rfile.read(length)
-        try:
-            return json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ApiError(400, f"We could not parse the JSON body of your request: {err}.") from None
-
-    def _send_json(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body, ensure_ascii=False).encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if status >= 400:  # the body may be unread: never reuse the connection after an error
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _send_stream(self, chunks: Iterator[dict[str, Any]]) -> None:
-        """Server-sent events; closing `chunks` (always, also on a failed write) cancels the rest."""
-        with contextlib.closing(chunks):
-            first = next(chunks)  # an error until here still gets its own status and a JSON body
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")  # the end of the stream is the end of the connection
-            self.close_connection = True
-            self.end_headers()
-            try:
-                for chunk in itertools.chain([first], chunks):
-                    self._send_event(json.dumps(chunk, ensure_ascii=False))
-            except ApiError as err:  # the status is sent already: OpenAI's clients read an error event
-                self._send_event(json.dumps(err.body(), ensure_ascii=False))
-                return
-            self._send_event("[DONE]")
-
-    def _send_event(self, data: str) -> None:
-        self.wfile.write(f"data: {data}\n\n".encode())
-        self.wfile.flush()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.info("%s %s", self.address_string(), format % args)
-
-
-def _allow(method: str, allowed: str, path: str) -> None:
-    if method != allowed:
-        raise ApiError(405, f"{path} takes {allowed} requests, not {method}.")
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,6 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
     parser.add_argument("--host", default="127.0.0.1", help="127.0.0.1 or localhost: nothing else is allowed")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on every request (default: ${API_KEY_ENV}, else none)",
+    )
     add_session_arguments(parser, max_new_tokens=512)
     return parser
 
@@ -205,20 +317,27 @@ def main(argv: list[str] | None = None) -> int:
         session, _, defaults = open_session(args)
     except (EngineError, KeyboardInterrupt) as err:
         return report_start_failure(err)
+    from app.server.openai_api import ChatBackend
+
     name = model_id(args.model)
+    backend = ChatBackend(session, name, defaults)
+    server = ApiServer(backend, args.port, args.host, args.api_key)
     try:
-        server = ApiServer(ChatBackend(session, name, defaults), args.port, args.host)
+        server.start()
     except OSError as err:
+        backend.close()
         session.close()
         print(f"error: cannot listen on 127.0.0.1:{args.port}: {err}", file=sys.stderr)
         return 1
     print(f"Serving {name} at {server.url} (OpenAI-compatible). Ctrl-C stops.", flush=True)
     try:
-        server.serve_forever()
+        while server.wait(0.5):
+            pass
     except KeyboardInterrupt:
         print("Stopping.", file=sys.stderr)
     finally:
-        server.server_close()
+        server.stop()
+        backend.close()
         session.close()
     return 0
 

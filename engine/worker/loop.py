@@ -166,8 +166,14 @@ class Worker:
 
     def send(self, event) -> None:
         try:
+            data = dumps(event)
+        except (ValueError, TypeError) as err:  # text JSON cannot carry: that request fails, not the worker
+            log.error("Cannot send %s: %s", type(event).__name__, err)
+            message = f"The engine produced text it cannot send: {err}"
+            data = dumps(Error(event.request_id, "internal", message))
+        try:
             with self._send_lock:
-                self.conn.send_bytes(dumps(event))
+                self.conn.send_bytes(data)
         except (BrokenPipeError, EOFError, OSError):  # the client is gone; the main thread notices
             self._stopping.set()
 

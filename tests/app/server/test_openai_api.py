@@ -1,6 +1,7 @@
 """The OpenAI API's request checks and error mapping, over a stand-in session (no worker)."""
 
-import threading
+import contextlib
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -93,6 +94,15 @@ class ScriptedSession:
 
     def __init__(self, *script):
         self.script = script
+        self.worker = SimpleNamespace(alive=True)
+        self.restarts = 0
+
+    @contextlib.contextmanager
+    def turn(self):
+        yield
+
+    def ensure_worker(self) -> bool:
+        return False
 
     def generate(self, messages, config):
         for step in self.script:
@@ -127,15 +137,13 @@ def serve():
     servers = []
 
     def start(session) -> openai.OpenAI:
-        server = ApiServer(ChatBackend(session, MODEL, DEFAULTS), port=0)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        server = ApiServer(ChatBackend(session, MODEL, DEFAULTS), port=0).start()
         servers.append(server)
         return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=10)
 
     yield start
     for server in servers:
-        server.shutdown()
-        server.server_close()
+        server.stop()
 
 
 def test_a_dead_engine_is_503(serve):

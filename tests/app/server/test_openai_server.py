@@ -26,24 +26,17 @@ from engine.worker.client import EngineSession
 COW = [{"role": "user", "content": "What sound does a cow make?"}]
 
 
-def start_in_thread(server: ApiServer) -> threading.Thread:
-    thread = threading.Thread(target=server.serve_forever, name="api-server", daemon=True)
-    thread.start()
-    return thread
-
-
 @pytest.fixture(scope="module")
 def server():
     session = EngineSession()
     session.start()
     try:
         session.load(offload=OffloadConfig(device="cpu"))
-        server = ApiServer(ChatBackend(session, DEMO_MODEL_ID, GenerationConfig(max_new_tokens=64)), port=0)
-        thread = start_in_thread(server)
+        backend = ChatBackend(session, DEMO_MODEL_ID, GenerationConfig(max_new_tokens=64))
+        server = ApiServer(backend, port=0).start()
         yield server
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+        server.stop()
+        backend.close()
     finally:
         session.close()
 
@@ -59,7 +52,7 @@ def cow_reply(client):
 
 
 def post_raw(server: ApiServer, path: str, body: bytes, method: str = "POST") -> tuple[int, dict]:
-    host, port = server.server_address[:2]
+    host, port = server.address
     conn = http.client.HTTPConnection(host, port, timeout=30)
     try:
         conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
@@ -173,21 +166,21 @@ class EndlessApi:
     def stream(self, body):
         try:
             while True:
+                time.sleep(0.001)
                 yield {"object": "chat.completion.chunk", "choices": [{"delta": {"content": "moo "}}]}
         finally:
             self.closed.set()
 
 
 def test_a_client_that_hangs_up_closes_its_stream(caplog):
-    caplog.set_level(logging.INFO, logger="app.server.openai_server")
     api = EndlessApi()
-    server = ApiServer(api, port=0)
-    thread = start_in_thread(server)
+    server = ApiServer(api, port=0).start()
     try:
         body = json.dumps({"stream": True}).encode()
-        with socket.create_connection(server.server_address[:2], timeout=10) as sock:
+        with socket.create_connection(server.address, timeout=10) as sock:
             sock.sendall(
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                + b"Content-Type: application/json\r\n"
                 + f"Content-Length: {len(body)}\r\n\r\n".encode()
                 + body
             )
@@ -197,15 +190,9 @@ def test_a_client_that_hangs_up_closes_its_stream(caplog):
                 assert data, f"the server closed the stream after {received!r}"
                 received += data
         assert api.closed.wait(10), "the stream went on after the client hung up"
-        deadline = time.monotonic() + 10
-        while "the client disconnected" not in caplog.text and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert "the client disconnected" in caplog.text
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a hang-up is not an error"
     finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+        server.stop()
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.10", "example.com"])

@@ -1,0 +1,148 @@
+"""OpenAI's chat-completions request, as pydantic models, and its errors as OpenAI shapes them.
+
+`ChatCompletionRequest.model_validate(body)` checks a decoded JSON body: types are
+strict (a bool is not a number, a string is not an integer), ranges are OpenAI's, and
+fields OpenAI's clients send that this server does not act on are either harmless
+defaults or refused by name. A validation failure becomes one `ApiError` whose `param`
+names the field (`messages[0].role`), so a client sees which parameter was wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+MAX_SEED = 2**63 - 1  # the engine's generators take a signed 64-bit seed
+
+# Fields of OpenAI's API the engine does not have: refused unless they ask for nothing.
+UNSUPPORTED = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "response_format",
+    "presence_penalty",
+    "frequency_penalty",
+    "audio",
+    "modalities",
+    "prediction",
+)
+HARMLESS = (None, False, 0, [], {}, "none", "auto", {"type": "text"})
+
+
+class ApiError(Exception):
+    """An error response: HTTP status and OpenAI's `{"error": {message, type, param, code}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        error_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        error = {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
+        return {"error": error}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+class _Lenient(BaseModel):
+    """Unknown fields are kept and ignored, as OpenAI's API does (clients send `user`, `store` …)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(_Lenient):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Lenient):
+    include_usage: StrictBool | None = None
+
+
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # an int is a number, a bool is not
+
+
+class ChatCompletionRequest(_Lenient):
+    model: StrictStr | None = None
+    messages: list[Message] = Field(min_length=1)
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: Number | None = Field(None, ge=0, le=2)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
+    stop: StrictStr | list[Annotated[str, Field(min_length=1)]] | None = None
+    n: StrictInt | None = Field(None, ge=1, le=1)
+
+    @classmethod
+    def parse(cls, body: object) -> ChatCompletionRequest:
+        """The request in `body`, or one `ApiError` (400) naming the first wrong field."""
+        if not isinstance(body, dict):
+            raise invalid("The request body must be a JSON object.")
+        for name in UNSUPPORTED:
+            if body.get(name) not in HARMLESS:
+                raise invalid(f"{name} is not supported by this server.", name)
+        try:
+            return cls.model_validate(body)
+        except ValidationError as err:
+            raise _first_error(err) from None
+
+
+def _first_error(err: ValidationError) -> ApiError:
+    detail = err.errors(include_url=False)[0]
+    param = _param(detail["loc"])
+    if param == "n":
+        return invalid("Only n=1 is supported: one choice per request.", "n")
+    if param == "stop" or param.startswith("stop["):
+        return invalid("stop must be a non-empty string or an array of them.", "stop")
+    if param.startswith("messages[") and ".content" in param:
+        where = param[: param.index(".content")] + ".content"
+        return invalid(
+            f"{where} must be a string or a list of text parts (the model reads text only).", where
+        )
+    if param.startswith("messages[") and param.endswith(".role"):
+        return invalid(
+            f"{param} {detail.get('input')!r} is not supported: use system, developer, user or assistant.",
+            param,
+        )
+    return invalid(f"{param}: {detail['msg']}.", param or None)
+
+
+def _param(loc: tuple) -> str:
+    """`("messages", 0, "content", "str")` → `messages[0].content` (the union's branch dropped)."""
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in ("str", "list[TextPart]", "function-after[...]", "constrained-str") or "[" in str(part):
+            break
+        else:
+            param += f".{part}" if param else str(part)
+    return param
