@@ -15,7 +15,6 @@ conversion.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Callable
@@ -24,7 +23,8 @@ from pathlib import Path
 
 import psutil
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from gguf import GGMLQuantizationType
+from transformers import AutoModelForCausalLM
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -36,15 +36,17 @@ from engine.errors import (
     InvalidConfigError,
     InvalidRequestError,
     MissingTensorsError,
-    ModelNotFoundError,
     UnsupportedArchitectureError,
 )
 from engine.model.adapters import get_architecture
 from engine.model.adapters.base import DiskLayout
 from engine.model.checkpoint import Checkpoint
+from engine.model.folder import load_tokenizer, open_checkpoint
+from engine.model.gguf_file import GgufCheckpoint
 from engine.offload.eviction import make_policy
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertLayout, ExpertStore, build_store, find_layout
+from engine.offload.gguf_store import build_gguf_store
 from engine.offload.model import OffloadedModel
 from engine.offload.moe_layer import (
     ExpertControl,
@@ -69,29 +71,30 @@ def load_model(
     config = config or OffloadConfig()
     config.validate()
     folder = Path(model_dir).expanduser()
-    hf_config = read_config(folder)
+    hf_config, checkpoint = open_checkpoint(folder)
     arch = get_architecture(hf_config.model_type)
-    _reject_quantized(hf_config)
     device = resolve_device(config.device)
-    checkpoint = Checkpoint(folder)
     transfer = n_slots = None
     try:
         dtype = resolve_dtype(config.dtype, checkpoint, device)
         hf_model, blocks = _skeleton(hf_config, arch, dtype, folder)
         top_k = hf_config.num_experts_per_tok
-        disk_layout = find_layout(checkpoint, arch.layouts, next(iter(blocks.values()))[0] + ".")
-        store = _load_store(folder, checkpoint, disk_layout, blocks, dtype, device, config, progress)
+        store, disk_layout = _expert_store(
+            folder, checkpoint, hf_model, arch, blocks, dtype, device, config, progress
+        )
         auto_nbytes = _auto_expert_nbytes(hf_model, blocks, device) if config.expert_budget.is_auto else None
         n_slots = cache_slots(
-            config.expert_budget, store.layout.nbytes, store.total_experts, top_k, auto_nbytes
+            config.expert_budget, store.expert_nbytes, store.total_experts, top_k, auto_nbytes
         )
         transfer = make_transfer(device, config.sim_link_gbps, config.sim_latency_us)
         policy = make_policy(config.policy, top_k=top_k, alpha=config.mrs_alpha)
         cache = ExpertCache(store, n_slots, device, transfer, policy)
         trace, control = _offload_experts(blocks, arch, cache)
-        expert_names = _expert_tensor_names(disk_layout, blocks, store.num_experts)
+        expert_names = _expert_tensor_names(disk_layout, blocks, store.num_experts) if disk_layout else set()
         _load_resident_weights(hf_model, checkpoint, expert_names, device, progress)
-        tokenizer = load_tokenizer(folder)
+        tokenizer = (
+            checkpoint.tokenizer() if isinstance(checkpoint, GgufCheckpoint) else load_tokenizer(folder)
+        )
     except BaseException as err:
         if transfer is not None:
             transfer.close()  # else a failed load leaves the simulated link's thread running
@@ -119,8 +122,39 @@ def load_model(
         trace=trace,
         control=control,
         top_k=top_k,
-        disk_layout=disk_layout.name,
+        disk_layout=disk_layout.name if disk_layout else _gguf_layout_name(store),
     )
+
+
+def _expert_store(folder, checkpoint, hf_model, arch, blocks, dtype, device, config, progress):
+    """The host store of the routed experts, and the safetensors disk layout (None for GGUF)."""
+    if not isinstance(checkpoint, GgufCheckpoint):
+        disk_layout = find_layout(checkpoint, arch.layouts, next(iter(blocks.values()))[0] + ".")
+        return _load_store(
+            folder, checkpoint, disk_layout, blocks, dtype, device, config, progress
+        ), disk_layout
+    if config.expert_dtype != "native":
+        raise InvalidConfigError(
+            f"{checkpoint.parts[0].name} is quantized already: its experts are kept in the file's own "
+            f"types. Load it with --expert-dtype native, not {config.expert_dtype}."
+        )
+    checkpoint.bind(hf_model)
+    first = next(iter(blocks.values()))[1].experts
+    report = (lambda done, total: progress("experts", done, total)) if progress else None
+    store = build_gguf_store(
+        checkpoint,
+        sorted(blocks),
+        first.num_experts,
+        expert_field_shapes(first),
+        device.type == "cuda",
+        report,
+    )
+    return store, None
+
+
+def _gguf_layout_name(store: ExpertStore) -> str:
+    types = sorted({f.ggml_type for layer in store.layer_indices for f in store.layout_of(layer).fields})
+    return "gguf " + "/".join(GGMLQuantizationType(t).name for t in types)
 
 
 def _skeleton(hf_config, arch, dtype: torch.dtype, folder: Path) -> tuple[torch.nn.Module, dict]:
@@ -217,45 +251,6 @@ def _auto_expert_nbytes(hf_model, blocks, device: torch.device) -> int | None:
     return free - resident - expert_headroom(total)
 
 
-def read_config(folder: Path):
-    if not folder.exists():
-        raise ModelNotFoundError(
-            f"Model folder not found: {folder}. Check the path, or download the model first."
-        )
-    if not folder.is_dir():
-        raise ModelNotFoundError(f"{folder} is a file; give the model's folder.")
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise InvalidConfigError(
-            f"{folder} has no config.json; it is not a Hugging Face model folder. "
-            "Give the folder that holds config.json and the *.safetensors weights."
-        )
-    try:
-        raw = json.loads(config_path.read_text())
-    except (OSError, ValueError) as err:
-        raise InvalidConfigError(f"{config_path} is not valid JSON ({err}). Re-download the model.") from err
-    if not isinstance(raw, dict) or "model_type" not in raw:
-        raise InvalidConfigError(
-            f"{config_path} has no model_type; it is not a transformers model config. "
-            "Re-download the model's config.json."
-        )
-    get_architecture(raw["model_type"])  # unsupported types fail here with the list of supported ones
-    try:
-        return AutoConfig.from_pretrained(folder)
-    except (ValueError, KeyError, TypeError, OSError) as err:
-        raise InvalidConfigError(f"{config_path} cannot be read by transformers: {err}") from err
-
-
-def _reject_quantized(hf_config) -> None:
-    quant = getattr(hf_config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__
-        raise UnsupportedArchitectureError(
-            f"This checkpoint is pre-quantized ({method}); MoE Chat loads BF16/FP16/FP32 weights. "
-            "Use the model's BF16 release."
-        )
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -345,15 +340,3 @@ def _load_resident_weights(hf_model, checkpoint: Checkpoint, skip: set[str], dev
 
 def _non_persistent(hf_model) -> set[str]:
     return {name for name, _ in hf_model.named_non_persistent_buffers()}
-
-
-def load_tokenizer(folder: Path):
-    """The model's tokenizer, or None when the folder has none (token ids still work)."""
-    has_files = any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
-    if not has_files:
-        log.warning("%s has no tokenizer files; only token-id prompts will work.", folder)
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as err:
-        raise InvalidConfigError(f"The tokenizer in {folder} cannot be loaded: {err}") from err

@@ -87,7 +87,7 @@ def calibrate_link(folder: str, base: OffloadConfig, prompt_ids, new_tokens: int
         generate_text(model, prompt_ids[0], greedy(8))  # warm-up: every expert becomes resident
         tpots = [generate_text(model, ids, greedy(new_tokens)).stats.tpot_ms for ids in prompt_ids]
         layer_ms = statistics.median(tpots) / model.hf_config.num_hidden_layers
-        gbps = model.store.layout.nbytes / (LINK_RATIO * layer_ms / 1e3) / 1e9
+        gbps = model.store.expert_nbytes / (LINK_RATIO * layer_ms / 1e3) / 1e9
     finally:
         model.close()
     return gbps, layer_ms

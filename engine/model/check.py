@@ -57,8 +57,18 @@ class ModelCheck:
 
 
 def check_model_folder(path: str | Path) -> ModelCheck:
-    """Validate `path` as a Hugging Face MoE folder MoE Chat supports, reading headers only."""
+    """Validate `path` as a Hugging Face MoE folder, or a GGUF file (a folder holding one, a split
+    set), that MoE Chat supports, reading headers only."""
+    from engine.errors import EngineError
+    from engine.model.gguf_file import find_gguf
+
     folder = Path(path).expanduser()
+    try:
+        parts = find_gguf(folder)
+    except EngineError as err:
+        return ModelCheck(str(folder), (str(err),))
+    if parts is not None:
+        return _check_gguf(parts)
     if not folder.is_dir():
         what = "is a file; give the model's folder" if folder.exists() else "does not exist"
         return ModelCheck(str(folder), (f"Model folder not found: {folder} {what}.",))
@@ -80,6 +90,46 @@ def check_model_folder(path: str | Path) -> ModelCheck:
         num_params=weights.num_params,
         weight_bytes=weights.nbytes,
         weight_files=tuple(sorted(weights.files)),
+    )
+
+
+GGUF_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss"}
+
+
+def _check_gguf(parts: list[Path]) -> ModelCheck:
+    """A GGUF file's header: its architecture, experts and tensors (the data is not read)."""
+    from gguf import GGUFReader
+
+    tensors, fields = [], {}
+    for part in parts:
+        try:
+            reader = GGUFReader(part)
+        except (ValueError, OSError, IndexError, KeyError) as err:
+            problem = (
+                f"{part} is not a readable GGUF file ({err}). It is truncated or corrupt: download it again."
+            )
+            return ModelCheck(str(parts[0]), (problem,))
+        tensors += reader.tensors
+        fields = fields or {name: field.contents() for name, field in reader.fields.items()}
+    arch = fields.get("general.architecture")
+    model_type = GGUF_MODEL_TYPES.get(arch)
+    problems = []
+    if model_type is None or model_type not in SUPPORTED_MODEL_TYPES:
+        supported = ", ".join(sorted(GGUF_MODEL_TYPES))
+        problems.append(
+            f"{parts[0].name} is a GGUF model of architecture {arch!r}; "
+            f"MoE Chat reads GGUF files of {supported}."
+        )
+    return ModelCheck(
+        path=str(parts[0]),
+        problems=tuple(problems),
+        model_type=model_type or arch,
+        num_experts=fields.get(f"{arch}.expert_count"),
+        top_k=fields.get(f"{arch}.expert_used_count"),
+        num_tensors=len(tensors),
+        num_params=sum(int(t.n_elements) for t in tensors),
+        weight_bytes=sum(part.stat().st_size for part in parts),
+        weight_files=tuple(part.name for part in parts),
     )
 
 

@@ -73,7 +73,7 @@ def measure_cost_model(model) -> CostModel:
     experts = model.experts[layer]
     host_views = model.store.views(layer, 0)
     device_buffer = model.store.buffer(layer, 0).to(model.device)
-    device_views = model.store.layout.views(device_buffer)
+    device_views = model.store.layout_of(layer).views(device_buffer)
     hidden = model.hf_config.hidden_size
     gpu, cpu = [], []
     for n in _SAMPLE_TOKENS:

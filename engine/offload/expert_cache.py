@@ -24,58 +24,23 @@ table change happens under one lock. Waiting for a copy happens outside it.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 from collections import defaultdict
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
-from engine.errors import DeviceOutOfMemoryError
 from engine.offload.cache_stats import CacheStats, PhaseCounters
 from engine.offload.eviction import EvictionPolicy, ExpertKey
 from engine.offload.expert_store import ExpertStore
-from engine.offload.transfer import CopyHandle, TransferEngine
+from engine.offload.slots import NoEvictableSlot, Slot, SlotState, allocate_pool
+from engine.offload.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
 
 STREAM_DEPTH = 2  # streamed misses pinned at once: one computing while the next is on the link
-
-
-class SlotState(enum.Enum):
-    FREE = "free"
-    LOADING = "loading"
-    READY = "ready"
-
-
-@dataclass
-class Slot:
-    """One device buffer holding one packed expert, and what the cache knows about it.
-
-    - `state`: FREE, LOADING (`copy` says when it lands) or READY;
-    - `pins`: compute's uses in progress; a pinned slot is never evicted;
-    - `released`: the transfer engine's marker of compute's last use (a CUDA event): the
-      next copy into the slot waits for it, so it never overwrites an expert still being read;
-    - `prefetch_phase`: the phase that prefetched the expert, until its first use (then None);
-    - `transient`: streamed through by a multi-token step beyond its layer's kept share.
-    """
-
-    index: int
-    views: dict[str, torch.Tensor]
-    key: ExpertKey | None = None
-    state: SlotState = SlotState.FREE
-    pins: int = 0
-    copy: CopyHandle | None = None
-    released: object | None = None
-    prefetch_phase: str | None = None
-    transient: bool = False
-
-
-class NoEvictableSlot(Exception):
-    """Every slot is loading or pinned: finish some work, then ask again."""
 
 
 class ExpertCache:
@@ -91,11 +56,8 @@ class ExpertCache:
         self.device = device
         self.transfer = transfer
         self.policy = policy
-        self.n_slots = n_slots
-        self.expert_nbytes = store.layout.nbytes
-        self.pool = _allocate_pool(n_slots, self.expert_nbytes, device)
-        self.slots = [Slot(i, store.layout.views(self.pool[i])) for i in range(n_slots)]
-        self._free = list(reversed(self.slots))
+        self.expert_nbytes = store.expert_nbytes
+        self._build_pool(n_slots)
         self._table: dict[ExpertKey, Slot] = {}
         self._kept: dict[int, int] = defaultdict(int)  # layer -> resident experts not transient
         self.stats = CacheStats()
@@ -182,9 +144,8 @@ class ExpertCache:
     def count_cpu_use(self) -> None:
         """A use computed on the CPU: a miss for the device cache, with no copy."""
         with self.lock:
-            counters = self.stats.phases[self.phase]
-            counters.misses += 1
-            counters.cpu_computed += 1
+            self.stats.phases[self.phase].misses += 1
+            self.stats.phases[self.phase].cpu_computed += 1
 
     def wait(self, slot: Slot) -> dict[str, torch.Tensor]:
         """Typed views of a pinned slot once its copy has landed."""
@@ -292,11 +253,13 @@ class ExpertCache:
             slot = self._free.pop() if self._free else self._evict()
         layer, expert = key
         src = self.store.buffer(layer, expert)
+        row = self.pool[slot.index]
         try:
-            slot.copy = self.transfer.copy(self.pool[slot.index], src, after=slot.released)
+            slot.copy = self.transfer.copy(row[: src.numel()], src, after=slot.released)
         except BaseException:
             self._free.append(slot)
             raise
+        slot.views = self.store.layout_of(layer).views(row)
         slot.state = SlotState.LOADING
         slot.key, slot.transient = key, transient
         if not transient:
@@ -304,7 +267,7 @@ class ExpertCache:
         self._table[key] = slot
         self.policy.on_insert(key)
         counters.copies += 1
-        counters.bytes_copied += self.expert_nbytes
+        counters.bytes_copied += src.numel()
         return slot
 
     def _evictable(self) -> dict[ExpertKey, Slot]:
@@ -372,8 +335,13 @@ class ExpertCache:
                 if slot.key is not None:
                     self.policy.on_remove(slot.key)
                 self._drop_prefetch(slot)
-                slot.key, slot.state, slot.copy, slot.pins = None, SlotState.FREE, None, 0
-                slot.transient = False
+                slot.key, slot.state, slot.copy, slot.pins, slot.transient = (
+                    None,
+                    SlotState.FREE,
+                    None,
+                    0,
+                    False,
+                )
             self._table.clear()
             self._kept.clear()
             self._free = list(reversed(self.slots))
@@ -384,17 +352,10 @@ class ExpertCache:
         with self.lock:
             self.clear()
             self.slots, self._free, self.pool = [], [], None  # drop the old pool before allocating
-            self.pool = _allocate_pool(n_slots, self.expert_nbytes, self.device)
-            self.n_slots = n_slots
-            self.slots = [Slot(i, self.store.layout.views(self.pool[i])) for i in range(n_slots)]
-            self._free = list(reversed(self.slots))
+            self._build_pool(n_slots)
 
-
-def _allocate_pool(n_slots: int, expert_nbytes: int, device: torch.device) -> torch.Tensor:
-    try:
-        return torch.empty((n_slots, expert_nbytes), dtype=torch.uint8, device=device)
-    except torch.OutOfMemoryError as err:
-        raise DeviceOutOfMemoryError(
-            f"Out of device memory allocating the expert cache ({n_slots} slots × "
-            f"{expert_nbytes / 2**20:.1f} MiB). Lower --expert-budget."
-        ) from err
+    def _build_pool(self, n_slots: int) -> None:
+        self.pool = allocate_pool(n_slots, self.expert_nbytes, self.device)
+        self.n_slots = n_slots
+        self.slots = [Slot(i, {}) for i in range(n_slots)]  # a slot's views come with its expert
+        self._free = list(reversed(self.slots))

@@ -16,10 +16,12 @@ store on the device (SubSpec's resident low-bit substitutes).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -36,13 +38,23 @@ ALIGN = 64  # bytes; keeps every field aligned for vectorised kernels and dtype 
 @dataclass(frozen=True)
 class ExpertField:
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # of the stored array (a ggml field: rows × bytes per row)
     dtype: torch.dtype
     offset: int  # bytes from the start of the expert's buffer
+    ggml_type: int | None = None  # a GGUF file's quantized blocks, as the file has them
+    weight_shape: tuple[int, ...] | None = None  # a ggml field's weight: (out, in), rows of blocks
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+class GgmlWeight(NamedTuple):
+    """The view of a ggml field: its blocks, their type, and the `(out, in)` weight they hold."""
+
+    data: torch.Tensor  # uint8 [out, bytes per row]
+    ggml_type: int
+    shape: tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -58,10 +70,25 @@ class ExpertLayout:
         cls, fields: Iterable[tuple[str, tuple[int, ...], torch.dtype]], quant: QuantSpec | None = None
     ) -> ExpertLayout:
         """Fields `(name, shape, dtype)` back to back, each starting on an `ALIGN`-byte boundary."""
+        return cls._placed(
+            [ExpertField(name, tuple(shape), dtype, 0) for name, shape, dtype in fields], quant
+        )
+
+    @classmethod
+    def from_ggml(cls, fields: Iterable[tuple[str, tuple[int, int], int, int]]) -> ExpertLayout:
+        """Fields `(name, (out, in), ggml_type, bytes per row)` of a GGUF file, kept in its blocks."""
+        return cls._placed(
+            [
+                ExpertField(name, (out, row_bytes), torch.uint8, 0, ggml_type, (out, columns))
+                for name, (out, columns), ggml_type, row_bytes in fields
+            ]
+        )
+
+    @classmethod
+    def _placed(cls, fields: list[ExpertField], quant: QuantSpec | None = None) -> ExpertLayout:
         placed, offset = [], 0
-        for name, shape, dtype in fields:
-            field = ExpertField(name, tuple(shape), dtype, offset)
-            placed.append(field)
+        for field in fields:
+            placed.append(dataclasses.replace(field, offset=offset))
             offset += -(-field.nbytes // ALIGN) * ALIGN
         return cls(tuple(placed), offset, quant)
 
@@ -81,20 +108,44 @@ class ExpertLayout:
                 fields.append((f.name, f.shape, f.dtype))
         return ExpertLayout.from_fields(fields, spec)
 
-    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed tensor views of one packed expert buffer (uint8, `nbytes` long)."""
-        return {
-            f.name: buffer[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape) for f in self.fields
-        }
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor | GgmlWeight]:
+        """Typed tensor views of one packed expert buffer (uint8, at least `nbytes` long)."""
+        views = {}
+        for f in self.fields:
+            view = buffer[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape)
+            views[f.name] = view if f.ggml_type is None else GgmlWeight(view, f.ggml_type, f.weight_shape)
+        return views
 
 
 class ExpertStore:
-    """Every routed expert of the model, packed: in host memory, or on a device after `to`."""
+    """Every routed expert of the model, packed: in host memory, or on a device after `to`.
 
-    def __init__(self, layout: ExpertLayout, layers: Mapping[int, torch.Tensor], num_experts: int):
+    Usually every layer has the same layout. A GGUF file may quantize layers differently
+    (Q4_K_M gives some layers' down projections more bits): then each layer has its own
+    (`layer_layouts`), and `layout` is the widest, whose size a device slot has."""
+
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        layers: Mapping[int, torch.Tensor],
+        num_experts: int,
+        layer_layouts: Mapping[int, ExpertLayout] | None = None,
+    ):
         self.layout = layout
         self.num_experts = num_experts
-        self._layers = dict(layers)  # layer index -> uint8 [E, nbytes]
+        self._layers = dict(layers)  # layer index -> uint8 [E, nbytes of the layer's layout]
+        self._layer_layouts = dict(layer_layouts or {})
+        if any(lay.nbytes > layout.nbytes for lay in self._layer_layouts.values()):
+            raise ValueError("The store's layout must be at least as wide as every layer's.")
+
+    def layout_of(self, layer: int) -> ExpertLayout:
+        """The layout of `layer`'s experts."""
+        return self._layer_layouts.get(layer, self.layout)
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of the largest packed expert: a device slot's size."""
+        return self.layout.nbytes
 
     @property
     def layer_indices(self) -> list[int]:
@@ -120,13 +171,13 @@ class ExpertStore:
                 f"Out of memory on {device} for a {self.nbytes / 2**30:.2f} GiB copy of the expert store. "
                 "Use a lower-bit expert dtype or a smaller model."
             ) from err
-        return ExpertStore(self.layout, layers, self.num_experts)
+        return ExpertStore(self.layout, layers, self.num_experts, self._layer_layouts)
 
     def buffer(self, layer: int, expert: int) -> torch.Tensor:
         return self._layers[layer][expert]
 
-    def views(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        return self.layout.views(self._layers[layer][expert])
+    def views(self, layer: int, expert: int) -> dict[str, torch.Tensor | GgmlWeight]:
+        return self.layout_of(layer).views(self._layers[layer][expert])
 
     @property
     def total_experts(self) -> int:
@@ -134,7 +185,7 @@ class ExpertStore:
 
     @property
     def nbytes(self) -> int:
-        return self.total_experts * self.layout.nbytes
+        return sum(buf.numel() for buf in self._layers.values())
 
     @property
     def pinned(self) -> bool:

@@ -190,8 +190,13 @@ def dequantize(
 def linear(x: torch.Tensor, views: Mapping[str, torch.Tensor], name: str, transposed: bool) -> torch.Tensor:
     """`x @ W.T` (`x @ W` when `transposed`) for the expert weight `name`, native or quantized.
 
-    Native views compute exactly as transformers' experts do."""
+    Native views compute exactly as transformers' experts do. A GGUF file's blocks
+    (`GgmlWeight`) hold `(out, in)` rows whatever the family's own orientation."""
     weight = views.get(name)
+    if hasattr(weight, "ggml_type"):  # engine.offload.expert_store.GgmlWeight
+        from engine.offload.ggml_quants import linear as ggml_linear
+
+        return ggml_linear(x, weight.data, weight.ggml_type, *weight.shape)
     if weight is None:
         work = _work_dtype(x.dtype, x.device)
         weight = _dequantized(views, name, work)

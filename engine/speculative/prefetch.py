@@ -352,7 +352,7 @@ def install_prefetch(
 
 def measure_load_ms(model) -> float:
     """Milliseconds to copy one expert host → device over this model's link."""
-    link, nbytes = model.transfer, model.store.layout.nbytes
+    link, nbytes = model.transfer, model.store.expert_nbytes
     if link.simulated:
         if link.gbps is None:
             return 0.0

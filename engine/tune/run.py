@@ -63,9 +63,9 @@ def tune(
     hardware = probe(
         str(model.device),
         sim_link_gbps=config.sim_link_gbps or _model_link_gbps(model),
-        expert_nbytes=model.store.layout.nbytes,  # fit the link on this model's own expert size
+        expert_nbytes=model.store.expert_nbytes,  # fit the link on this model's own expert size
     )
-    budget = model.cache.n_slots * model.store.layout.nbytes
+    budget = model.cache.n_slots * model.store.expert_nbytes
     key = tune_key(
         hardware.gpu_uuid,
         str(model.path),
@@ -141,7 +141,7 @@ def _resident_experts_on_cpu(model):
     compute is timed without copies, when that second copy of the experts fits in free RAM twice
     over (otherwise, as on a GPU, the profiler subtracts the copies it saw)."""
     slots = model.cache.n_slots
-    extra_nbytes = (model.store.total_experts - slots) * model.store.layout.nbytes
+    extra_nbytes = (model.store.total_experts - slots) * model.store.expert_nbytes
     if (
         model.device.type != "cpu"
         or extra_nbytes <= 0

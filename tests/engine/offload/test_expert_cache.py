@@ -13,7 +13,7 @@ import torch
 from engine.errors import DeviceOutOfMemoryError
 from engine.offload.eviction import LFUPolicy, LRUPolicy, MRSPolicy
 from engine.offload.expert_cache import NoEvictableSlot, SlotState
-from engine.offload.expert_store import ALIGN
+from engine.offload.expert_store import ALIGN, ExpertLayout, ExpertStore
 from engine.offload.transfer import SimulatedLink
 from tests.engine.cache_helpers import (
     NUM_EXPERTS,
@@ -50,7 +50,9 @@ def test_pool_is_n_slots_of_one_expert_each(store, link) -> None:
     assert cache.pool.dtype == torch.uint8
     assert [s.state for s in cache.slots] == [SlotState.FREE] * 4
     assert cache.used_slots == 0 and cache.resident() == []
-    for slot in cache.slots:  # each slot's views alias its own row of the pool
+    for expert in range(4):
+        use(cache, (0, expert))
+    for slot in cache.slots:  # each slot's views, set with its expert, alias its own row of the pool
         assert slot.views["gate_up_proj"].data_ptr() == cache.pool[slot.index].data_ptr()
 
 
@@ -323,3 +325,26 @@ def test_clear_survives_a_failed_copy(store) -> None:
     cache.clear()  # recovering from the error must not raise it again
     assert cache.used_slots == 0
     assert all(s.state is SlotState.FREE and s.key is None for s in cache.slots)
+
+
+def test_layers_of_different_layouts_share_slots_of_the_widest(link) -> None:
+    """A GGUF file may quantize layers differently: each layer's experts are copied and viewed
+    with its own layout, in slots as wide as the widest."""
+    narrow = ExpertLayout.from_shapes({"down_proj": (4, 8)}, torch.float16)
+    wide = ExpertLayout.from_shapes({"down_proj": (4, 8)}, torch.float32)
+    layers = {
+        0: torch.randint(0, 255, (2, narrow.nbytes), dtype=torch.uint8),
+        1: torch.randint(0, 255, (2, wide.nbytes), dtype=torch.uint8),
+    }
+    store = ExpertStore(wide, layers, num_experts=2, layer_layouts={0: narrow, 1: wide})
+    assert store.expert_nbytes == wide.nbytes and store.nbytes == 2 * (narrow.nbytes + wide.nbytes)
+    cache = make_cache(store, link, n_slots=1)  # one slot, used by both layers in turn
+    for key in [(0, 1), (1, 0), (0, 0)]:
+        slot = cache.acquire(key)
+        views = cache.wait(slot)
+        assert views["down_proj"].dtype == store.layout_of(key[0]).fields[0].dtype
+        assert torch.equal(
+            views["down_proj"].view(torch.uint8), store.views(*key)["down_proj"].view(torch.uint8)
+        )
+        cache.release(slot)
+    assert cache.stats.phases["decode"].bytes_copied == 2 * narrow.nbytes + wide.nbytes

@@ -1,0 +1,84 @@
+"""What a model folder holds: its config, its weights (safetensors or GGUF) and its tokenizer.
+
+`open_checkpoint` is the one place that decides how a model on disk is read: a GGUF file
+(or split set, or a folder holding one) through `GgufCheckpoint`, else a Hugging Face
+folder through `Checkpoint`. Every problem is an `EngineError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from transformers import AutoConfig, AutoTokenizer
+
+from engine.errors import InvalidConfigError, ModelNotFoundError, UnsupportedArchitectureError
+from engine.model.adapters import get_architecture
+from engine.model.checkpoint import Checkpoint
+from engine.model.gguf_file import GgufCheckpoint, find_gguf
+
+log = logging.getLogger(__name__)
+
+
+def open_checkpoint(folder: Path) -> tuple[object, Checkpoint | GgufCheckpoint]:
+    """The model's config and its weights: a GGUF file (or split set, or a folder holding one),
+    else a Hugging Face folder of safetensors."""
+    parts = find_gguf(folder)
+    if parts is not None:
+        gguf = GgufCheckpoint(parts)
+        return gguf.hf_config(), gguf
+    hf_config = read_config(folder)
+    _reject_quantized(hf_config)
+    return hf_config, Checkpoint(folder)
+
+
+def read_config(folder: Path):
+    if not folder.exists():
+        raise ModelNotFoundError(
+            f"Model folder not found: {folder}. Check the path, or download the model first."
+        )
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"{folder} is a file; give the model's folder.")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise InvalidConfigError(
+            f"{folder} has no config.json; it is not a Hugging Face model folder. "
+            "Give the folder that holds config.json and the *.safetensors weights."
+        )
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, ValueError) as err:
+        raise InvalidConfigError(f"{config_path} is not valid JSON ({err}). Re-download the model.") from err
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise InvalidConfigError(
+            f"{config_path} has no model_type; it is not a transformers model config. "
+            "Re-download the model's config.json."
+        )
+    get_architecture(raw["model_type"])  # unsupported types fail here with the list of supported ones
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, TypeError, OSError) as err:
+        raise InvalidConfigError(f"{config_path} cannot be read by transformers: {err}") from err
+
+
+def _reject_quantized(hf_config) -> None:
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__
+        raise UnsupportedArchitectureError(
+            f"This checkpoint is pre-quantized ({method}); MoE Chat loads BF16/FP16/FP32 weights. "
+            "Use the model's BF16 release."
+        )
+
+
+def load_tokenizer(folder: Path):
+    """The model's tokenizer, or None when the folder has none (token ids still work)."""
+    has_files = any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+    if not has_files:
+        log.warning("%s has no tokenizer files; only token-id prompts will work.", folder)
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as err:
+        raise InvalidConfigError(f"The tokenizer in {folder} cannot be loaded: {err}") from err
