@@ -43,6 +43,9 @@ class BenchRow:
     bytes_per_token: float | None
     decode_tokens: int
     simulated_link: bool
+    peak_rss_bytes: int | None = None  # this process's peak resident memory so far (run one model a process)
+    pinned_bytes: int | None = None  # host memory pinned for the link (the expert store on CUDA)
+    store_bytes: int | None = None  # the routed experts in host memory, in their stored precision
 
 
 def engine_pass(model, prompt_ids: list[list[int]], new_tokens: int) -> dict:
@@ -79,7 +82,18 @@ def engine_row(model, passes: list[dict]) -> BenchRow:
         bytes_per_token=median["bytes_per_token"],
         decode_tokens=median["decode_tokens"],
         simulated_link=model.simulated_link,
+        peak_rss_bytes=peak_rss_bytes(),
+        pinned_bytes=model.store.nbytes if model.store.pinned else 0,
+        store_bytes=model.store.nbytes,
     )
+
+
+def peak_rss_bytes() -> int:
+    """The peak resident set of this process (Linux and macOS report it in different units)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def bench_engine(model, prompt_ids: list[list[int]], new_tokens: int, repeats: int) -> BenchRow:
@@ -158,7 +172,7 @@ def _format_table(rows: list[BenchRow]) -> str:
         return "-" if value is None else format(value, fmt)
 
     header = f"{'engine':<13}{'budget':<16}{'slots':>6}{'tpot_ms':>10}{'tok/s':>9}{'prefill/s':>11}"
-    header += f"{'hit_rate':>10}{'h2d_GB/s':>10}{'bytes/tok':>12}  link"
+    header += f"{'hit_rate':>10}{'h2d_GB/s':>10}{'bytes/tok':>12}{'peak RSS':>11}{'pinned':>10}  link"
     lines = [header]
     for r in rows:
         link = "simulated" if r.simulated_link else ("real" if r.engine == "moe-chat" else "none")
@@ -166,9 +180,14 @@ def _format_table(rows: list[BenchRow]) -> str:
             f"{r.engine:<13}{r.budget:<16}{num(r.cache_slots, 'd'):>6}{r.tpot_ms:>10.2f}"
             f"{r.tokens_per_s:>9.1f}{num(r.prefill_tokens_per_s, '.0f'):>11}{num(r.hit_rate, '.1%'):>10}"
             f"{num(r.h2d_gbps, '.3f'):>10}"
-            f"{(format_bytes(r.bytes_per_token) if r.bytes_per_token is not None else '-'):>12}  {link}"
+            f"{(format_bytes(r.bytes_per_token) if r.bytes_per_token is not None else '-'):>12}"
+            f"{_size(r.peak_rss_bytes):>11}{_size(r.pinned_bytes):>10}  {link}"
         )
     return "\n".join(lines)
+
+
+def _size(nbytes: int | None) -> str:
+    return "-" if nbytes is None else format_bytes(nbytes)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -87,6 +87,9 @@ class GgufCheckpoint:
                     "download it again."
                 ) from err
         self.tensors = {t.name: t for reader in self.readers for t in reader.tensors}
+        self.file_of = {
+            t.name: part for part, reader in zip(parts, self.readers, strict=True) for t in reader.tensors
+        }
         self.architecture = self._field("general.architecture")
         self._names: dict[str, str] = {}  # Hugging Face name -> GGUF name, after `bind`
         self._processor = None
@@ -183,4 +186,4 @@ class GgufCheckpoint:
         return {name for name in self.tensors if EXPERTS.match(name)}
 
     def close(self) -> None:
-        self.readers = []  # the memory maps go with the readers
+        self.readers, self.tensors = [], {}  # the memory maps go with the last reference to them

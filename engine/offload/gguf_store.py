@@ -38,7 +38,7 @@ def build_gguf_store(
         tensors = _layer_tensors(gguf, layer, num_experts, shapes)
         layout = layer_layout(tensors)
         packed = allocate_layer(num_experts, layout.nbytes, pin, layer)
-        _pack_layer(packed.numpy(), layout, tensors)
+        _pack_layer(gguf, packed.numpy(), layout, tensors)
         layouts[layer], layers[layer] = layout, packed
         done += num_experts
         if progress is not None:
@@ -86,21 +86,22 @@ def layer_layout(tensors: dict) -> ExpertLayout:
     )
 
 
-def _pack_layer(packed: np.ndarray, layout: ExpertLayout, tensors: dict) -> None:
-    """Copy each expert's bytes from the memory map into its row of `packed` ([E, nbytes] uint8)."""
+def _pack_layer(gguf: GgufCheckpoint, packed: np.ndarray, layout: ExpertLayout, tensors: dict) -> None:
+    """Read each expert's bytes from the file into its row of `packed` ([E, nbytes] uint8).
+
+    Plain reads, not the memory map: a mapped file's touched pages count as this process's
+    memory until it is unmapped, which would double the peak while the store is packed."""
     fields = {f.name: f for f in layout.fields}
     gate_up, down = fields["gate_up_proj"], fields["down_proj"]
     half = gate_up.nbytes // 2
-    sources = [
-        (gate_up.offset, _bytes(tensors["gate"])),
-        (gate_up.offset + half, _bytes(tensors["up"])),
-        (down.offset, _bytes(tensors["down"])),
-    ]
-    for offset, data in sources:  # [E, n] each: one strided copy per field
-        packed[:, offset : offset + data.shape[1]] = data
-
-
-def _bytes(tensor) -> np.ndarray:
-    """A reader tensor's data as `[E, bytes per expert]` uint8 (a view of the memory map)."""
-    data = np.asarray(tensor.data)
-    return data.reshape(data.shape[0], -1).view(np.uint8)
+    for offset, which in ((gate_up.offset, "gate"), (gate_up.offset + half, "up"), (down.offset, "down")):
+        tensor = tensors[which]
+        per_expert = int(tensor.n_bytes) // packed.shape[0]
+        path = gguf.file_of[tensor.name]
+        with path.open("rb", buffering=0) as file:
+            file.seek(int(tensor.data_offset))
+            for expert in range(packed.shape[0]):
+                if file.readinto(memoryview(packed[expert, offset : offset + per_expert])) != per_expert:
+                    raise CorruptCheckpointError(
+                        f"{path.name} ends inside {tensor.name}: the file is truncated. Download it again."
+                    )
