@@ -196,6 +196,8 @@ def _load_store(
     if report is not None:
         report(0, len(moe_layers) * num_experts)  # the stage starts (reading or converting can take long)
     quant = QuantSpec.from_dtype(config.expert_dtype)
+    if quant is None:
+        quant = host_store_quant(ExpertLayout.from_shapes(shapes, dtype), len(moe_layers) * num_experts)
     pin = device.type == "cuda"
     build = partial(
         build_store, checkpoint, disk_layout, moe_layers, shapes, num_experts, dtype, pin, report, quant
@@ -208,6 +210,30 @@ def _load_store(
     layout = ExpertLayout.from_shapes(shapes, dtype).quantized(quant)
     key = StoreKey(folder, dtype, quant)
     return load_or_build(key, layout, sorted(moe_layers), num_experts, pin, build, report)
+
+
+def host_store_quant(native: ExpertLayout, experts: int) -> QuantSpec | None:
+    """None when the experts fit the free host memory at the checkpoint's precision; else the
+    widest of int8 and int4 that fits, said in the log (outputs then differ slightly)."""
+    available = psutil.virtual_memory().available
+    room = available - max(2 * 2**30, available // 5)  # the rest of the process, the OS, other programs
+    if native.nbytes * experts <= room:
+        return None
+    for spec in (QuantSpec(8), QuantSpec(4)):
+        if native.quantized(spec).nbytes * experts <= room:
+            log.warning(
+                "The routed experts need %.1f GiB at the checkpoint's precision and %.1f GiB of memory is "
+                "free: they are kept as %s instead (outputs differ slightly from the model's).",
+                native.nbytes * experts / 2**30,
+                available / 2**30,
+                spec.name,
+            )
+            return spec
+    raise DeviceOutOfMemoryError(
+        f"The routed experts need {native.quantized(QuantSpec(4)).nbytes * experts / 2**30:.1f} GiB even "
+        f"as int4, and {available / 2**30:.1f} GiB of memory is free. Close other programs or use a "
+        "smaller model."
+    )
 
 
 def cache_slots(

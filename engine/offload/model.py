@@ -123,9 +123,20 @@ class OffloadedModel:
             simulated_link=self.simulated_link,
             resident_nbytes=resident,
             store_nbytes=self.store.nbytes,
-            expert_dtype=self.store.layout.quant.name if self.store.layout.quant else "native",
+            expert_dtype=self._expert_dtype(),
             context_length=self.context_length,
         )
+
+    def _expert_dtype(self) -> str:
+        """How the store holds the experts: native, int8, int4, or a GGUF file's types."""
+        if self.store.layout.quant is not None:
+            return self.store.layout.quant.name
+        ggml = sorted({f.ggml_type for f in self.store.layout.fields if f.ggml_type is not None})
+        if not ggml:
+            return "native"
+        from gguf import GGMLQuantizationType
+
+        return "/".join(GGMLQuantizationType(t).name for t in ggml)
 
     def substitutes(self, bits: int) -> ExpertStore:
         """SubSpec's low-bit copies of every routed expert, resident on the device (built once)."""
