@@ -213,11 +213,49 @@ def run(args: argparse.Namespace) -> dict:
         rows += [ours, theirs]
         result["speed_vs_transformers"] = ours.tokens_per_s / theirs.tokens_per_s
         result["compared_budget"] = ours.budget
+    if args.vs_llama_cpp:
+        rows.append(compare_llama_cpp(args, prompt_ids, rows[-1], result))
     result["rows"] = [asdict(r) for r in rows]
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def compare_llama_cpp(args, prompt_ids: list[list[int]], ours: BenchRow, result: dict) -> BenchRow:
+    """llama.cpp on the same file and prompts, timed over as many passes; the ratios go in `result`."""
+    import torch
+
+    from engine.bench.llama_cpp import LlamaCppRunner, median_pass, spread
+
+    runner = LlamaCppRunner(args.vs_llama_cpp, threads=torch.get_num_threads())
+    try:
+        runner.timed_pass([prompt_ids[0][:8]], 4)  # warm-up
+        passes = [runner.timed_pass(prompt_ids, args.new_tokens) for _ in range(args.repeats)]
+    finally:
+        runner.close()
+    median = median_pass(passes)
+    theirs = BenchRow(
+        engine="llama.cpp",
+        budget="all in RAM",
+        cache_slots=None,
+        tpot_ms=median["tpot_ms"],
+        tokens_per_s=1e3 / median["tpot_ms"],
+        prefill_tokens_per_s=median["prefill_tps"],
+        hit_rate=None,
+        h2d_gbps=None,
+        bytes_per_token=None,
+        decode_tokens=median["decode_tokens"],
+        simulated_link=False,
+    )
+    result["llama_cpp"] = {
+        "file": str(args.vs_llama_cpp),
+        "threads": runner.threads,
+        "decode_ratio": ours.tokens_per_s / theirs.tokens_per_s,
+        "prefill_ratio": (ours.prefill_tokens_per_s or 0) / theirs.prefill_tokens_per_s,
+        "their_spread": spread(passes),
+    }
+    return theirs
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.splitlines()[0])
     add_offload_arguments(parser)
     parser.set_defaults(expert_budget=None)
@@ -243,7 +281,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--retune", action="store_true", help="--tuned: ignore a stored tuning result")
     add_spec_arguments(parser)
+    parser.add_argument(
+        "--vs-llama-cpp",
+        metavar="FILE.gguf",
+        default=None,
+        help="also time llama.cpp (the optional extra 'llama') on this GGUF file, which MoE Chat runs "
+        "too when --model is not given",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.vs_llama_cpp and not args.model:
+        args.model = args.vs_llama_cpp  # the very same file
     if args.new_tokens < 2 or args.repeats < 1 or not 1 <= args.prompts <= len(PROMPTS):
         parser.error(f"need --new-tokens >= 2, --repeats >= 1 and 1 <= --prompts <= {len(PROMPTS)}")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -260,6 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     info = result["model"]
     print(f"{info['path']} ({info['model_type']}, {info['dtype']}, device {info['device']})")
     print(_format_table(rows))
+    if "llama_cpp" in result:
+        vs = result["llama_cpp"]
+        print(
+            f"vs llama.cpp on the same file ({vs['threads']} threads): decode {vs['decode_ratio']:.2f}x, "
+            f"prefill {vs['prefill_ratio']:.2f}x "
+            f"(llama.cpp's tpot spread over passes {vs['their_spread']:.0%})"
+        )
     if "speed_vs_transformers" in result:
         print(
             f"decode speed with {result['compared_budget']} cached: "
