@@ -55,6 +55,7 @@ from engine.offload.moe_layer import (
     expert_field_shapes,
     moe_blocks,
 )
+from engine.offload.mxfp4_store import build_mxfp4_store, is_mxfp4
 from engine.offload.quant import QuantSpec
 from engine.offload.store_cache import StoreKey, load_or_build
 from engine.offload.transfer import make_transfer
@@ -128,6 +129,9 @@ def load_model(
 
 def _expert_store(folder, checkpoint, hf_model, arch, blocks, dtype, device, config, progress):
     """The host store of the routed experts, and the safetensors disk layout (None for GGUF)."""
+    if not isinstance(checkpoint, GgufCheckpoint) and is_mxfp4(hf_model.config):
+        pin = device.type == "cuda"
+        return build_mxfp4_store(checkpoint, arch, blocks, dtype, pin, config.expert_dtype, progress)
     if not isinstance(checkpoint, GgufCheckpoint):
         disk_layout = find_layout(checkpoint, arch.layouts, next(iter(blocks.values()))[0] + ".")
         return _load_store(

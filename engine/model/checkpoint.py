@@ -29,6 +29,8 @@ SINGLE_NAME = "model.safetensors"
 
 # Tensor dtypes we compute with; anything else (FP8, MXFP4 blocks) is a quantized checkpoint.
 SUPPORTED_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+# Packed quantized bytes (MXFP4 blocks and scales): read as they are, never cast to a float dtype.
+PACKED_DTYPES = {"U8": torch.uint8}
 
 
 class Checkpoint:
@@ -124,18 +126,19 @@ class Checkpoint:
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole tensor, cast to `dtype` when given."""
-        return self._convert(name, self._read(name, lambda s: s[:]), dtype)
+        return self._convert(name, self._read(name, lambda s: s[:], dtype), dtype)
 
     def read_index(self, name: str, index: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """`tensor[index]` of a stacked tensor, reading only that part of the file."""
-        return self._convert(name, self._read(name, lambda s: s[index]), dtype)
+        return self._convert(name, self._read(name, lambda s: s[index], dtype), dtype)
 
-    def _read(self, name: str, take) -> torch.Tensor:
+    def _read(self, name: str, take, dtype: torch.dtype | None) -> torch.Tensor:
         dtype_name = self.dtype_name(name)
-        if dtype_name not in SUPPORTED_DTYPES:
+        packed = dtype_name in PACKED_DTYPES and dtype in (None, PACKED_DTYPES[dtype_name])
+        if dtype_name not in SUPPORTED_DTYPES and not packed:
             raise CorruptCheckpointError(
-                f"Tensor {name!r} is stored as {dtype_name}; quantized checkpoints (FP8, MXFP4, int) "
-                "are not supported yet. Use the model's BF16/FP16 release."
+                f"Tensor {name!r} is stored as {dtype_name}; quantized weights other than MXFP4 experts "
+                "(FP8, int) are not supported yet. Use the model's BF16/FP16 release."
             )
         try:
             return take(self._slice(name))

@@ -20,6 +20,8 @@ from engine.model.gguf_file import GgufCheckpoint, find_gguf
 
 log = logging.getLogger(__name__)
 
+KEPT_QUANTIZATION = ("mxfp4",)  # pre-quantized experts the engine keeps in their own format
+
 
 def open_checkpoint(folder: Path) -> tuple[object, Checkpoint | GgufCheckpoint]:
     """The model's config and its weights: a GGUF file (or split set, or a folder holding one),
@@ -66,6 +68,9 @@ def _reject_quantized(hf_config) -> None:
     quant = getattr(hf_config, "quantization_config", None)
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__
+        refused = get_architecture(hf_config.model_type).unsupported_quantization
+        if method in KEPT_QUANTIZATION and method not in refused:
+            return  # its experts are loaded as they are (engine.offload.mxfp4_store)
         raise UnsupportedArchitectureError(
             f"This checkpoint is pre-quantized ({method}); MoE Chat loads BF16/FP16/FP32 weights. "
             "Use the model's BF16 release."

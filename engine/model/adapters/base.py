@@ -79,5 +79,6 @@ class Architecture:
     moe_attr: str = "mlp"  # attribute of the decoder layer holding the MoE block
     router_attr: str = "gate"  # attribute of the MoE block holding the router
     notes: str = ""
-    # config keys whose presence means weights we cannot compute with yet
-    unsupported_quantization: tuple[str, ...] = field(default=("fp8", "mxfp4", "gptq", "awq", "bitsandbytes"))
+    # config keys whose presence means weights we cannot compute with yet (MXFP4 experts in fused
+    # `_blocks`/`_scales` tensors, as gpt-oss ships them, load: engine.offload.mxfp4_store)
+    unsupported_quantization: tuple[str, ...] = field(default=("fp8", "gptq", "awq", "bitsandbytes"))
