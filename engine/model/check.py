@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.model.adapters import SUPPORTED_MODEL_TYPES
+from engine.model.adapters import SUPPORTED_MODEL_TYPES, get_architecture
 
 log = logging.getLogger(__name__)
 
@@ -170,11 +170,11 @@ def config_problems(config: dict) -> list[str]:
     if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
         problems.append(unsupported_architecture_message(config.get("model_type")))
     quant = config.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    if quant and not _loadable(config.get("model_type"), method):
         problems.append(
-            f"This checkpoint is pre-quantized ({method}); MoE Chat loads BF16/FP16/FP32 weights. "
-            "Use the model's BF16 release."
+            f"This checkpoint is pre-quantized ({method}); MoE Chat loads BF16/FP16/FP32 weights, "
+            "MXFP4 experts and GGUF files. Use the model's BF16 release or a GGUF file."
         )
     return problems
 
@@ -263,13 +263,29 @@ def _count(weights: _Weights, dtype: str, shape: list[int]) -> None:
 def _check_dtypes(path: Path, headers: dict[str, tuple[str, list[int]]], problems: list[str]) -> None:
     """Weights stored in FP8, MXFP4 blocks or integers mean a quantized checkpoint."""
     odd = sorted(
-        {dtype for name, (dtype, _) in headers.items() if dtype not in FLOAT_DTYPES and _is_weight(name)}
+        {
+            dtype
+            for name, (dtype, _) in headers.items()
+            if dtype not in FLOAT_DTYPES and _is_weight(name) and not _is_mxfp4(name, dtype)
+        }
     )
     if odd:
         problems.append(
             f"{path.name} stores weights as {', '.join(odd)}; quantized checkpoints (FP8, MXFP4, int) "
             "are not supported. Use the model's BF16/FP16 release."
         )
+
+
+def _loadable(model_type: object, method: str) -> bool:
+    """The loader's rule (engine.model.folder): a method the family's adapter does not refuse."""
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return True  # the unsupported architecture is the problem reported
+    return method.lower() not in get_architecture(str(model_type)).unsupported_quantization
+
+
+def _is_mxfp4(name: str, dtype: str) -> bool:
+    """OpenAI's MXFP4 experts: `…_blocks` and `…_scales` bytes (engine.offload.mxfp4_store)."""
+    return dtype == "U8" and name.endswith(("_blocks", "_scales"))
 
 
 def _is_weight(name: str) -> bool:

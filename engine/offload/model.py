@@ -145,6 +145,11 @@ class OffloadedModel:
             from engine.offload.quant import QuantSpec
 
             spec, stored = QuantSpec(bits), self.store.layout.quant
+            if self._expert_dtype() not in ("native", "int4", "int8"):
+                raise InvalidRequestError(
+                    f"--spec substitute makes int{bits} copies of full-precision experts; this model's "
+                    f"experts are {self._expert_dtype()} already. Use --spec self or draft."
+                )
             if stored is not None and stored != spec:
                 raise InvalidRequestError(
                     f"int{bits} substitutes need the experts at full precision or int{bits}, but this "

@@ -4,6 +4,7 @@ and 32 greedy tokens are identical, with a quarter of the experts cached on a si
 Bad files get one clear error each."""
 
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -143,3 +144,19 @@ def test_the_folder_check_reads_a_gguf_header(tmp_path):
         assert check.weight_files == (path.name,) and check.weight_bytes == path.stat().st_size
     path.write_bytes(path.read_bytes()[:1000])
     assert "download it again" in check_model_folder(path).summary()
+
+
+def test_speculation_on_a_gguf_model_is_lossless_and_substitutes_are_refused(tiny_gguf):
+    from engine.errors import InvalidRequestError
+    from engine.generation_config import SpecConfig
+
+    model = load_model(tiny_gguf, offload())
+    try:
+        greedy = GenerationConfig(max_new_tokens=16, sampling=SamplingConfig(greedy=True), ignore_eos=True)
+        plain = generate_text(model, PROMPT, greedy).token_ids
+        spec = SpecConfig(mode="self", top_r=1, confidence_tau=0.0)
+        assert generate_text(model, PROMPT, replace(greedy, spec=spec, prefetch="spmoe")).token_ids == plain
+        with pytest.raises(InvalidRequestError, match="--spec self or draft"):
+            generate_text(model, PROMPT, replace(greedy, spec=SpecConfig(mode="substitute")))
+    finally:
+        model.close()

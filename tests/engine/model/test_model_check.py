@@ -112,11 +112,11 @@ def test_config_problems_use_the_loaders_words(tmp_path):
 
     edit_json(
         folder / "config.json",
-        lambda c: c.update(model_type="qwen3_moe", quantization_config={"quant_method": "mxfp4"}),
+        lambda c: c.update(model_type="qwen3_moe", quantization_config={"quant_method": "fp8"}),
     )
     assert check_model_folder(folder).problems == (
-        "This checkpoint is pre-quantized (mxfp4); MoE Chat loads BF16/FP16/FP32 weights. "
-        "Use the model's BF16 release.",
+        "This checkpoint is pre-quantized (fp8); MoE Chat loads BF16/FP16/FP32 weights, "
+        "MXFP4 experts and GGUF files. Use the model's BF16 release or a GGUF file.",
     )
 
     (folder / "config.json").write_text("{broken")
@@ -130,14 +130,20 @@ def test_config_problems_use_the_loaders_words(tmp_path):
 def test_weights_stored_as_integers_are_a_quantized_checkpoint(tmp_path):
     folder = make_tiny_model(tmp_path / "m")
     save_file(
-        {"model.layers.0.mlp.experts.gate_up_proj_blocks": np.zeros((4, 8), np.uint8)},
+        {"model.layers.0.mlp.experts.gate_up_proj_qweight": np.zeros((4, 8), np.int32)},
         str(folder / "extra.safetensors"),
     )
     problems = check_model_folder(folder).problems
     assert problems == (
-        "extra.safetensors stores weights as U8; quantized checkpoints (FP8, MXFP4, int) "
+        "extra.safetensors stores weights as I32; quantized checkpoints (FP8, MXFP4, int) "
         "are not supported. Use the model's BF16/FP16 release.",
     )
+    # MXFP4 experts (OpenAI's `_blocks`/`_scales` bytes) are read as they are
+    save_file(
+        {"model.layers.0.mlp.experts.gate_up_proj_blocks": np.zeros((4, 8), np.uint8)},
+        str(folder / "extra.safetensors"),
+    )
+    assert check_model_folder(folder).problems == ()
 
 
 def test_missing_tokenizer_and_weights_are_each_reported(tmp_path):

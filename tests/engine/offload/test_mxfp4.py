@@ -159,3 +159,11 @@ def test_blocks_that_disagree_with_the_config_are_a_corrupt_checkpoint(tmp_path,
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CorruptCheckpointError, match=rf"{name} is U8 \(8, 32, 2\).*holds U8 \(8, 64, 2\)"):
         load_model(folder, offload())
+
+
+def test_the_folder_check_accepts_a_published_mxfp4_folder(mxfp4_folder):
+    from engine.model.check import check_model_folder
+
+    check = check_model_folder(mxfp4_folder)
+    assert check.ok, check.problems
+    assert check.model_type == "gpt_oss"
