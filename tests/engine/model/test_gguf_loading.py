@@ -17,6 +17,7 @@ from engine.generation import generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig
 from engine.loader import load_model
 from engine.model.tiny_gguf import gguf_config, write_split_gguf, write_tiny_gguf
+from tests.engine.exactness import assert_matches_reference
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 64]
 TYPES = [(QT.Q4_K, QT.Q6_K), (QT.Q8_0, QT.Q8_0), (QT.Q4_0, QT.Q5_1), (QT.F16, QT.BF16)]
@@ -48,19 +49,7 @@ def test_logits_and_greedy_tokens_equal_transformers_gguf_loading(tiny_gguf):
     model = load_model(tiny_gguf, offload())
     try:
         assert model.cache.n_slots == 4 < model.store.total_experts  # the cache must evict
-        ids = torch.tensor(PROMPT)
-        with torch.no_grad():
-            expected = expected_model(ids[None]).logits[0]
-        got = model.forward(ids, model.new_kv_cache(), logits_to_keep=0)
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
-
-        greedy = GenerationConfig(max_new_tokens=32, sampling=SamplingConfig(greedy=True), ignore_eos=True)
-        tokens = generate_text(model, PROMPT, greedy).token_ids
-        with torch.no_grad():
-            reference_tokens = expected_model.generate(
-                ids[None], max_new_tokens=32, do_sample=False, min_new_tokens=32
-            )[0, len(PROMPT) :]
-        assert list(tokens) == reference_tokens.tolist()
+        assert_matches_reference(model, expected_model, PROMPT)
     finally:
         model.close()
 

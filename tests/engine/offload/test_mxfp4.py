@@ -16,13 +16,12 @@ from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tenso
 
 from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import CorruptCheckpointError, InvalidConfigError
-from engine.generation import generate_text
-from engine.generation_config import GenerationConfig, SamplingConfig
 from engine.loader import load_model
 from engine.model.checkpoint import Checkpoint
 from engine.model.tiny import build_tiny_model, save_tiny_model
 from engine.offload.ggml_quants import dequantize
 from engine.offload.mxfp4_store import repack_to_ggml
+from tests.engine.exactness import assert_matches_reference
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 64, 128, 5]
 HIDDEN, INTER = 64, 64  # multiples of 32: whole MXFP4 blocks, two per row
@@ -101,20 +100,8 @@ def test_logits_and_greedy_tokens_equal_transformers_loading(mxfp4_folder):
     model = load_model(mxfp4_folder, offload())
     try:
         assert model.cache.n_slots == 4 < model.store.total_experts  # the cache must evict
-        ids = torch.tensor(PROMPT)
-        with torch.no_grad():
-            expected = reference(ids[None]).logits[0]
-        got = model.forward(ids, model.new_kv_cache(), logits_to_keep=0)
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+        assert_matches_reference(model, reference, PROMPT)
         assert model.cache.stats.total().misses > 4
-
-        greedy = GenerationConfig(max_new_tokens=32, sampling=SamplingConfig(greedy=True), ignore_eos=True)
-        tokens = generate_text(model, PROMPT, greedy).token_ids
-        with torch.no_grad():
-            reference_tokens = reference.generate(
-                ids[None], max_new_tokens=32, do_sample=False, min_new_tokens=32, eos_token_id=None
-            )[0, len(PROMPT) :]
-        assert list(tokens) == reference_tokens.tolist()
     finally:
         model.close()
 
