@@ -79,7 +79,7 @@ def check_model_folder(path: str | Path) -> ModelCheck:
             f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}). "
             "Download the model's tokenizer files into the same folder."
         )
-    weights = _read_weights(folder, problems)
+    weights = _read_weights(folder, problems, fp8=_quant_method(config) == "fp8")
     return ModelCheck(
         path=str(folder),
         problems=tuple(problems),
@@ -170,13 +170,18 @@ def config_problems(config: dict) -> list[str]:
     if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
         problems.append(unsupported_architecture_message(config.get("model_type")))
     quant = config.get("quantization_config")
-    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    method = _quant_method(config) or "?"
     if quant and not _loadable(config.get("model_type"), method):
         problems.append(
             f"This checkpoint is pre-quantized ({method}); MoE Chat loads BF16/FP16/FP32 weights, "
-            "MXFP4 experts and GGUF files. Use the model's BF16 release or a GGUF file."
+            "FP8 and MXFP4 checkpoints and GGUF files. Use the model's BF16 release or a GGUF file."
         )
     return problems
+
+
+def _quant_method(config: dict) -> str | None:
+    quant = config.get("quantization_config")
+    return str(quant.get("quant_method", "?")).lower() if isinstance(quant, dict) else None
 
 
 @dataclass
@@ -187,8 +192,9 @@ class _Weights:
     nbytes: int = 0
 
 
-def _read_weights(folder: Path, problems: list[str]) -> _Weights:
-    """Every safetensors header in the folder (or in its index), checked against the index."""
+def _read_weights(folder: Path, problems: list[str], fp8: bool = False) -> _Weights:
+    """Every safetensors header in the folder (or in its index), checked against the index.
+    With `fp8` (the config says so), F8_E4M3 weights are the checkpoint's format, not a problem."""
     index_path = folder / INDEX_NAME
     if index_path.is_file():
         weight_map = _read_index(index_path, problems)
@@ -217,7 +223,7 @@ def _read_weights(folder: Path, problems: list[str]) -> _Weights:
         for tensor, (dtype, shape) in headers.items():
             found[tensor] = name
             _count(weights, dtype, shape)
-        _check_dtypes(folder / name, headers, problems)
+        _check_dtypes(folder / name, headers, problems, fp8)
     if weight_map is not None:
         _check_against_index(folder, weight_map, found, problems)
     return weights
@@ -260,13 +266,19 @@ def _count(weights: _Weights, dtype: str, shape: list[int]) -> None:
     weights.nbytes += numel * FLOAT_DTYPES.get(dtype, _DTYPE_BYTES.get(dtype, 1))
 
 
-def _check_dtypes(path: Path, headers: dict[str, tuple[str, list[int]]], problems: list[str]) -> None:
-    """Weights stored in FP8, MXFP4 blocks or integers mean a quantized checkpoint."""
+def _check_dtypes(
+    path: Path, headers: dict[str, tuple[str, list[int]]], problems: list[str], fp8: bool = False
+) -> None:
+    """Weights stored in FP8, MXFP4 blocks or integers mean a quantized checkpoint (FP8 ones of an
+    FP8 config and MXFP4 blocks load)."""
     odd = sorted(
         {
             dtype
             for name, (dtype, _) in headers.items()
-            if dtype not in FLOAT_DTYPES and _is_weight(name) and not _is_mxfp4(name, dtype)
+            if dtype not in FLOAT_DTYPES
+            and _is_weight(name)
+            and not _is_mxfp4(name, dtype)
+            and not (fp8 and dtype == "F8_E4M3")
         }
     )
     if odd:

@@ -29,8 +29,9 @@ SINGLE_NAME = "model.safetensors"
 
 # Tensor dtypes we compute with; anything else (FP8, MXFP4 blocks) is a quantized checkpoint.
 SUPPORTED_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-# Packed quantized bytes (MXFP4 blocks and scales): read as they are, never cast to a float dtype.
-PACKED_DTYPES = {"U8": torch.uint8}
+# Packed quantized values (MXFP4 blocks and scales, FP8 weights): read as they are, never cast to
+# a float dtype here (engine.offload.fp8_store dequantizes FP8 with its scales).
+PACKED_DTYPES = {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn}
 
 
 class Checkpoint:
@@ -138,7 +139,7 @@ class Checkpoint:
         if dtype_name not in SUPPORTED_DTYPES and not packed:
             raise CorruptCheckpointError(
                 f"Tensor {name!r} is stored as {dtype_name}; quantized weights other than MXFP4 experts "
-                "(FP8, int) are not supported yet. Use the model's BF16/FP16 release."
+                "and FP8 checkpoints (int, …) are not supported yet. Use the model's BF16/FP16 release."
             )
         try:
             return take(self._slice(name))

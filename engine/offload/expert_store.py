@@ -11,7 +11,9 @@ loading never holds a layer's experts twice. With a `QuantSpec`, each expert's
 weight matrices are quantized as they are read (`engine.offload.quant`): the layout then
 has mixed-dtype fields (codes, scales, offsets) and `layout.quant` says so.
 `quantize_store` makes such a copy of a loaded store, and `ExpertStore.to` puts a
-store on the device (SubSpec's resident low-bit substitutes).
+store on the device (SubSpec's resident low-bit substitutes). A checkpoint's own quantized
+experts keep their format: ggml blocks (`from_ggml`) and FP8 values with their block scales
+(`from_fp8`, `engine.offload.fp8`), which `views` hands out as `GgmlWeight` and `Fp8Weight`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from engine.errors import CorruptCheckpointError, DeviceOutOfMemoryError, MissingTensorsError
 from engine.model.adapters.base import DiskLayout
 from engine.model.checkpoint import Checkpoint
+from engine.offload.fp8 import FP8_DTYPE, Fp8Weight, scale_shape
 from engine.offload.quant import QuantSpec, is_weight, quantize_into, quantized_fields
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ class ExpertField:
     offset: int  # bytes from the start of the expert's buffer
     ggml_type: int | None = None  # a GGUF file's quantized blocks, as the file has them
     weight_shape: tuple[int, ...] | None = None  # a ggml field's weight: (out, in), rows of blocks
+    block: tuple[int, int] | None = None  # an FP8 field's scale block (its scales: `<name>.scale_inv`)
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +89,16 @@ class ExpertLayout:
         )
 
     @classmethod
+    def from_fp8(cls, fields: Iterable[tuple[str, tuple[int, int], tuple[int, int]]]) -> ExpertLayout:
+        """Fields `(name, (out, in), (b_out, b_in))` kept in FP8: e4m3 values, then float32 scales."""
+        placed = []
+        for name, (out, columns), block in fields:
+            placed.append(ExpertField(name, (out, columns), FP8_DTYPE, 0, block=tuple(block)))
+            scales = scale_shape((out, columns), block)
+            placed.append(ExpertField(f"{name}.scale_inv", scales, torch.float32, 0))
+        return cls._placed(placed)
+
+    @classmethod
     def _placed(cls, fields: list[ExpertField], quant: QuantSpec | None = None) -> ExpertLayout:
         placed, offset = [], 0
         for field in fields:
@@ -100,6 +114,8 @@ class ExpertLayout:
         """This native layout with every weight matrix replaced by its quantized fields."""
         if self.quant is not None:
             raise ValueError(f"The layout is already quantized ({self.quant.name}).")
+        if any(f.block is not None for f in self.fields):
+            raise ValueError("The layout holds FP8 experts: they are quantized already.")
         fields = []
         for f in self.fields:
             if is_weight(f.shape):
@@ -108,12 +124,17 @@ class ExpertLayout:
                 fields.append((f.name, f.shape, f.dtype))
         return ExpertLayout.from_fields(fields, spec)
 
-    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor | GgmlWeight]:
-        """Typed tensor views of one packed expert buffer (uint8, at least `nbytes` long)."""
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor | GgmlWeight | Fp8Weight]:
+        """Typed tensor views of one packed expert buffer (uint8, at least `nbytes` long).
+
+        An FP8 field is one `Fp8Weight` of its values and its `.scale_inv` field."""
         views = {}
         for f in self.fields:
             view = buffer[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape)
             views[f.name] = view if f.ggml_type is None else GgmlWeight(view, f.ggml_type, f.weight_shape)
+        for f in self.fields:
+            if f.block is not None:
+                views[f.name] = Fp8Weight(views[f.name], views.pop(f"{f.name}.scale_inv"), f.block)
         return views
 
 
@@ -176,7 +197,7 @@ class ExpertStore:
     def buffer(self, layer: int, expert: int) -> torch.Tensor:
         return self._layers[layer][expert]
 
-    def views(self, layer: int, expert: int) -> dict[str, torch.Tensor | GgmlWeight]:
+    def views(self, layer: int, expert: int) -> dict[str, torch.Tensor | GgmlWeight | Fp8Weight]:
         return self.layout_of(layer).views(self._layers[layer][expert])
 
     @property

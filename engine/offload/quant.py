@@ -191,8 +191,13 @@ def linear(x: torch.Tensor, views: Mapping[str, torch.Tensor], name: str, transp
     """`x @ W.T` (`x @ W` when `transposed`) for the expert weight `name`, native or quantized.
 
     Native views compute exactly as transformers' experts do. A GGUF file's blocks
-    (`GgmlWeight`) hold `(out, in)` rows whatever the family's own orientation."""
+    (`GgmlWeight`) and FP8 weights (`Fp8Weight`) hold `(out, in)` rows whatever the family's
+    own orientation."""
     weight = views.get(name)
+    if hasattr(weight, "scale_inv"):  # engine.offload.fp8.Fp8Weight
+        from engine.offload.fp8 import linear as fp8_linear
+
+        return fp8_linear(x, weight)
     if hasattr(weight, "ggml_type"):  # engine.offload.expert_store.GgmlWeight
         from engine.offload.ggml_quants import linear as ggml_linear
 

@@ -80,5 +80,6 @@ class Architecture:
     router_attr: str = "gate"  # attribute of the MoE block holding the router
     notes: str = ""
     # config keys whose presence means weights we cannot compute with yet (MXFP4 experts in fused
-    # `_blocks`/`_scales` tensors, as gpt-oss ships them, load: engine.offload.mxfp4_store)
-    unsupported_quantization: tuple[str, ...] = field(default=("fp8", "gptq", "awq", "bitsandbytes"))
+    # `_blocks`/`_scales` tensors, as gpt-oss ships them, load: engine.offload.mxfp4_store; FP8
+    # checkpoints with per-expert matrices too: engine.offload.fp8_store)
+    unsupported_quantization: tuple[str, ...] = field(default=("gptq", "awq", "bitsandbytes"))

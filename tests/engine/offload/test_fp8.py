@@ -1,0 +1,228 @@
+"""FP8 checkpoints as Qwen3-*-FP8 and DeepSeek-V3 publish them: F8_E4M3 Linear weights with float32
+block scales (`weight_scale_inv`, 128 × 128), or one per-tensor `weight_scale`. The routed experts
+stay in FP8 end to end; the resident weights are dequantized at load.
+
+Reference: transformers' forward of the same config on the dequantized weights (written as a
+float32 folder and loaded with `from_pretrained`); transformers' own FP8 loader is not used. The
+engine's logits equal it at fp32 1e-4 and 32 greedy tokens are identical, with a quarter of the
+experts cached on a simulated link."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from engine.config import ExpertBudget, OffloadConfig
+from engine.errors import CorruptCheckpointError, InvalidConfigError
+from engine.generation import generate_text
+from engine.generation_config import GenerationConfig, SamplingConfig
+from engine.loader import load_model
+from engine.model.check import check_model_folder
+from engine.model.tiny import build_tiny_model, save_tiny_model
+from engine.offload.fp8 import Fp8Weight, dequantize
+
+PROMPT = [3, 17, 42, 99, 7, 250, 11, 64, 128, 5]
+HIDDEN = 256  # two 128-wide blocks per row
+# As Qwen/Qwen3-30B-A3B-FP8's config.json has it.
+QUANTIZATION_CONFIG = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+
+
+def quantize_blocks(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[out, in]` -> e4m3 `[out, in]` and `scale_inv [ceil(out/128), ceil(in/128)]`: per block,
+    scale_inv = amax / 448 and weight_fp8 = weight / scale_inv, as the published checkpoints do."""
+    out, columns = weight.shape
+    scale = torch.empty(-(-out // block), -(-columns // block))
+    codes = torch.empty(out, columns, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = weight[i * block : (i + 1) * block, j * block : (j + 1) * block].float()
+            scale[i, j] = tile.abs().max().clamp_min(1e-12) / 448.0
+            codes[i * block : (i + 1) * block, j * block : (j + 1) * block] = (tile / scale[i, j]).to(
+                torch.float8_e4m3fn
+            )
+    return codes, scale
+
+
+def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """The test's own reading of a block-scaled weight, tile by tile."""
+    weight = codes.float()
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            weight[i * block : (i + 1) * block, j * block : (j + 1) * block] *= scale[i, j]
+    return weight
+
+
+def is_quantized(name: str, tensor: torch.Tensor) -> bool:
+    """Qwen3-FP8 quantizes attention and expert matrices; embeddings, norms, router, lm_head stay BF16."""
+    return tensor.dim() == 2 and name.endswith("_proj.weight")
+
+
+def write_fp8_model(folder, reference, inter: int = 256, per_tensor: bool = False):
+    """A tiny qwen3_moe folder in the published FP8 format, and `reference`: the same weights
+    dequantized, as a float32 folder without quantization_config."""
+    model = build_tiny_model("qwen3_moe", seed=2, hidden_size=HIDDEN, moe_intermediate_size=inter)
+    for out in (folder, reference):
+        save_tiny_model(model, out, layout="per_expert", dtype=torch.bfloat16)
+    tensors = load_file(folder / "model.safetensors")
+    dequantized = {}
+    for name in list(tensors):
+        weight = tensors[name]
+        if not is_quantized(name, weight):
+            dequantized[name] = weight.float()
+            continue
+        if per_tensor:
+            scale = weight.float().abs().max() / 448.0
+            tensors[name] = (weight.float() / scale).to(torch.float8_e4m3fn)
+            tensors[name + "_scale"] = scale.reshape(1)
+            dequantized[name] = tensors[name].float() * scale
+        else:
+            tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(weight)
+            dequantized[name] = dequantize_blocks(tensors[name], tensors[name + "_scale_inv"])
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    quant = dict(QUANTIZATION_CONFIG)
+    if per_tensor:
+        del quant["weight_block_size"]
+    config["quantization_config"] = quant
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def offload(expert_dtype: str = "native") -> OffloadConfig:
+    # 2 MoE layers × 8 experts: 4 slots is a quarter, and twice top-2.
+    return OffloadConfig(
+        device="cpu",
+        dtype="float32",
+        expert_budget=ExpertBudget.parse("4"),
+        sim_link_gbps=50.0,
+        expert_dtype=expert_dtype,
+    )
+
+
+@pytest.fixture(scope="module")
+def fp8_folders(tmp_path_factory):
+    reference = tmp_path_factory.mktemp("reference")
+    return write_fp8_model(tmp_path_factory.mktemp("qwen3-fp8"), reference), reference
+
+
+def assert_equals_reference(folder, reference_folder, tokens: int = 32) -> None:
+    reference = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
+    model = load_model(folder, offload())
+    try:
+        assert model.cache.n_slots == 4 < model.store.total_experts  # the cache must evict
+        ids = torch.tensor(PROMPT)
+        with torch.no_grad():
+            expected = reference(ids[None]).logits[0]
+        got = model.forward(ids, model.new_kv_cache(), logits_to_keep=0)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+        assert model.cache.stats.total().misses > 4
+        if not tokens:
+            return
+        greedy = GenerationConfig(
+            max_new_tokens=tokens, sampling=SamplingConfig(greedy=True), ignore_eos=True
+        )
+        generated = generate_text(model, PROMPT, greedy).token_ids
+        with torch.no_grad():
+            reference_tokens = reference.generate(
+                ids[None], max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens, eos_token_id=None
+            )[0, len(PROMPT) :]
+        assert list(generated) == reference_tokens.tolist()
+    finally:
+        model.close()
+
+
+def test_dequantize_reads_blocks_whole_and_partial():
+    weight = torch.randn(320, 200)
+    codes, scale = quantize_blocks(weight)
+    expected = dequantize_blocks(codes, scale)
+    assert torch.equal(dequantize(Fp8Weight(codes, scale, (128, 128))), expected)
+    whole = torch.randn(256, 384)
+    codes, scale = quantize_blocks(whole)
+    assert torch.equal(dequantize(Fp8Weight(codes, scale, (128, 128))), dequantize_blocks(codes, scale))
+    assert (dequantize_blocks(codes, scale) - whole).abs().max() < 0.07 * whole.abs().max()
+
+
+def test_logits_and_greedy_tokens_equal_the_dequantized_model(fp8_folders):
+    assert_equals_reference(*fp8_folders)
+
+
+def test_the_experts_stay_in_fp8(fp8_folders):
+    folder, _ = fp8_folders
+    model = load_model(folder, offload())
+    try:
+        assert model.info().disk_layout == "per-expert mlp.experts"
+        fields = {f.name: f for f in model.store.layout_of(0).fields}
+        assert fields["gate_up_proj"].dtype == torch.float8_e4m3fn and fields["gate_up_proj"].shape == (
+            512,
+            256,
+        )
+        assert fields["gate_up_proj"].block == (128, 128) and fields["gate_up_proj.scale_inv"].shape == (4, 2)
+        assert fields["down_proj"].dtype == torch.float8_e4m3fn and fields["down_proj.scale_inv"].shape == (
+            2,
+            2,
+        )
+        weights, scales = 3 * 256 * HIDDEN, 4 * (8 + 4)
+        assert model.store.expert_nbytes <= weights + scales + 4 * 64  # 1 byte a weight, + field alignment
+        # the packed bytes are the checkpoint's own, and the scales are its scale_inv rows
+        stored = load_file(folder / "model.safetensors")
+        views = model.store.views(1, 5)
+        prefix = "model.layers.1.mlp.experts.5."
+        assert torch.equal(
+            views["gate_up_proj"].data[256:].view(torch.uint8),
+            stored[prefix + "up_proj.weight"].view(torch.uint8),
+        )
+        assert torch.equal(views["gate_up_proj"].scale_inv[2:], stored[prefix + "up_proj.weight_scale_inv"])
+        assert torch.equal(views["down_proj"].scale_inv, stored[prefix + "down_proj.weight_scale_inv"])
+    finally:
+        model.close()
+
+
+def test_the_folder_check_accepts_a_published_fp8_folder(fp8_folders):
+    check = check_model_folder(fp8_folders[0])
+    assert check.ok, check.problems
+    assert check.model_type == "qwen3_moe"
+
+
+def test_fp8_experts_refuse_a_second_quantization(fp8_folders, no_link_thread_left):
+    with pytest.raises(InvalidConfigError, match=r"quantized already.*--expert-dtype native"):
+        load_model(fp8_folders[0], offload("int8"))
+
+
+def test_a_gate_ending_inside_a_block_keeps_a_scale_row_per_weight_row(tmp_path):
+    folder = write_fp8_model(tmp_path / "m", tmp_path / "ref", inter=192)  # 1.5 blocks
+    assert_equals_reference(folder, tmp_path / "ref", tokens=0)
+
+
+def test_per_tensor_scales(tmp_path):
+    folder = write_fp8_model(tmp_path / "m", tmp_path / "ref", per_tensor=True)
+    assert_equals_reference(folder, tmp_path / "ref", tokens=8)
+
+
+def test_scales_that_disagree_with_the_weights_are_a_corrupt_checkpoint(tmp_path, no_link_thread_left):
+    folder = write_fp8_model(tmp_path / "m", tmp_path / "ref")
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"
+    tensors[name] = tensors[name][:1].contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        CorruptCheckpointError, match=r"down_proj.weight \(256, 256\) are \(1, 2\).*make \(2, 2\)"
+    ):
+        load_model(folder, offload())
+
+
+def test_bf16_experts_under_an_fp8_config_are_refused(tmp_path, no_link_thread_left):
+    folder = save_tiny_model(build_tiny_model("qwen3_moe", hidden_size=HIDDEN), tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": QUANTIZATION_CONFIG}))
+    with pytest.raises(
+        CorruptCheckpointError, match=r"gate_proj.weight is stored as F32, but config.json says"
+    ):
+        load_model(folder, offload())
