@@ -1,10 +1,18 @@
 """The catalog of supported MoE models, and whether each fits this computer.
 
 `load_catalog()` reads `resources/catalog.json` and checks every entry (a bad one raises
-`CatalogError` naming it). `estimate_fit(entry, ram_bytes, vram_bytes)` says how the engine
-would place the model: routed experts in host RAM, everything else on the GPU (or, without a
-GPU, everything in RAM), and what share of the experts the GPU's remaining memory could cache.
-It is an estimate from the catalog's BF16 sizes, with the same headroom rule as the loader.
+`CatalogError` naming it). An entry is one release as the user downloads it: its `format`
+(safetensors-bf16, gguf, mxfp4, fp8), its `quant` (Q4_K_M, Q8_0, …) and, for GGUF, the `file`
+(or the `files` of a split set) to fetch from the repo, never the repo's other quants. An entry
+with `"status": "coming"` is shown with its `status_reason` and cannot be downloaded: MoE Chat
+cannot load it yet.
+
+`estimate_fit(entry, ram_bytes, vram_bytes)` says how the engine would place the model: routed
+experts in host RAM, everything else on the GPU (or, without a GPU, everything in RAM), and what
+share of the experts the GPU's remaining memory could cache. It counts the entry's own precision:
+the experts stay as stored (a GGUF's quantized blocks: download size × expert_share; MXFP4's:
+the download less its BF16 rest), while the other weights are computed in BF16 (the loader
+dequantizes a GGUF's at load), with the same headroom rule as the loader.
 
 RAM comes from psutil (`system_ram_bytes`); VRAM is passed in: the GUI learns it from the
 worker's Ready/Stats events and never touches torch.cuda itself.
@@ -20,8 +28,10 @@ from pathlib import Path
 
 import psutil
 
+from app.model_library import QUANT_NAME, ModelSource
 from engine.config import format_bytes
 from engine.model.adapters import SUPPORTED_MODEL_TYPES
+from engine.model.check import GGUF_MODEL_TYPES
 from engine.resources import demo_model_dir, resources_dir
 
 log = logging.getLogger(__name__)
@@ -32,6 +42,11 @@ RAM_OVERHEAD = 2 * GIB  # the worker process: Python, torch, tokenizer, KV cache
 RAM_USABLE = 0.85  # the share of RAM the OS and other programs leave to us
 TIGHT_RAM = 0.6  # above this share of usable RAM the fit is "tight"
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+BF16 = "safetensors-bf16"
+FORMATS = {BF16: "BF16", "gguf": "GGUF", "mxfp4": "MXFP4", "fp8": "FP8"}  # format → what the picker says
+STATUSES = ("available", "coming")
+REASON_CHARS = 80  # a "coming" reason fits the picker's status column (three lines at most)
+_SPLIT = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp's gguf-split
 
 
 class CatalogError(ValueError):
@@ -48,23 +63,55 @@ class CatalogEntry:
     active_params: int
     num_experts: int
     top_k: int
-    download_bytes: int  # BF16 safetensors (approximate unless size_approximate is False)
+    download_bytes: int  # what the download fetches (approximate unless size_approximate is False)
     size_approximate: bool
     license: str
     gated: bool
     draft_repo: str | None
     expert_share: float  # fraction of the parameters in routed experts
+    format: str = BF16  # one of FORMATS
+    quant: str | None = None  # Q4_K_M, Q8_0, MXFP4, FP8; None for BF16
+    files: tuple[str, ...] = ()  # GGUF: the file, or every part of a split set; () = the whole repo
+    status: str = "available"  # or "coming": shown, not downloadable
+    status_reason: str = ""  # why a "coming" entry cannot be used yet
     notes: str = ""
     bundled: bool = False
     local_path: str | None = None  # the bundled model's folder
 
     @property
+    def quantized(self) -> bool:
+        return self.format != BF16
+
+    @property
+    def coming(self) -> bool:
+        return self.status == "coming"
+
+    @property
+    def source(self) -> ModelSource | None:
+        """What a download of this entry fetches; None for the bundled demo."""
+        if self.repo_id is None:
+            return None
+        return ModelSource(self.repo_id, self.files, self.quant if self.files else None)
+
+    @property
+    def format_label(self) -> str:
+        """'GGUF Q4_K_M', 'BF16', 'MXFP4', 'FP8'."""
+        name = FORMATS[self.format]
+        return f"{name} {self.quant}" if self.quant and self.quant != name else name
+
+    @property
     def expert_bytes(self) -> int:
+        """The routed experts as the download stores them (quantized for GGUF, MXFP4, FP8)."""
+        if self.format == "mxfp4":  # only the experts are MXFP4: the file keeps the rest in BF16
+            return self.download_bytes - self.resident_bytes
         return int(self.download_bytes * self.expert_share)
 
     @property
     def resident_bytes(self) -> int:
-        """Attention, embeddings, norms, routers and shared experts: what stays on the device."""
+        """Attention, embeddings, norms, routers and shared experts: what stays on the device, in
+        BF16 (the loader dequantizes a quantized file's resident weights at load)."""
+        if self.quantized:
+            return int(2 * self.total_params * (1 - self.expert_share))
         return self.download_bytes - self.expert_bytes
 
 
@@ -90,6 +137,15 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
     "license": str,
     "gated": bool,
     "expert_share": (float, int),
+    "format": str,
+}
+_OPTIONAL: dict[str, type] = {
+    "quant": str,
+    "file": str,
+    "files": list,
+    "status": str,
+    "status_reason": str,
+    "notes": str,
 }
 
 
@@ -109,10 +165,15 @@ def load_catalog(path: str | Path | None = None) -> tuple[CatalogEntry, ...]:
         raise CatalogError(f"The model catalog {path}: 'models' must be a list.")
     entries = tuple(_entry(index, item) for index, item in enumerate(models))
     seen: set[str] = set()
+    downloads: dict[str, str] = {}
     for entry in entries:
         if entry.id in seen:
             raise CatalogError(f"Catalog entry {entry.id!r}: the id is used twice.")
         seen.add(entry.id)
+        if entry.source is not None and not entry.coming:
+            other = downloads.setdefault(entry.source.key, entry.id)
+            if other != entry.id:
+                raise CatalogError(f"Catalog entry {entry.id!r}: downloads the same files as {other!r}.")
     return entries
 
 
@@ -133,14 +194,24 @@ def _parse_entry(item: object) -> CatalogEntry:
         value = item.get(key)
         if value is None or isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
             raise TypeError(f"{key!r} is missing or not a {getattr(kind, '__name__', 'number')}")
+    for key, kind in _OPTIONAL.items():
+        if item.get(key) is not None and not isinstance(item[key], kind):
+            raise TypeError(f"{key!r} must be a {'list' if kind is list else 'string'}")
     bundled = bool(item.get("bundled", False))
     repo_id, draft = item.get("repo_id"), item.get("draft_repo")
     _check_values(item, bundled, repo_id, draft)
+    files = _check_release(item)
+    status = item.get("status") or "available"
+    _check_status(status, item.get("status_reason") or "")
     return CatalogEntry(
         **{key: item[key] for key in _FIELDS},
         repo_id=repo_id,
         draft_repo=draft,
-        notes=str(item.get("notes", "")),
+        quant=item.get("quant"),
+        files=files,
+        status=status,
+        status_reason=item.get("status_reason") or "",
+        notes=item.get("notes") or "",
         bundled=bundled,
         local_path=str(demo_model_dir()) if bundled else None,
     )
@@ -155,7 +226,7 @@ def _check_values(item: dict, bundled: bool, repo_id: object, draft: object) -> 
     if bundled == (repo_id is not None):
         raise ValueError("needs a repo_id, or bundled: true, but not both")
     for key, value in (("repo_id", repo_id), ("draft_repo", draft)):
-        if value is not None and (not isinstance(value, str) or not _REPO_ID.match(value)):
+        if value is not None and (not isinstance(value, str) or not _REPO_ID.match(value) or "--" in value):
             raise ValueError(f"{key} {value!r} is not an 'org/name' Hub id")
     if not 0 < item["active_params"] <= item["total_params"]:
         raise ValueError("active_params must be positive and at most total_params")
@@ -165,6 +236,54 @@ def _check_values(item: dict, bundled: bool, repo_id: object, draft: object) -> 
         raise ValueError("expert_share must lie between 0 and 1")
     if item["download_bytes"] <= 0:
         raise ValueError("download_bytes must be positive")
+
+
+def _check_release(item: dict) -> tuple[str, ...]:
+    """The format, quant and GGUF file(s) of one release; the files to fetch."""
+    form, quant = item["format"], item.get("quant")
+    if form not in FORMATS:
+        raise ValueError(f"format {form!r} is not one of {', '.join(FORMATS)}")
+    if (form == BF16) != (quant is None):
+        raise ValueError("a quant (Q4_K_M, MXFP4, FP8…) is needed for a quantized format, and only then")
+    if quant is not None and not QUANT_NAME.match(quant):
+        raise ValueError(f"quant {quant!r} is not a quant name such as Q4_K_M")
+    file, files = item.get("file"), item.get("files")
+    if form != "gguf":
+        if file is not None or files is not None:
+            raise ValueError("'file'/'files' choose what to fetch from a GGUF repo: only for format gguf")
+        return ()
+    if item["architecture"] not in GGUF_MODEL_TYPES.values():
+        readable = ", ".join(sorted(GGUF_MODEL_TYPES.values()))
+        raise ValueError(f"MoE Chat reads GGUF files of {readable}, not {item['architecture']!r}")
+    if (file is None) == (files is None):
+        raise ValueError("a gguf entry names its 'file', or the 'files' of a split set (one of them)")
+    names = (file,) if file is not None else tuple(files)
+    for name in names:
+        parts = name.split("/") if isinstance(name, str) else [""]
+        if not isinstance(name, str) or not name.endswith(".gguf") or "" in parts or ".." in parts:
+            raise ValueError(f"{name!r} is not the path of a .gguf file in the repo")
+    if files is not None:
+        _check_split_set(names)
+    return names
+
+
+def _check_split_set(names: tuple[str, ...]) -> None:
+    """`files` are every part of one `-0000k-of-0000N.gguf` set, in order."""
+    folder, _, name = names[0].rpartition("/")
+    first = _SPLIT.match(name)
+    count = int(first["count"]) if first else 0
+    stem = f"{folder}/{first['stem']}" if folder and first else first["stem"] if first else ""
+    if not first or names != tuple(f"{stem}-{k:05d}-of-{count:05d}.gguf" for k in range(1, count + 1)):
+        raise ValueError("'files' must list every part of one split set, -00001-of-0000N.gguf first")
+
+
+def _check_status(status: str, reason: str) -> None:
+    if status not in STATUSES:
+        raise ValueError(f"status {status!r} is not one of {', '.join(STATUSES)}")
+    if (status == "coming") != bool(reason):
+        raise ValueError("a 'coming' entry says why in status_reason, and only a 'coming' one")
+    if len(reason) > REASON_CHARS:
+        raise ValueError(f"status_reason must be at most {REASON_CHARS} characters (the notes say more)")
 
 
 # -- fit ---------------------------------------------------------------------------------------
@@ -202,8 +321,8 @@ def estimate_fit(entry: CatalogEntry, ram_bytes: int, vram_bytes: int | None) ->
     """Where the model would live on a computer with `ram_bytes` RAM and `vram_bytes` GPU memory."""
     spare_vram = None if vram_bytes is None else vram_bytes - entry.resident_bytes - vram_headroom(vram_bytes)
     on_gpu = spare_vram is not None and spare_vram >= 0
-    # On the GPU only the routed experts stay in RAM; on the CPU the whole model does.
-    ram_needed = (entry.expert_bytes if on_gpu else entry.download_bytes) + RAM_OVERHEAD
+    # On the GPU only the routed experts stay in RAM; on the CPU the rest of the model does too.
+    ram_needed = entry.expert_bytes + (0 if on_gpu else entry.resident_bytes) + RAM_OVERHEAD
     usable_ram = int(ram_bytes * RAM_USABLE)
     fits = ram_needed <= usable_ram
     fraction = None  # of the experts the GPU can cache

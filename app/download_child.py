@@ -6,6 +6,10 @@ multiprocessing queue) as tuples: ("progress", DownloadProgress), ("planned", by
 (the parent checks the free disk space; a download that does not fit is killed before any byte
 of it is fetched).
 
+A job fetches a whole model (config.json, safetensors, tokenizer) or only the chosen files of a
+GGUF repo (`ModelSource.files`: one of its quants). A GGUF carries its own config and tokenizer:
+no config.json is checked first, its header is checked after verification (`check_loadable`).
+
 No Qt here, and huggingface_hub is imported only after HF_HUB_DISABLE_XET is set: the child
 downloads over plain HTTP, whose progress the tqdm class below sees and which a kill stops.
 """
@@ -25,6 +29,7 @@ from pathlib import Path
 import tqdm
 
 from app.catalog import format_bytes, format_duration
+from app.model_library import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +40,7 @@ PROGRESS_EVERY_S = 0.25
 RATE_WINDOW_S = 5.0
 GO_TIMEOUT_S = 600.0
 HASH_CHUNK = 8 * 2**20
+BROKEN_CONNECTION = ("RemoteProtocolError", "ReadError", "ReadTimeout")  # httpx's names
 
 
 class DownloadState(enum.Enum):
@@ -52,7 +58,7 @@ class DownloadState(enum.Enum):
 
 @dataclass(frozen=True)
 class DownloadProgress:
-    repo_id: str
+    key: str  # the download's key (`ModelSource.key`): its repo id, or 'repo:QUANT'
     state: DownloadState
     bytes_done: int = 0
     bytes_total: int = 0
@@ -88,11 +94,15 @@ class DownloadProgress:
 
 @dataclass(frozen=True)
 class DownloadJob:
-    repo_id: str
+    source: ModelSource
     revision: str
     target: str  # the folder the files go into
     endpoint: str | None = None
     token: str | None = None  # None: huggingface_hub's own (HF_TOKEN or its token file)
+
+    @property
+    def repo_id(self) -> str:
+        return self.source.repo_id
 
 
 @dataclass(frozen=True)
@@ -114,19 +124,19 @@ class DownloadError(Exception):
 def run_download(job: DownloadJob, events, go) -> None:
     os.environ["HF_HUB_DISABLE_XET"] = "1"
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    reporter = _Reporter(job.repo_id, events)
+    reporter = _Reporter(job.source.key, events)
     try:
         commit, files = plan_download(job)
         to_fetch = sum(f.size for f in files if f.will_download)
         events.put(("planned", to_fetch))
         if not go.wait(GO_TIMEOUT_S):
             raise DownloadError("the app did not answer; the download was stopped.")
-        check_config(job, commit)
-        reporter.start(total=sum(f.size for f in files if f.will_download and f.name != "config.json"))
+        fetched_first = check_config(job, commit)
+        reporter.start(total=sum(f.size for f in files if f.will_download and f.name not in fetched_first))
         fetch(job, commit)
         reporter.verifying(sum(f.size for f in files))
         verify_files(Path(job.target), files, reporter)
-        check_loadable(Path(job.target))
+        check_loadable(job.source.path_in(Path(job.target)))
         events.put(("done", job.target))
     except BaseException as err:  # everything becomes a reason the user reads
         log.warning("Download of %s failed", job.repo_id, exc_info=True)
@@ -140,8 +150,11 @@ def plan_download(job: DownloadJob) -> tuple[str, list[PlannedFile]]:
     dry_run = snapshot_download(
         job.repo_id, revision=job.revision, **_common_args(job), dry_run=True, tqdm_class=_ProgressBar
     )
-    if not dry_run:
-        raise DownloadError(f"{job.repo_id} has no model files (config.json, *.safetensors).")
+    chosen = job.source.files
+    missing = sorted(set(chosen) - {info.filename for info in dry_run})
+    if not dry_run or missing:
+        what = f"{', '.join(missing)}: renamed or removed" if chosen else "config.json, *.safetensors"
+        raise DownloadError(f"{job.repo_id} has no model files ({what}).")
     commit = dry_run[0].commit_hash
     api = HfApi(endpoint=job.endpoint, token=job.token)
     tree = api.list_repo_tree(job.repo_id, recursive=True, revision=commit)
@@ -154,29 +167,34 @@ def plan_download(job: DownloadJob) -> tuple[str, list[PlannedFile]]:
         sha256 = entry.lfs.sha256 if entry.lfs else None
         blob_id = None if entry.lfs else entry.blob_id
         files.append(PlannedFile(info.filename, entry.size, sha256, blob_id, info.will_download))
-    if "config.json" not in listing:
+    if not chosen and "config.json" not in listing:
         raise DownloadError(f"{job.repo_id} has no config.json; it is not a transformers model.")
     return commit, sorted(files, key=lambda f: f.name)
 
 
 def _common_args(job: DownloadJob) -> dict:
     target = Path(job.target)
+    chosen = job.source.files  # exact names: fnmatch finds only themselves (no [ in a GGUF's name)
     return {
         "local_dir": target,
         # the refs snapshot_download keeps go inside the download, not into the user's HF cache
         "cache_dir": target / ".cache" / "huggingface" / "hub",
         "endpoint": job.endpoint,
         "token": job.token,
-        "allow_patterns": list(ALLOW_PATTERNS),
-        "ignore_patterns": list(IGNORE_PATTERNS),
+        "allow_patterns": list(chosen or ALLOW_PATTERNS),
+        "ignore_patterns": [] if chosen else list(IGNORE_PATTERNS),
     }
 
 
-def check_config(job: DownloadJob, commit: str) -> None:
-    """Fetch config.json first: an unsupported or pre-quantized model is refused before its weights."""
+def check_config(job: DownloadJob, commit: str) -> set[str]:
+    """Fetch config.json first: an unsupported or pre-quantized model is refused before its weights.
+    The names fetched; none for chosen GGUF files (their header is checked once they are here)."""
     from huggingface_hub import hf_hub_download
 
     from engine.model.check import config_problems
+
+    if job.source.files:
+        return set()
 
     common = _common_args(job)
     path = hf_hub_download(
@@ -193,6 +211,7 @@ def check_config(job: DownloadJob, commit: str) -> None:
     problems = config_problems(config if isinstance(config, dict) else {})
     if problems:
         raise DownloadError(f"MoE Chat cannot run {job.repo_id}: {problems[0]}")
+    return {"config.json"}
 
 
 def fetch(job: DownloadJob, commit: str) -> None:
@@ -244,11 +263,11 @@ def _file_problem(path: Path, planned: PlannedFile, progress) -> str | None:
     return None
 
 
-def check_loadable(folder: Path) -> None:
-    """The engine's own folder check (safetensors headers against the index)."""
+def check_loadable(path: Path) -> None:
+    """The engine's own check: safetensors headers against the index, or the GGUF header."""
     from engine.model.check import check_model_folder
 
-    check = check_model_folder(folder)
+    check = check_model_folder(path)
     if not check.ok:
         raise DownloadError(f"downloaded, but MoE Chat cannot load it: {check.problems[0]}")
 
@@ -257,7 +276,6 @@ def describe_error(err: BaseException, job: DownloadJob) -> str:
     """A failure in words the user can act on."""
     from huggingface_hub import errors
 
-    page = f"https://huggingface.co/{job.repo_id}"
     chain = []
     while err is not None and len(chain) < 8:
         chain.append(err)
@@ -266,6 +284,7 @@ def describe_error(err: BaseException, job: DownloadJob) -> str:
         if isinstance(cause, DownloadError):
             return str(cause)
         if isinstance(cause, errors.GatedRepoError):
+            page = f"https://huggingface.co/{job.repo_id}"
             return f"{job.repo_id} is gated: accept its terms at {page}, then set a Hugging Face token."
         if isinstance(cause, errors.RevisionNotFoundError):
             return f"{job.repo_id} has no revision {job.revision!r} on the Hub."
@@ -275,11 +294,7 @@ def describe_error(err: BaseException, job: DownloadJob) -> str:
             return "Offline mode is on (HF_HUB_OFFLINE is set); unset it to download."
     first = chain[0]
     name = type(first).__name__
-    if "Consistency check failed" in str(first) or name in (
-        "RemoteProtocolError",
-        "ReadError",
-        "ReadTimeout",
-    ):
+    if "Consistency check failed" in str(first) or name in BROKEN_CONNECTION:
         return f"the connection to the Hub broke off during the download ({name}). Retry to continue."
     if name in ("ConnectError", "ConnectTimeout", "LocalEntryNotFoundError"):
         return f"cannot reach the Hub ({job.endpoint or 'huggingface.co'}): check the internet connection."
@@ -317,8 +332,8 @@ class RateMeter:
 class _Reporter:
     """Sends throttled progress events to the parent."""
 
-    def __init__(self, repo_id: str, events):
-        self.repo_id, self.events = repo_id, events
+    def __init__(self, key: str, events):
+        self.key, self.events = key, events
         self.state = DownloadState.CHECKING
         self.total = 0
         self.meter = RateMeter()
@@ -352,15 +367,9 @@ class _Reporter:
             return
         self._last_sent = now
         downloading = self.state is DownloadState.DOWNLOADING
-        progress = DownloadProgress(
-            self.repo_id,
-            self.state,
-            min(done, self.total) if self.total else done,
-            self.total,
-            self.meter.speed() if downloading else None,
-            self.meter.eta(done, self.total) if downloading else None,
-        )
-        self.events.put(("progress", progress))
+        speed, eta = (self.meter.speed(), self.meter.eta(done, self.total)) if downloading else (None, None)
+        shown = min(done, self.total) if self.total else done
+        self.events.put(("progress", DownloadProgress(self.key, self.state, shown, self.total, speed, eta)))
 
 
 class _Sink:

@@ -1,9 +1,15 @@
 """The models on this computer: the bundled demo, downloads, and imported folders.
 
-Downloads live in `<user data dir>/models/<org>--<name>` (MOE_CHAT_DATA_DIR overrides the
-data dir). A folder being downloaded holds a `.moe-chat-download` marker until its files are
-verified; only then is it listed as installed, and only a marked folder is ever removed when a
-download is cancelled.
+A download is named by its key (`ModelSource.key`): the Hub repo id for a whole model
+(`Qwen/Qwen3-30B-A3B`), or `repo:QUANT` for the chosen file(s) of one quant of a GGUF repo
+(`unsloth/Qwen3-30B-A3B-GGUF:Q4_K_M`, llama.cpp's `-hf` spelling). It lives in
+`<user data dir>/models/<org>--<name>` or `<org>--<name>--<QUANT>` (MOE_CHAT_DATA_DIR overrides the
+data dir; the Hub allows no "--" in a repo id, so the name maps back to the key), so two quants of
+one repo never share a folder. A folder holds a model once it has a config.json or a `.gguf` file.
+A folder being downloaded holds a `.moe-chat-download` marker until its files are verified; only
+then is it listed as installed, and only a marked folder is ever removed when a download is
+cancelled. An installed model's `path` is what the engine's `--model` takes: the folder, or the
+GGUF file itself when it sits in a subfolder of the repo.
 
 Imported folders are registered *by reference* (`imported.json` beside the downloads): a model
 is tens of GB, so a copy would double the disk it uses and take minutes, and the user keeps
@@ -11,8 +17,8 @@ the folder where they put it. Deleting an imported model therefore only forgets 
 stay. The demo model is always listed and can never be deleted.
 
 A folder is validated with `engine.model.check.check_model_folder`, which reads safetensors
-headers; `check_folder` runs it in a spawned child so this (GUI) process never imports
-safetensors.
+headers or a GGUF header; `check_folder` runs it in a spawned child so this (GUI) process never
+imports safetensors or gguf.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import shutil
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -36,6 +43,7 @@ log = logging.getLogger(__name__)
 PARTIAL_MARKER = ".moe-chat-download"
 IMPORTS_FILE = "imported.json"
 CHECK_TIMEOUT_S = 300.0
+QUANT_NAME = re.compile(r"^[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*$")  # Q4_K_M, UD-Q4_K_XL; never "--" or ":"
 
 
 class ModelImportError(Exception):
@@ -43,11 +51,37 @@ class ModelImportError(Exception):
 
 
 @dataclass(frozen=True)
+class ModelSource:
+    """What one download fetches: a whole Hub repo, or only `files` (one quant of a GGUF repo)."""
+
+    repo_id: str
+    files: tuple[str, ...] = ()  # () fetches the whole model
+    quant: str | None = None  # names the files in the key; required with them
+
+    def __post_init__(self) -> None:
+        if ":" in self.repo_id:
+            raise ValueError(f"{self.repo_id!r} is not an 'org/name' Hub id")
+        folder_name(self.repo_id)  # raises for anything else but 'org/name'
+        if self.files and (self.quant is None or not QUANT_NAME.match(self.quant)):
+            raise ValueError(f"{self.repo_id}: chosen files need a quant name, not {self.quant!r}")
+
+    @property
+    def key(self) -> str:
+        """How downloads and the library name it: 'org/name', or 'org/name:QUANT' for chosen files."""
+        return f"{self.repo_id}:{self.quant}" if self.files else self.repo_id
+
+    def path_in(self, folder: Path) -> Path:
+        """What the engine loads once this is downloaded into `folder`: the folder, or the chosen
+        GGUF file (the first part of a split set)."""
+        return folder / self.files[0] if self.files else folder
+
+
+@dataclass(frozen=True)
 class InstalledModel:
     name: str
-    path: str
+    path: str  # what the engine's --model takes: the folder, or a GGUF file inside it
     source: str  # "bundled", "downloaded" or "imported"
-    repo_id: str | None = None
+    repo_id: str | None = None  # a download's key (see ModelSource.key)
     size_bytes: int = 0
     missing: bool = False  # an imported folder that is no longer there
 
@@ -62,12 +96,45 @@ def data_dir() -> Path:
     return Path(folder)
 
 
-def folder_name(repo_id: str) -> str:
-    """'Qwen/Qwen3-30B-A3B' → 'Qwen--Qwen3-30B-A3B'."""
+def folder_name(key: str) -> str:
+    """'Qwen/Qwen3-30B-A3B' → 'Qwen--Qwen3-30B-A3B'; 'org/name:Q4_K_M' → 'org--name--Q4_K_M'."""
+    repo_id, colon, quant = key.partition(":")
     org, _, name = repo_id.partition("/")
     if not org or not name or "/" in name or name in (".", "..") or org in (".", ".."):
         raise ValueError(f"{repo_id!r} is not an 'org/name' Hub id")
-    return f"{org}--{name}"
+    if "--" in repo_id:
+        raise ValueError(f"{repo_id!r} is not an 'org/name' Hub id (the Hub allows no '--')")
+    if colon and not QUANT_NAME.match(quant):
+        raise ValueError(f"{quant!r} in {key!r} is not a quant name such as Q4_K_M")
+    return f"{org}--{name}--{quant}" if colon else f"{org}--{name}"
+
+
+def key_of_folder(name: str) -> str | None:
+    """The download key a library folder's name stands for (the inverse of `folder_name`)."""
+    parts = name.split("--")
+    if len(parts) == 2:
+        return f"{parts[0]}/{parts[1]}"
+    if len(parts) == 3:
+        return f"{parts[0]}/{parts[1]}:{parts[2]}"
+    return None
+
+
+def gguf_files_in(folder: Path) -> list[Path]:
+    """The `.gguf` files under `folder` (any depth, without the Hub client's `.cache`), sorted."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d != ".cache")
+        found += [Path(root) / f for f in files if f.endswith(".gguf")]
+    return sorted(found)
+
+
+def model_path(folder: Path) -> Path | None:
+    """What the engine loads from a library folder: the folder (config.json or a GGUF at its top),
+    or the first GGUF file in a subfolder (the first part of a split set sorts first); None if empty."""
+    if (folder / "config.json").is_file() or any(folder.glob("*.gguf")):
+        return folder
+    nested = gguf_files_in(folder)
+    return nested[0] if nested else None
 
 
 def folder_size(path: Path) -> int:
@@ -95,8 +162,9 @@ class ModelLibrary:
 
     # -- listing ---------------------------------------------------------------------------------
 
-    def folder_for(self, repo_id: str) -> Path:
-        return self.root / folder_name(repo_id)
+    def folder_for(self, key: str) -> Path:
+        """The folder of the download `key` (a repo id, or 'repo:QUANT')."""
+        return self.root / folder_name(key)
 
     def demo(self) -> InstalledModel:
         path = demo_model_dir()
@@ -107,27 +175,34 @@ class ModelLibrary:
         models = [self.demo()]
         if self.root.is_dir():
             for folder in sorted(p for p in self.root.iterdir() if p.is_dir()):
-                if (folder / "config.json").is_file() and not (folder / PARTIAL_MARKER).exists():
-                    repo_id = folder.name.replace("--", "/", 1)
-                    models.append(
-                        InstalledModel(repo_id, str(folder), "downloaded", repo_id, folder_size(folder))
-                    )
+                key, path = key_of_folder(folder.name), self._installed_path(folder)
+                if key is not None and path is not None:
+                    models.append(InstalledModel(key, str(path), "downloaded", key, folder_size(folder)))
         for entry in self._imports():
             path = Path(entry["path"])
-            size = folder_size(path) if path.is_dir() else 0
-            models.append(InstalledModel(entry["name"], str(path), "imported", None, size, not path.is_dir()))
+            size = folder_size(path) if path.is_dir() else path.stat().st_size if path.is_file() else 0
+            models.append(InstalledModel(entry["name"], str(path), "imported", None, size, not path.exists()))
         return models
 
-    def find(self, repo_id: str) -> InstalledModel | None:
-        return next((m for m in self.list_installed() if m.repo_id == repo_id), None)
+    def find(self, key: str) -> InstalledModel | None:
+        return next((m for m in self.list_installed() if m.repo_id == key), None)
 
-    def is_installed(self, repo_id: str) -> bool:
-        folder = self.folder_for(repo_id)
-        return (folder / "config.json").is_file() and not (folder / PARTIAL_MARKER).exists()
+    def is_installed(self, key: str) -> bool:
+        return self.installed_path(key) is not None
 
-    def has_partial(self, repo_id: str) -> bool:
-        """A download of `repo_id` was started and never finished."""
-        return (self.folder_for(repo_id) / PARTIAL_MARKER).exists()
+    def installed_path(self, key: str) -> Path | None:
+        """What the engine's --model takes for the finished download `key`; None if there is none."""
+        return self._installed_path(self.folder_for(key))
+
+    @staticmethod
+    def _installed_path(folder: Path) -> Path | None:
+        if not folder.is_dir() or (folder / PARTIAL_MARKER).exists():
+            return None
+        return model_path(folder)
+
+    def has_partial(self, key: str) -> bool:
+        """A download of `key` was started and never finished."""
+        return (self.folder_for(key) / PARTIAL_MARKER).exists()
 
     # -- changes ---------------------------------------------------------------------------------
 
@@ -139,9 +214,11 @@ class ModelLibrary:
             kept = [e for e in self._imports() if e["path"] != model.path]
             self._write_imports(kept)
             return
-        folder = Path(model.path)
-        if folder.parent.resolve() != self.root.resolve():
-            raise ValueError(f"{folder} is not in the model library ({self.root}); not deleting it.")
+        path = Path(model.path).resolve()
+        root = self.root.resolve()
+        folder = next((p for p in (path, *path.parents) if p.parent == root), None)
+        if folder is None:
+            raise ValueError(f"{model.path} is not in the model library ({self.root}); not deleting it.")
         shutil.rmtree(folder)
         log.info("Deleted %s", folder)
 
@@ -160,29 +237,29 @@ class ModelLibrary:
 
     # -- downloads in progress (used by app.gui.downloads) --------------------------------------------
 
-    def begin_download(self, repo_id: str) -> Path:
+    def begin_download(self, key: str) -> Path:
         """The folder a download writes into, marked as partial until `finish_download`."""
-        folder = self.folder_for(repo_id)
+        folder = self.folder_for(key)
         folder.mkdir(parents=True, exist_ok=True)
-        if not (folder / "config.json").is_file() or (folder / PARTIAL_MARKER).exists():
-            (folder / PARTIAL_MARKER).write_text(repo_id + "\n")
+        if model_path(folder) is None or (folder / PARTIAL_MARKER).exists():
+            (folder / PARTIAL_MARKER).write_text(key + "\n")
         return folder
 
-    def finish_download(self, repo_id: str) -> Path:
-        folder = self.folder_for(repo_id)
+    def finish_download(self, key: str) -> Path:
+        folder = self.folder_for(key)
         (folder / PARTIAL_MARKER).unlink(missing_ok=True)
         return folder
 
-    def discard_download(self, repo_id: str) -> None:
+    def discard_download(self, key: str) -> None:
         """Remove an unfinished download's folder; a complete model is never touched."""
-        folder = self.folder_for(repo_id)
+        folder = self.folder_for(key)
         if (folder / PARTIAL_MARKER).exists():
             shutil.rmtree(folder, ignore_errors=True)
             log.info("Removed the unfinished download %s", folder)
 
-    def remove_incomplete_files(self, repo_id: str) -> None:
+    def remove_incomplete_files(self, key: str) -> None:
         """Drop the half-fetched `*.incomplete` files a failed download left (they restart anyway)."""
-        downloads = self.folder_for(repo_id) / ".cache" / "huggingface" / "download"
+        downloads = self.folder_for(key) / ".cache" / "huggingface" / "download"
         for path in downloads.rglob("*.incomplete") if downloads.is_dir() else ():
             path.unlink(missing_ok=True)
 

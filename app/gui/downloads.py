@@ -1,7 +1,9 @@
 """Downloading models from the Hugging Face Hub, in child processes the user can cancel.
 
 `DownloadManager` (GUI thread) starts one spawned child per download (`app.download_child`)
-and turns what it reports into signals. The states the user sees:
+and turns what it reports into signals. A download is a `ModelSource`: a whole Hub repo, or the
+chosen file(s) of one quant of a GGUF repo (only those are fetched); its key (the repo id, or
+'repo:QUANT') names it in every signal and method. The states the user sees:
 
     checking → downloading (bytes done/total, speed, ETA) → verifying → done | cancelled | failed
 
@@ -10,11 +12,12 @@ and turns what it reports into signals. The states the user sees:
   manager then compares the bytes to fetch plus a margin with the free space on the target's
   disk, and lets the child go on only if they fit: "not enough disk space: need X, have Y"
   fails the download before any byte of it is fetched. The child then fetches config.json and
-  refuses unsupported or pre-quantized models before their weights.
+  refuses unsupported or pre-quantized models before their weights (a GGUF has no config.json:
+  its header is checked after verification).
 - Downloading: plain HTTP (`HF_HUB_DISABLE_XET=1` in the child), progress from a tqdm class.
 - Verifying: every file's size against the listing, the sha256 of every LFS file (the
   weights) and the git blob id of every other file; a bad file is removed. Then the engine's
-  folder check reads the safetensors headers, in the child.
+  folder check reads the safetensors or GGUF headers, in the child.
 - Cancel kills the child and removes that download's unfinished folder (only a folder marked
   as an unfinished download, so never another model's files). A failure keeps the complete
   files, so Retry fetches only what is missing.
@@ -38,8 +41,9 @@ from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.catalog import format_bytes
 from app.download_child import DownloadJob, DownloadProgress, DownloadState, run_download
-from app.model_library import ModelLibrary
+from app.model_library import ModelLibrary, ModelSource
 from engine.model.adapters import SUPPORTED_MODEL_TYPES
+from engine.model.check import config_problems
 
 __all__ = [
     "DownloadManager",
@@ -55,11 +59,10 @@ log = logging.getLogger(__name__)
 
 KEYRING_SERVICE = "moe-chat"
 KEYRING_USER = "huggingface"
-QUANTIZED_TAGS = {
+QUANTIZED_TAGS = {  # what a whole-repo download cannot load (MXFP4 gpt-oss it can: see config_problems)
     "gptq",
     "awq",
     "fp8",
-    "mxfp4",
     "4-bit",
     "8-bit",
     "gguf",
@@ -133,7 +136,7 @@ class HubModel:
     architecture: str
     downloads: int
     gated: bool
-    quantized: bool  # pre-quantized: MoE Chat cannot load it
+    quantized: bool  # pre-quantized in a way MoE Chat cannot load (or GGUF: the catalog fetches one file)
     total_params: int | None = None
 
 
@@ -161,7 +164,7 @@ def search_models(query: str, limit: int = 20, endpoint: str | None = None) -> l
                 architecture=architecture,
                 downloads=info.downloads or 0,
                 gated=bool(info.gated),
-                quantized=bool(config.get("quantization_config")) or bool(tags & QUANTIZED_TAGS),
+                quantized=bool(config_problems(config)) or bool(tags & QUANTIZED_TAGS),
                 total_params=getattr(info.safetensors, "total", None),
             )
         )
@@ -199,13 +202,13 @@ class _Download:
 
 class DownloadManager(QObject):
     sig_progress = Signal(str, object)
-    """A download moved on: repo id, a `DownloadProgress` (throttled: the newest of each state per poll)."""
+    """A download moved on: its key, a `DownloadProgress` (throttled: the newest of each state per poll)."""
     sig_finished = Signal(str, str)
-    """A download is complete and verified: repo id, the model's local folder."""
+    """A download is complete and verified: its key, what the engine loads (folder or GGUF file)."""
     sig_failed = Signal(str, str)
-    """A download failed: repo id, the reason in words (Retry may help)."""
+    """A download failed: its key, the reason in words (Retry may help)."""
     sig_cancelled = Signal(str)
-    """A download was cancelled and its unfinished files removed: repo id."""
+    """A download was cancelled and its unfinished files removed: its key."""
 
     def __init__(
         self,
@@ -220,58 +223,61 @@ class DownloadManager(QObject):
         self._context = multiprocessing.get_context("spawn")
         self._active: dict[str, _Download] = {}
         self._states: dict[str, DownloadProgress] = {}
-        self._revisions: dict[str, str] = {}
+        self._requests: dict[str, tuple[ModelSource, str]] = {}  # key → what was asked, for Retry
         self._timer = QTimer(self)
         self._timer.setInterval(poll_ms)
         self._timer.timeout.connect(self._poll)
 
-    def state(self, repo_id: str) -> DownloadProgress | None:
-        """The newest progress of `repo_id`'s download, if one was started in this session."""
-        return self._states.get(repo_id)
+    def state(self, key: str) -> DownloadProgress | None:
+        """The newest progress of download `key`, if one was started in this session."""
+        return self._states.get(key)
 
-    def is_active(self, repo_id: str) -> bool:
-        return repo_id in self._active
+    def is_active(self, key: str) -> bool:
+        return key in self._active
 
-    def pid(self, repo_id: str) -> int | None:
-        """The process id of `repo_id`'s running download, if any."""
-        download = self._active.get(repo_id)
+    def pid(self, key: str) -> int | None:
+        """The process id of download `key`'s child, while it runs."""
+        download = self._active.get(key)
         return download.process.pid if download is not None else None
 
-    def start(self, repo_id: str, revision: str = "main") -> None:
-        """Download `repo_id` into the library (nothing happens if it is already downloading)."""
-        if repo_id in self._active:
+    def start(self, source: ModelSource | str, revision: str = "main") -> None:
+        """Download `source` (a repo id: the whole model) into the library; nothing happens if it
+        is downloading already. Its key names it from now on."""
+        source = ModelSource(source) if isinstance(source, str) else source
+        key = source.key
+        if key in self._active:
             return
-        target = self.library.begin_download(repo_id)
-        job = DownloadJob(repo_id, revision, str(target), self.endpoint, load_token())
+        target = self.library.begin_download(key)
+        job = DownloadJob(source, revision, str(target), self.endpoint, load_token())
         events, go = self._context.Queue(), self._context.Event()
         process = self._context.Process(
-            target=run_download, args=(job, events, go), name=f"download {repo_id}", daemon=True
+            target=run_download, args=(job, events, go), name=f"download {key}", daemon=True
         )
         process.start()
-        log.info("Downloading %s@%s into %s (pid %s)", repo_id, revision, target, process.pid)
-        self._revisions[repo_id] = revision
-        checking = DownloadProgress(repo_id, DownloadState.CHECKING)
-        self._active[repo_id] = _Download(job, process, events, go, checking)
+        log.info("Downloading %s@%s into %s (pid %s)", key, revision, target, process.pid)
+        self._requests[key] = (source, revision)
+        checking = DownloadProgress(key, DownloadState.CHECKING)
+        self._active[key] = _Download(job, process, events, go, checking)
         self._emit_progress(checking)
         self._timer.start()
 
-    def cancel(self, repo_id: str) -> None:
+    def cancel(self, key: str) -> None:
         """Kill the download's process and remove its unfinished files."""
-        download = self._active.pop(repo_id, None)
+        download = self._active.pop(key, None)
         if download is None:
             return
         self._stop(download)
-        self.library.discard_download(repo_id)
-        self._emit_progress(DownloadProgress(repo_id, DownloadState.CANCELLED))
-        self.sig_cancelled.emit(repo_id)
+        self.library.discard_download(key)
+        self._emit_progress(DownloadProgress(key, DownloadState.CANCELLED))
+        self.sig_cancelled.emit(key)
 
-    def retry(self, repo_id: str) -> None:
-        """Start a failed or cancelled download again."""
-        last = self._states.get(repo_id)
+    def retry(self, key: str) -> None:
+        """Start a failed or cancelled download again, with what it was asked for."""
+        last = self._states.get(key)
         ended = last is not None and last.state in (DownloadState.FAILED, DownloadState.CANCELLED)
-        if repo_id in self._active or not ended:
+        if key in self._active or not ended or key not in self._requests:
             return
-        self.start(repo_id, self._revisions.get(repo_id, "main"))
+        self.start(*self._requests[key])
 
     def shutdown(self) -> None:
         """Kill every download (app exit); finished files stay for a later Retry."""
@@ -283,12 +289,12 @@ class DownloadManager(QObject):
     # -- the GUI thread's poll -------------------------------------------------------------------
 
     def _poll(self) -> None:
-        for repo_id, download in list(self._active.items()):
-            self._poll_one(repo_id, download)
+        for key, download in list(self._active.items()):
+            self._poll_one(key, download)
         if not self._active:
             self._timer.stop()
 
-    def _poll_one(self, repo_id: str, download: _Download) -> None:
+    def _poll_one(self, key: str, download: _Download) -> None:
         alive = download.process.is_alive()  # before draining: what a dead child sent is all in the pipe
         pending: DownloadProgress | None = None  # the newest progress not shown yet
         for event in self._drain(download):
@@ -300,12 +306,12 @@ class DownloadManager(QObject):
             if pending is not None:
                 self._show(download, pending)
                 pending = None
-            if self._handle(repo_id, download, event):
+            if self._handle(key, download, event):
                 return
         if pending is not None:
             self._show(download, pending)
         if not alive:
-            self._died(repo_id, download)
+            self._died(key, download)
 
     def _show(self, download: _Download, progress: DownloadProgress) -> None:
         download.last = progress
@@ -322,48 +328,48 @@ class DownloadManager(QObject):
             except (OSError, EOFError, ValueError):  # a killed child may leave a torn message
                 return events
 
-    def _handle(self, repo_id: str, download: _Download, event: tuple) -> bool:
+    def _handle(self, key: str, download: _Download, event: tuple) -> bool:
         """Act on one event; True when the download ended with it."""
         match event:
             case ("planned", int(to_fetch)):
-                self._check_disk(repo_id, download, to_fetch)
-                return repo_id not in self._active
+                self._check_disk(key, download, to_fetch)
+                return key not in self._active
             case ("done", str(folder)):
-                self._end(repo_id, download)
-                self.library.finish_download(repo_id)
+                self._end(key, download)
+                self.library.finish_download(key)
                 total = download.last.bytes_total
-                self._emit_progress(DownloadProgress(repo_id, DownloadState.DONE, total, total))
-                self.sig_finished.emit(repo_id, folder)
+                self._emit_progress(DownloadProgress(key, DownloadState.DONE, total, total))
+                self.sig_finished.emit(key, str(self.library.installed_path(key) or folder))
                 return True
             case ("failed", str(reason)):
-                self._fail(repo_id, download, reason)
+                self._fail(key, download, reason)
                 return True
         return False
 
-    def _check_disk(self, repo_id: str, download: _Download, to_fetch: int) -> None:
+    def _check_disk(self, key: str, download: _Download, to_fetch: int) -> None:
         target = Path(download.job.target)
         need, have = to_fetch + disk_margin(to_fetch), disk_free_bytes(target)
         if need > have:
             self._stop(download)
             where = target.parent
             reason = f"not enough disk space: need {format_bytes(need)}, have {format_bytes(have)} on {where}"
-            self._fail(repo_id, download, reason)
+            self._fail(key, download, reason)
             return
         download.go.set()
 
-    def _died(self, repo_id: str, download: _Download) -> None:
+    def _died(self, key: str, download: _Download) -> None:
         code = download.process.exitcode
-        self._fail(repo_id, download, f"the download process stopped unexpectedly (exit code {code}).")
+        self._fail(key, download, f"the download process stopped unexpectedly (exit code {code}).")
 
-    def _fail(self, repo_id: str, download: _Download, reason: str) -> None:
-        self._end(repo_id, download)
-        self.library.remove_incomplete_files(repo_id)
-        log.warning("Download of %s failed: %s", repo_id, reason)
-        self._emit_progress(DownloadProgress(repo_id, DownloadState.FAILED, reason=reason))
-        self.sig_failed.emit(repo_id, reason)
+    def _fail(self, key: str, download: _Download, reason: str) -> None:
+        self._end(key, download)
+        self.library.remove_incomplete_files(key)
+        log.warning("Download of %s failed: %s", key, reason)
+        self._emit_progress(DownloadProgress(key, DownloadState.FAILED, reason=reason))
+        self.sig_failed.emit(key, reason)
 
-    def _end(self, repo_id: str, download: _Download) -> None:
-        self._active.pop(repo_id, None)
+    def _end(self, key: str, download: _Download) -> None:
+        self._active.pop(key, None)
         download.process.join(5)
         if download.process.is_alive():
             self._stop(download)
@@ -376,5 +382,5 @@ class DownloadManager(QObject):
         download.events.close()
 
     def _emit_progress(self, progress: DownloadProgress) -> None:
-        self._states[progress.repo_id] = progress
-        self.sig_progress.emit(progress.repo_id, progress)
+        self._states[progress.key] = progress
+        self.sig_progress.emit(progress.key, progress)

@@ -1,10 +1,13 @@
 """The model picker: the catalog with fit estimates, Hub search, downloads and local folders.
 
-`ModelPicker(QDialog)` has three tabs. Catalog: every supported model with its size, licence,
-expected fit on this computer (colour-coded), install state, and per row Download / Cancel /
-Retry / Delete with a progress line (bytes, speed, ETA). Search the Hub: a query, results of
-supported architectures, Download. Local folders: the installed models and Import….
-"Use this model" (or a double-click on an installed model) emits `sig_model_chosen(path)`.
+`ModelPicker(QDialog)` has three tabs. Catalog: every supported release with its format and
+quant, size, licence, expected fit on this computer (colour-coded), install state, and per row
+Download / Cancel / Retry / Delete with a progress line (bytes, speed, ETA); a GGUF row fetches
+only its own file, and a "coming" row shows why it cannot be used yet instead of a Download.
+Search the Hub: a query, results of supported architectures, Download. Local folders: the
+installed models and Import….
+"Use this model" (or a double-click on an installed model) emits `sig_model_chosen(path)`
+(a folder, or a GGUF file in a subfolder of its download).
 
 Downloads belong to the `DownloadManager` passed in (the main window's, so they outlive the
 dialog); a picker that made its own stops its downloads when it closes. Searches, imports and
@@ -53,11 +56,12 @@ from app.gui.picker_widgets import (
     BackgroundCall,
     DownloadRow,
     LocalModelsPage,
+    catalog_cells,
     cell_text,
     make_table,
     status_label,
 )
-from app.model_library import ModelLibrary
+from app.model_library import ModelLibrary, ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +71,17 @@ CATALOG_COLUMNS = (
     "Architecture",
     "Parameters",
     "Experts",
+    "Format",
     "Download",
     "Licence",
     "Fit on this computer",
     "Status",
     "",
 )
+FIT_COLUMN, STATUS_COLUMN = 7, 8
+COMING_COLOUR = "#9a6700"
 SEARCH_COLUMNS = ("Model", "Architecture", "Parameters", "Downloads", "Notes", "Status", "")
-CATALOG_WIDTHS = (270, 95, 95, 85, 80, 110, 270, 270, 100)
+CATALOG_WIDTHS = (270, 90, 90, 85, 80, 75, 95, 235, 235, 100)
 SEARCH_WIDTHS = (340, 100, 90, 100, 240, 270, 100)
 ROW_HEIGHT = 50
 QUANTIZED_NOTE = "pre-quantized: cannot run"
@@ -175,30 +182,24 @@ class ModelPicker(QDialog):
         table = self.catalog_table
         table.setRowCount(len(self.catalog))
         for row, entry in enumerate(self.catalog):
-            size = format_bytes(entry.download_bytes)
-            cells = (
-                f"{entry.name}\n{entry.repo_id or 'bundled with the app'}",
-                entry.architecture,
-                f"{format_params(entry.total_params)} total\n{format_params(entry.active_params)} active",
-                f"{entry.num_experts} experts\ntop-{entry.top_k}",
-                size if entry.bundled else f"~{size}" if entry.size_approximate else size,
-                entry.license + ("\ngated" if entry.gated else ""),
-            )
-            for column, text in enumerate(cells):
+            for column, text in enumerate(catalog_cells(entry)):
                 item = QTableWidgetItem(text)
                 item.setToolTip(entry.notes)
                 table.setItem(row, column, item)
             if entry.bundled:
-                table.setCellWidget(row, 7, status_label("Bundled with the app: ready to use"))
+                table.setCellWidget(row, STATUS_COLUMN, status_label("Bundled with the app: ready to use"))
+            elif entry.coming:  # listed, so the user learns why it is not offered yet
+                cell = status_label(f"Coming: {entry.status_reason}", COMING_COLOUR, entry.notes)
+                table.setCellWidget(row, STATUS_COLUMN, cell)
             else:
-                self._add_download_row(table, row, 7, entry.repo_id, entry.gated, "catalog")
+                self._add_download_row(table, row, STATUS_COLUMN, entry.source, entry.gated, "catalog")
         self._fill_fit()
 
     def _fill_fit(self) -> None:
         for row, entry in enumerate(self.catalog):
             fit = estimate_fit(entry, self.ram_bytes, self.vram_bytes)
             cell = status_label(f"● {fit.summary}", FIT_COLOURS[fit.level], f"{fit.summary}\n\n{entry.notes}")
-            self.catalog_table.setCellWidget(row, 6, cell)
+            self.catalog_table.setCellWidget(row, FIT_COLUMN, cell)
 
     def set_vram_bytes(self, vram_bytes: int | None) -> None:
         """The GPU memory the worker reported; fit estimates follow it."""
@@ -208,11 +209,18 @@ class ModelPicker(QDialog):
 
     def _machine_text(self) -> str:
         gpu = f"GPU {format_bytes(self.vram_bytes)}" if self.vram_bytes else "no GPU found (CPU only)"
-        return f"This computer: {format_bytes(self.ram_bytes)} RAM, {gpu}. Fit estimates assume BF16 weights."
+        return (
+            f"This computer: {format_bytes(self.ram_bytes)} RAM, {gpu}. Fit estimates keep the experts "
+            "in each release's own format (GGUF, BF16…) and the other weights in BF16."
+        )
 
     def fit_text(self, entry_id: str) -> str:
         """The fit estimate shown for a catalog entry."""
-        return cell_text(self.catalog_table.cellWidget(self._catalog_row(entry_id), 6))
+        return cell_text(self.catalog_table.cellWidget(self._catalog_row(entry_id), FIT_COLUMN))
+
+    def catalog_status_text(self, entry_id: str) -> str:
+        """The status column of a bundled or "coming" catalog entry (a download's is `status_text`)."""
+        return cell_text(self.catalog_table.cellWidget(self._catalog_row(entry_id), STATUS_COLUMN))
 
     def _catalog_row(self, entry_id: str) -> int:
         return next(i for i, e in enumerate(self.catalog) if e.id == entry_id)
@@ -220,45 +228,46 @@ class ModelPicker(QDialog):
     # -- download rows (catalog and search) --------------------------------------------------------
 
     def _add_download_row(
-        self, table: QTableWidget, row: int, column: int, repo_id: str, gated: bool, where: str
+        self, table: QTableWidget, row: int, column: int, source: ModelSource, gated: bool, where: str
     ) -> DownloadRow:
-        download_row = DownloadRow(repo_id, where)
-        download_row.download_button.clicked.connect(lambda: self._download(repo_id, gated))
-        download_row.cancel_button.clicked.connect(lambda: self.manager.cancel(repo_id))
-        download_row.retry_button.clicked.connect(lambda: self._download(repo_id, gated, retry=True))
-        download_row.delete_button.clicked.connect(lambda: self._delete_download(repo_id))
+        key = source.key
+        download_row = DownloadRow(key, where)
+        download_row.download_button.clicked.connect(lambda: self._download(source, gated))
+        download_row.cancel_button.clicked.connect(lambda: self.manager.cancel(key))
+        download_row.retry_button.clicked.connect(lambda: self._download(source, gated, retry=True))
+        download_row.delete_button.clicked.connect(lambda: self._delete_download(key))
         table.setCellWidget(row, column, download_row.status)
         table.setCellWidget(row, column + 1, download_row.actions)
-        self._rows.setdefault(repo_id, []).append(download_row)
+        self._rows.setdefault(key, []).append(download_row)
         self._refresh_row(download_row)
         return download_row
 
     def _refresh_row(self, download_row: DownloadRow) -> None:
-        repo_id = download_row.repo_id
+        key = download_row.key
         download_row.show(
-            self.manager.state(repo_id),
-            installed=self.library.is_installed(repo_id),
-            partial=self.library.has_partial(repo_id),
+            self.manager.state(key),
+            installed=self.library.is_installed(key),
+            partial=self.library.has_partial(key),
         )
 
-    def download_row(self, repo_id: str, where: str = "catalog") -> DownloadRow:
-        """The row widgets of `repo_id` in the catalog or in the search results."""
-        return next(r for r in self._rows[repo_id] if r.where == where)
+    def download_row(self, key: str, where: str = "catalog") -> DownloadRow:
+        """The row widgets of download `key` in the catalog or in the search results."""
+        return next(r for r in self._rows[key] if r.where == where)
 
-    def status_text(self, repo_id: str) -> str:
-        """The status line the user sees for `repo_id` (its first row)."""
-        return self._rows[repo_id][0].status_label.text().replace(NBSP, " ")
+    def status_text(self, key: str) -> str:
+        """The status line the user sees for download `key` (its first row)."""
+        return self._rows[key][0].status_label.text().replace(NBSP, " ")
 
-    def row_buttons(self, repo_id: str) -> list[str]:
-        """The action buttons shown for `repo_id` (its first row)."""
-        return self._rows[repo_id][0].visible_buttons()
+    def row_buttons(self, key: str) -> list[str]:
+        """The action buttons shown for download `key` (its first row)."""
+        return self._rows[key][0].visible_buttons()
 
-    def _on_progress(self, repo_id: str, progress: DownloadProgress) -> None:
-        for download_row in self._rows.get(repo_id, ()):
+    def _on_progress(self, key: str, progress: DownloadProgress) -> None:
+        for download_row in self._rows.get(key, ()):
             self._refresh_row(download_row)
 
-    def _on_installed_changed(self, repo_id: str, *_) -> None:
-        for download_row in self._rows.get(repo_id, ()):
+    def _on_installed_changed(self, key: str, *_) -> None:
+        for download_row in self._rows.get(key, ()):
             self._refresh_row(download_row)
         self.local_page.refresh()
         self._update_use_button()
@@ -269,19 +278,19 @@ class ModelPicker(QDialog):
                 self._refresh_row(download_row)
         self._update_use_button()
 
-    def _download(self, repo_id: str, gated: bool, retry: bool = False) -> None:
-        start = self.manager.retry if retry else self.manager.start
+    def _download(self, source: ModelSource, gated: bool, retry: bool = False) -> None:
+        start = (lambda: self.manager.retry(source.key)) if retry else lambda: self.manager.start(source)
         if not gated or load_token():
-            start(repo_id)
+            start()
             return
         token, ok = QInputDialog.getText(
             self,
             "Hugging Face token",
-            f"{repo_id} is gated: accept its terms on huggingface.co, then paste an access token:",
+            f"{source.repo_id} is gated: accept its terms on huggingface.co, then paste an access token:",
             QLineEdit.EchoMode.Password,
         )
         if ok and token.strip():
-            self._store_token_then(token, lambda: start(repo_id))
+            self._store_token_then(token, start)
 
     def _ask_token(self) -> None:
         token, ok = QInputDialog.getText(
@@ -299,8 +308,8 @@ class ModelPicker(QDialog):
         failed = lambda err: self._say(f"Token not saved: {err}")  # noqa: E731
         BackgroundCall(lambda: store_token(token), stored, failed, owner=self).start()
 
-    def _delete_download(self, repo_id: str) -> None:
-        model = self.library.find(repo_id)
+    def _delete_download(self, key: str) -> None:
+        model = self.library.find(key)
         if model is not None:
             self.local_page.delete(model)
 
@@ -329,7 +338,8 @@ class ModelPicker(QDialog):
             cells = (model.repo_id, model.architecture, params, f"{model.downloads:,}", ", ".join(notes))
             for column, text in enumerate(cells):
                 table.setItem(row, column, QTableWidgetItem(text))
-            download_row = self._add_download_row(table, row, 5, model.repo_id, model.gated, "search")
+            source = ModelSource(model.repo_id)
+            download_row = self._add_download_row(table, row, 5, source, model.gated, "search")
             download_row.download_button.setEnabled(not model.quantized)
         count = f"{len(results)} model(s)" if results else "No models"
         self.search_status.setText(f"{count} of supported architectures found.")
@@ -353,9 +363,8 @@ class ModelPicker(QDialog):
     def _entry_path(self, entry: CatalogEntry) -> str | None:
         if entry.bundled:
             return entry.local_path
-        if not self.library.is_installed(entry.repo_id):
-            return None
-        return str(self.library.folder_for(entry.repo_id))
+        path = None if entry.coming else self.library.installed_path(entry.source.key)
+        return str(path) if path is not None else None
 
     def _use_selected(self) -> None:
         path = self.selected_model_path()

@@ -1,9 +1,13 @@
-"""Pieces of the model picker: a download's row widgets, the local-folders page, a background call.
+"""Pieces of the model picker: catalog cells, a download's row widgets, the local-folders page,
+a background call.
+
+`catalog_cells(entry)` are the texts of a catalog row, its release's format and quant among them.
 
 `DownloadRow` is what a table shows for a model that can be downloaded: a status line over a
 thin progress bar, and Download / Cancel / Retry / Delete buttons, of which only those that
 make sense in the current state are visible. `show(progress, installed, partial)` is the only
 way its state changes, so the catalog and the search results render a download the same way.
+It is named by the download's key (`app.model_library.ModelSource.key`).
 
 `LocalModelsPage` lists the installed models (the demo, downloads, imported folders) with
 Import… and Delete. Imported folders are registered by reference (see `app.model_library`).
@@ -37,7 +41,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.catalog import format_bytes
+from app.catalog import CatalogEntry, format_bytes, format_params
 from app.download_child import DownloadProgress, DownloadState
 from app.model_library import InstalledModel, ModelLibrary
 
@@ -49,6 +53,21 @@ SELECTION_COLOUR = "#cfe2f6"
 LOCAL_COLUMNS = ("Model", "Source", "Size", "Folder")
 NBSP = "\u00a0"
 STATUS_MARGINS = (6, 2, 6, 2)
+
+
+def catalog_cells(entry: CatalogEntry) -> tuple[str, ...]:
+    """Model and repo, architecture, parameters, experts, format and quant, download size, licence."""
+    size = format_bytes(entry.download_bytes)
+    kind, _, quant = entry.format_label.partition(" ")
+    return (
+        f"{entry.name}\n{entry.repo_id or 'bundled with the app'}",
+        entry.architecture,
+        f"{format_params(entry.total_params)} total\n{format_params(entry.active_params)} active",
+        f"{entry.num_experts} experts\ntop-{entry.top_k}",
+        f"{kind}\n{quant}" if quant else f"{kind}\nsafetensors",
+        f"~{size}" if entry.size_approximate and not entry.bundled else size,
+        entry.license + ("\ngated" if entry.gated else ""),
+    )
 
 
 def status_label(text: str, colour: str = "", tooltip: str = "") -> QWidget:
@@ -97,8 +116,8 @@ def make_table(columns: tuple[str, ...], widths: tuple[int, ...], row_height: in
 class DownloadRow:
     """The status and action widgets of one downloadable model in one table."""
 
-    def __init__(self, repo_id: str, where: str = "catalog"):
-        self.repo_id = repo_id
+    def __init__(self, key: str, where: str = "catalog"):
+        self.key = key  # the download's key: a repo id, or 'repo:QUANT'
         self.where = where  # which table holds it
         self.status_label = QLabel()
         self.status_label.setWordWrap(True)

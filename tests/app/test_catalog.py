@@ -1,4 +1,5 @@
-"""The shipped catalog, its validation, and the fit estimates the picker shows."""
+"""The shipped catalog, its validation, and the fit estimates the picker shows: each release in
+its own format (BF16 safetensors, GGUF quants, MXFP4 and FP8 ones that are still to come)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from app.catalog import (
     load_catalog,
     vram_headroom,
 )
-from app.model_library import folder_size
+from app.model_library import ModelSource, folder_size
 from engine.model.adapters import SUPPORTED_MODEL_TYPES
 from engine.model.check import check_model_folder
 from engine.resources import demo_model_dir, resources_dir
@@ -31,7 +32,18 @@ REQUIRED_MODELS = {
     "unsloth/gpt-oss-20b-BF16",
     "microsoft/Phi-3.5-MoE-instruct",
     "ibm-granite/granite-3.1-3b-a800m-instruct",
+    "unsloth/Qwen3-30B-A3B-GGUF",
+    "unsloth/Qwen3-30B-A3B-Instruct-2507-GGUF",
+    "unsloth/Qwen3-30B-A3B-Thinking-2507-GGUF",
+    "unsloth/Qwen3-Coder-30B-A3B-Instruct-GGUF",
+    "Qwen/Qwen3-30B-A3B-Instruct-2507",
+    "Qwen/Qwen3-30B-A3B-Thinking-2507",
+    "Qwen/Qwen3-Coder-30B-A3B-Instruct",
+    "Qwen/Qwen3-30B-A3B-Instruct-2507-FP8",
+    "openai/gpt-oss-20b",
 }
+# Bits per weight a quant's whole file comes to (llama.cpp's mixes keep some tensors wider).
+BITS_PER_WEIGHT = {"Q4_K_M": (4.5, 5.2), "Q8_0": (8.4, 8.7)}
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +60,46 @@ def test_the_catalog_lists_the_supported_moe_models_and_the_demo(catalog):
     assert "MXFP4" in gpt_oss.notes and "openai/gpt-oss-20b" in gpt_oss.notes
     for entry in catalog.values():
         assert 0.8 < entry.expert_share < 1
-        # BF16: about two bytes per parameter
-        assert entry.download_bytes == pytest.approx(2 * entry.total_params, rel=0.05), entry.id
+        if entry.format == "safetensors-bf16":  # about two bytes per parameter
+            assert entry.download_bytes == pytest.approx(2 * entry.total_params, rel=0.05), entry.id
+            assert entry.quant is None and entry.files == () and entry.format_label == "BF16"
+
+
+def test_each_gguf_entry_fetches_one_quant_file_of_a_plausible_size(catalog):
+    ggufs = [e for e in catalog.values() if e.format == "gguf"]
+    assert {e.quant for e in ggufs} == {"Q4_K_M", "Q8_0"} and len(ggufs) >= 9
+    for entry in ggufs:
+        assert entry.size_approximate and entry.status == "available"
+        [file] = entry.files
+        assert file.endswith(f"-{entry.quant}.gguf") or file.endswith(f".{entry.quant}.gguf"), file
+        low, high = BITS_PER_WEIGHT[entry.quant]
+        assert low < 8 * entry.download_bytes / entry.total_params < high, entry.id
+        assert entry.source == ModelSource(entry.repo_id, (file,), entry.quant)
+        assert entry.source.key == f"{entry.repo_id}:{entry.quant}"
+        assert entry.format_label == f"GGUF {entry.quant}"
+    q4 = catalog["qwen3-30b-a3b-gguf-q4_k_m"]
+    assert (q4.repo_id, q4.files) == ("unsloth/Qwen3-30B-A3B-GGUF", ("Qwen3-30B-A3B-Q4_K_M.gguf",))
+    assert q4.download_bytes == 18_600_000_000
+    assert catalog["qwen3-30b-a3b-gguf-q8_0"].download_bytes == 32_500_000_000
+
+
+def test_mxfp4_gpt_oss_is_offered_as_shipped_and_fp8_is_coming_with_a_reason(catalog):
+    gpt_oss = catalog["gpt-oss-20b"]
+    assert (gpt_oss.repo_id, gpt_oss.format, gpt_oss.quant) == ("openai/gpt-oss-20b", "mxfp4", "MXFP4")
+    assert (gpt_oss.total_params, gpt_oss.active_params, gpt_oss.num_experts, gpt_oss.top_k) == (
+        20_900_000_000,
+        3_600_000_000,
+        32,
+        4,
+    )
+    assert gpt_oss.download_bytes == 13_800_000_000 and gpt_oss.format_label == "MXFP4"
+    assert not gpt_oss.coming  # the engine keeps gpt-oss's MXFP4 experts as they are
+    assert gpt_oss.source == ModelSource("openai/gpt-oss-20b")  # the whole repo (its safetensors)
+    fp8 = catalog["qwen3-30b-a3b-instruct-2507-fp8"]
+    assert (fp8.repo_id, fp8.format, fp8.quant) == ("Qwen/Qwen3-30B-A3B-Instruct-2507-FP8", "fp8", "FP8")
+    assert fp8.coming and "FP8" in fp8.status_reason
+    assert {e.id for e in catalog.values() if e.coming} == {"qwen3-30b-a3b-instruct-2507-fp8"}
+    assert all(not e.status_reason for e in catalog.values() if not e.coming)
 
 
 def test_the_demo_entry_describes_the_bundled_model(catalog):
@@ -71,31 +121,84 @@ def write_catalog(tmp_path, change) -> str:
     return str(path)
 
 
-def set_field(index, key, value):
+def set_field(entry_id, key, value):
+    """Set `key` of the entry `entry_id`; a value of None removes the key."""
+
     def change(models):
-        models[index][key] = value
+        entry = next(m for m in models if m["id"] == entry_id)
+        entry.pop(key) if value is None else entry.__setitem__(key, value)
 
     return change
+
+
+Q4 = "qwen3-30b-a3b-gguf-q4_k_m"
+FP8 = "qwen3-30b-a3b-instruct-2507-fp8"
+
+
+def split_set(files):
+    """Make the Q4_K_M entry a split set of `files`."""
+
+    def change(models):
+        entry = next(m for m in models if m["id"] == Q4)
+        del entry["file"]
+        entry["files"] = files
+
+    return change
+
+
+SPLIT = ["Q4/Qwen3-30B-A3B-Q4_K_M-00001-of-00002.gguf", "Q4/Qwen3-30B-A3B-Q4_K_M-00002-of-00002.gguf"]
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (set_field(1, "architecture", "llama"), "Catalog entry 'qwen3-30b-a3b': architecture 'llama'"),
-        (set_field(1, "top_k", 500), "Catalog entry 'qwen3-30b-a3b': top_k must be"),
+        (set_field("qwen3-30b-a3b", "architecture", "llama"), "'qwen3-30b-a3b': architecture 'llama'"),
+        (set_field("qwen3-30b-a3b", "top_k", 500), "Catalog entry 'qwen3-30b-a3b': top_k must be"),
         (
-            set_field(2, "total_params", "14B"),
+            set_field("qwen1.5-moe-a2.7b-chat", "total_params", "14B"),
             "Catalog entry 'qwen1.5-moe-a2.7b-chat': 'total_params' is missing",
         ),
-        (set_field(3, "gated", 1), "'mixtral-8x7b-instruct-v0.1': 'gated' is missing or not a bool"),
-        (set_field(4, "expert_share", 1.5), "'deepseek-v2-lite-chat': expert_share must lie"),
-        (set_field(5, "repo_id", "no-slash"), "'olmoe-1b-7b-0924-instruct': repo_id 'no-slash' is not"),
         (
-            set_field(6, "id", "phi-3.5-moe-instruct"),
+            set_field("mixtral-8x7b-instruct-v0.1", "gated", 1),
+            "'mixtral-8x7b-instruct-v0.1': 'gated' is missing or not a bool",
+        ),
+        (
+            set_field("deepseek-v2-lite-chat", "expert_share", 1.5),
+            "'deepseek-v2-lite-chat': expert_share must",
+        ),
+        (
+            set_field("olmoe-1b-7b-0924-instruct", "repo_id", "no-slash"),
+            "'olmoe-1b-7b-0924-instruct': repo_id 'no-slash' is not",
+        ),
+        (
+            set_field("granite-3.1-3b-a800m-instruct", "id", "phi-3.5-moe-instruct"),
             "Catalog entry 'phi-3.5-moe-instruct': the id is used twice",
         ),
-        (set_field(0, "repo_id", "a/b"), "Catalog entry 'demo': needs a repo_id, or bundled: true"),
-        (lambda models: models.append("oops"), "Catalog entry #9: must be an object"),
+        (set_field("demo", "repo_id", "a/b"), "Catalog entry 'demo': needs a repo_id, or bundled: true"),
+        (set_field(Q4, "repo_id", "un--sloth/x"), f"'{Q4}': repo_id 'un--sloth/x' is not an 'org/name'"),
+        (set_field(Q4, "files", ["a.gguf", 3]), f"'{Q4}': a gguf entry names its 'file', or the 'files'"),
+        (split_set([SPLIT[0], 3]), f"'{Q4}': 3 is not the path of a .gguf file"),
+        (lambda models: models.append("oops"), "Catalog entry #23: must be an object"),
+        (set_field("qwen3-30b-a3b", "format", None), "'qwen3-30b-a3b': 'format' is missing or not a str"),
+        (set_field("qwen3-30b-a3b", "format", "awq"), "'qwen3-30b-a3b': format 'awq' is not one of"),
+        (set_field("qwen3-30b-a3b", "quant", "Q4_K_M"), "'qwen3-30b-a3b': a quant (Q4_K_M, MXFP4, FP8…)"),
+        (set_field("qwen3-30b-a3b", "file", "x.gguf"), "'qwen3-30b-a3b': 'file'/'files' choose what to"),
+        (set_field(Q4, "quant", None), f"'{Q4}': a quant (Q4_K_M, MXFP4, FP8…) is needed"),
+        (set_field(Q4, "quant", "Q4:K"), f"'{Q4}': quant 'Q4:K' is not a quant name"),
+        (set_field(Q4, "quant", 4), f"'{Q4}': 'quant' must be a string"),
+        (set_field(Q4, "file", None), f"'{Q4}': a gguf entry names its 'file', or the 'files'"),
+        (set_field(Q4, "files", SPLIT), f"'{Q4}': a gguf entry names its 'file', or the 'files'"),
+        (
+            set_field(Q4, "file", "model.safetensors"),
+            f"'{Q4}': 'model.safetensors' is not the path of a .gguf",
+        ),
+        (set_field(Q4, "file", "../up.gguf"), f"'{Q4}': '../up.gguf' is not the path of a .gguf"),
+        (set_field(Q4, "architecture", "mixtral"), f"'{Q4}': MoE Chat reads GGUF files of "),
+        (set_field("qwen3-30b-a3b-gguf-q8_0", "quant", "Q4_K_M"), "downloads the same files as "),
+        (set_field(Q4, "status", "soon"), f"'{Q4}': status 'soon' is not one of available, coming"),
+        (set_field(Q4, "status", "coming"), f"'{Q4}': a 'coming' entry says why in status_reason"),
+        (set_field(Q4, "status_reason", "why"), f"'{Q4}': a 'coming' entry says why in status_reason"),
+        (set_field(FP8, "status_reason", "x" * 81), f"'{FP8}': status_reason must be at most 80"),
     ],
 )
 def test_a_bad_entry_is_named_in_the_error(tmp_path, change, message):
@@ -134,6 +237,44 @@ def test_with_a_gpu_only_the_experts_stay_in_ram_and_the_rest_caches_experts(cat
     assert fit.level == "good"
     granite = catalog["granite-3.1-3b-a800m-instruct"]
     assert estimate_fit(granite, 32 * GIB, vram).gpu_cacheable_fraction == 1.0
+
+
+def test_a_split_gguf_set_is_every_part_in_order(tmp_path):
+    entries = {e.id: e for e in load_catalog(write_catalog(tmp_path, split_set(SPLIT)))}
+    assert entries[Q4].files == tuple(SPLIT)
+    assert entries[Q4].source.path_in(tmp_path) == tmp_path / SPLIT[0]
+    for bad in (SPLIT[:1], SPLIT[::-1], [SPLIT[0], SPLIT[1].replace("Q4/", "")]):
+        with pytest.raises(CatalogError, match="must list every part of one split set"):
+            load_catalog(write_catalog(tmp_path, split_set(bad)))
+
+
+def test_a_gguf_keeps_its_quantized_experts_in_ram_and_the_rest_in_bf16(catalog):
+    q4, bf16 = catalog[Q4], catalog["qwen3-30b-a3b"]
+    assert q4.expert_bytes == int(18_600_000_000 * 0.95)  # the Q4_K_M blocks, not a BF16 copy
+    assert q4.resident_bytes == int(2 * 30_500_000_000 * 0.05)  # dequantized to BF16 at load
+    assert q4.resident_bytes == pytest.approx(bf16.resident_bytes, rel=0.01)
+    vram = 8 * GIB
+    fit = estimate_fit(q4, 32 * GIB, vram)
+    assert fit.ram_needed_bytes == q4.expert_bytes + RAM_OVERHEAD
+    assert fit.gpu_cacheable_fraction == pytest.approx(
+        (vram - q4.resident_bytes - vram_headroom(vram)) / q4.expert_bytes
+    )
+    assert fit.fits_in_ram and fit.level == "tight"  # 18.5 GiB is over 60% of what 32 GiB leaves us
+    assert estimate_fit(q4, 64 * GIB, vram).level == "good"
+    assert not estimate_fit(bf16, 32 * GIB, vram).fits_in_ram  # the same model in BF16 does not fit
+    cpu = estimate_fit(q4, 32 * GIB, None)  # on the CPU the BF16 resident weights are in RAM too
+    assert cpu.ram_needed_bytes == q4.expert_bytes + q4.resident_bytes + RAM_OVERHEAD
+    q8 = estimate_fit(catalog["qwen3-30b-a3b-gguf-q8_0"], 32 * GIB, vram)
+    assert q8.ram_needed_bytes > fit.ram_needed_bytes and not q8.fits_in_ram
+
+
+def test_mxfp4_keeps_its_experts_in_mxfp4_and_ships_the_rest_in_bf16(catalog):
+    gpt_oss = catalog["gpt-oss-20b"]
+    assert gpt_oss.resident_bytes == int(2 * 20_900_000_000 * (1 - 0.91))
+    assert gpt_oss.expert_bytes == 13_800_000_000 - gpt_oss.resident_bytes  # ~10 GB of MXFP4 blocks
+    fit = estimate_fit(gpt_oss, 16 * GIB, 8 * GIB)
+    assert fit.fits_in_ram and fit.ram_needed_bytes == gpt_oss.expert_bytes + RAM_OVERHEAD
+    assert not estimate_fit(catalog["gpt-oss-20b-bf16"], 16 * GIB, 8 * GIB).fits_in_ram
 
 
 def test_a_gpu_too_small_for_the_non_expert_weights_means_cpu_only(catalog):

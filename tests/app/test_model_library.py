@@ -1,4 +1,5 @@
-"""The model library: the demo, downloads in and out of progress, and imported folders."""
+"""The model library: the demo, downloads in and out of progress (whole repos and single GGUF
+quants), and imported folders."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from app.model_library import (
     InstalledModel,
     ModelImportError,
     ModelLibrary,
+    ModelSource,
     check_folder,
     folder_name,
+    key_of_folder,
 )
 from engine.model.tiny import make_tiny_model
 from engine.resources import demo_model_dir
@@ -42,10 +45,47 @@ def test_the_default_root_is_under_the_data_dir(tmp_path, monkeypatch):
     assert library.folder_for("Qwen/Qwen3-30B-A3B") == tmp_path / "models" / "Qwen--Qwen3-30B-A3B"
 
 
-@pytest.mark.parametrize("bad", ["noslash", "a/b/c", "../x", "a/..", "/name"])
+@pytest.mark.parametrize("bad", ["noslash", "a/b/c", "../x", "a/..", "/name", "a--b/c", "a/b:Q4/x"])
 def test_folder_names_come_only_from_org_slash_name(bad):
-    with pytest.raises(ValueError, match="not an 'org/name' Hub id"):
+    with pytest.raises(ValueError, match=r"not an 'org/name' Hub id|not a quant name"):
         folder_name(bad)
+
+
+def test_each_quant_of_a_gguf_repo_has_its_own_folder_named_back_to_its_key():
+    q4 = ModelSource("unsloth/Qwen3-30B-A3B-GGUF", ("Qwen3-30B-A3B-Q4_K_M.gguf",), "Q4_K_M")
+    assert q4.key == "unsloth/Qwen3-30B-A3B-GGUF:Q4_K_M"
+    assert folder_name(q4.key) == "unsloth--Qwen3-30B-A3B-GGUF--Q4_K_M"
+    assert ModelSource("Qwen/Qwen3-30B-A3B").key == "Qwen/Qwen3-30B-A3B"
+    for key in (q4.key, "Qwen/Qwen3-30B-A3B", "o/m:UD-Q4_K_XL"):
+        assert key_of_folder(folder_name(key)) == key
+    assert key_of_folder("not-a-download") is None
+    with pytest.raises(ValueError, match="need a quant name"):
+        ModelSource("o/m-GGUF", ("m.gguf",))
+
+
+def test_a_gguf_download_is_listed_by_its_folder_or_by_its_file_in_a_subfolder(tmp_path):
+    library = ModelLibrary(tmp_path / "models")
+    folder = library.begin_download("o/m-GGUF:Q4_K_M")
+    (folder / "m-Q4_K_M.gguf").write_bytes(b"GGUF" * 100)
+    assert library.has_partial("o/m-GGUF:Q4_K_M") and not library.is_installed("o/m-GGUF:Q4_K_M")
+    library.finish_download("o/m-GGUF:Q4_K_M")
+    assert library.installed_path("o/m-GGUF:Q4_K_M") == folder  # the engine finds the one GGUF in it
+    assert not library.is_installed("o/m-GGUF:Q8_0")  # another quant of the same repo
+
+    nested = library.begin_download("o/big-GGUF:Q8_0")
+    (nested / "Q8_0").mkdir()
+    for part in (2, 1):
+        (nested / "Q8_0" / f"big-Q8_0-0000{part}-of-00002.gguf").write_bytes(b"GGUF")
+    library.finish_download("o/big-GGUF:Q8_0")
+    first_part = nested / "Q8_0" / "big-Q8_0-00001-of-00002.gguf"
+    assert library.installed_path("o/big-GGUF:Q8_0") == first_part
+    models = {m.repo_id: m for m in library.list_installed() if m.source == "downloaded"}
+    assert models["o/m-GGUF:Q4_K_M"] == InstalledModel(
+        "o/m-GGUF:Q4_K_M", str(folder), "downloaded", "o/m-GGUF:Q4_K_M", 400
+    )
+    assert models["o/big-GGUF:Q8_0"].path == str(first_part)
+    library.delete(models["o/big-GGUF:Q8_0"])  # the whole download's folder, not just the file
+    assert not nested.exists() and folder.is_dir()
 
 
 def test_a_download_is_listed_only_once_finished_and_delete_removes_it(tmp_path):

@@ -1,4 +1,5 @@
-"""Downloads against a local fake Hub: what the user sees in each scenario, and what is on disk."""
+"""Downloads against a local fake Hub: what the user sees in each scenario, and what is on disk;
+a GGUF quant fetches only its own file(s) of a repo holding several."""
 
 from __future__ import annotations
 
@@ -14,13 +15,19 @@ from keyring.backend import KeyringBackend
 import app.gui.downloads as downloads
 from app.download_child import DownloadProgress, DownloadState, RateMeter
 from app.gui.downloads import DownloadManager, search_models
-from app.model_library import PARTIAL_MARKER, ModelLibrary
+from app.model_library import PARTIAL_MARKER, ModelLibrary, ModelSource
 from engine.model.tiny import make_tiny_model
+from engine.model.tiny_gguf import write_split_gguf, write_tiny_gguf
 from tests.app.fake_hub import FakeHub, FakeRepo
 
 REPO = "tiny-org/tiny-moe"
 WEIGHTS = "model.safetensors"
 TIMEOUT_MS = 60_000
+GGUF_REPO = "gguf-org/tiny-moe-GGUF"
+Q4 = ModelSource(GGUF_REPO, ("tiny-moe-Q4_K_M.gguf",), "Q4_K_M")
+SPLIT_Q8 = ModelSource(
+    GGUF_REPO, ("Q8_0/tiny-moe-Q8_0-00001-of-00002.gguf", "Q8_0/tiny-moe-Q8_0-00002-of-00002.gguf"), "Q8_0"
+)
 
 pytestmark = [pytest.mark.gui, pytest.mark.slow]
 
@@ -29,6 +36,21 @@ pytestmark = [pytest.mark.gui, pytest.mark.slow]
 def model_files(tmp_path_factory) -> dict[str, bytes]:
     folder = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", "qwen3_moe")
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def gguf_repo_files(tmp_path_factory) -> dict[str, bytes]:
+    """A GGUF repo as publishers lay them out: one file per quant, a big quant split in a subfolder."""
+    single = write_tiny_gguf(tmp_path_factory.mktemp("gguf"), "qwen3_moe")
+    single_bytes = single.read_bytes()
+    parts = [path.read_bytes() for path in write_split_gguf(single, 2)]
+    return {
+        Q4.files[0]: single_bytes,
+        "tiny-moe-Q6_K.gguf": b"GGUF" + bytes(3 * 2**20),  # never fetched
+        SPLIT_Q8.files[0]: parts[0],
+        SPLIT_Q8.files[1]: parts[1],
+        "README.md": b"# tiny-moe GGUF\n",
+    }
 
 
 @pytest.fixture
@@ -63,12 +85,13 @@ def make_manager(hub, library) -> DownloadManager:
     return manager
 
 
-def download(qtbot, manager, repo_id: str = REPO, retry: bool = False) -> tuple[str, str]:
-    """Start (or retry) a download and wait for its end: ("finished", folder) or ("failed", reason)."""
+def download(qtbot, manager, what: str | ModelSource = REPO, retry: bool = False) -> tuple[str, str]:
+    """Start (or retry) a download and wait for its end: ("finished", path) or ("failed", reason)."""
+    key = what.key if isinstance(what, ModelSource) else what
     before = len(manager.outcomes)
-    manager.retry(repo_id) if retry else manager.start(repo_id)
+    manager.retry(key) if retry else manager.start(what)
     qtbot.waitUntil(lambda: len(manager.outcomes) > before, timeout=TIMEOUT_MS)
-    assert not manager.is_active(repo_id)
+    assert not manager.is_active(key)
     return manager.outcomes[-1]
 
 
@@ -200,6 +223,61 @@ def test_an_unsupported_model_is_refused_before_its_weights(qtbot, manager, mode
     assert outcome == "failed"
     assert "Architecture 'llama' is not supported" in reason
     assert [p.rsplit("/", 1)[1] for p in hub.file_gets("dense/llama")] == ["config.json"]
+
+
+def fetched(hub, repo_id: str) -> list[str]:
+    """The names of the files whose bytes were asked for."""
+    return [path.split("/resolve/", 1)[1].split("/", 1)[1] for path in hub.file_gets(repo_id)]
+
+
+def test_a_gguf_quant_fetches_only_its_own_file(qtbot, manager, library, hub, gguf_repo_files):
+    hub.add_repo(FakeRepo(GGUF_REPO, dict(gguf_repo_files)))
+    outcome, path = download(qtbot, manager, Q4)
+    assert outcome == "finished" and Path(path) == library.folder_for("gguf-org/tiny-moe-GGUF:Q4_K_M")
+    assert fetched(hub, GGUF_REPO) == [Q4.files[0]]
+    assert {p.name for p in Path(path).iterdir() if p.is_file()} == {Q4.files[0]}
+    assert (Path(path) / Q4.files[0]).read_bytes() == gguf_repo_files[Q4.files[0]]
+    assert states(manager) == [
+        DownloadState.CHECKING,
+        DownloadState.DOWNLOADING,
+        DownloadState.VERIFYING,
+        DownloadState.DONE,
+    ]
+    downloading = [p for p in manager.seen if p.state is DownloadState.DOWNLOADING]
+    assert downloading[0].bytes_total == len(gguf_repo_files[Q4.files[0]])  # planned: this file alone
+    assert all(p.key == Q4.key for p in manager.seen)
+    assert library.find(Q4.key).path == path and not library.is_installed(GGUF_REPO)
+    assert not library.is_installed(SPLIT_Q8.key)
+
+
+def test_a_split_gguf_set_in_a_subfolder_comes_whole_into_its_own_folder(
+    qtbot, manager, library, hub, gguf_repo_files
+):
+    hub.add_repo(FakeRepo(GGUF_REPO, dict(gguf_repo_files)))
+    outcome, path = download(qtbot, manager, SPLIT_Q8)
+    assert outcome == "finished"
+    folder = library.folder_for(SPLIT_Q8.key)
+    assert Path(path) == folder / SPLIT_Q8.files[0]  # what the engine's --model takes
+    assert sorted(fetched(hub, GGUF_REPO)) == list(SPLIT_Q8.files)
+    assert library.installed_path(SPLIT_Q8.key) == Path(path)
+    assert not library.folder_for(Q4.key).exists()
+
+
+def test_a_gguf_download_that_cannot_load_or_is_gone_fails_with_the_reason(
+    qtbot, manager, library, hub, gguf_repo_files
+):
+    broken = dict(gguf_repo_files, **{Q4.files[0]: b"GGUF" + bytes(5000)})
+    hub.add_repo(FakeRepo(GGUF_REPO, broken))
+    outcome, reason = download(qtbot, manager, Q4)
+    assert outcome == "failed"
+    assert reason.startswith("downloaded, but MoE Chat cannot load it: ") and "GGUF" in reason
+    assert not library.is_installed(Q4.key)
+
+    gone = ModelSource(GGUF_REPO, ("tiny-moe-Q5_K_M.gguf",), "Q5_K_M")
+    outcome, reason = download(qtbot, manager, gone)
+    assert outcome == "failed"
+    assert reason == f"{GGUF_REPO} has no model files (tiny-moe-Q5_K_M.gguf: renamed or removed)."
+    assert fetched(hub, GGUF_REPO) == [Q4.files[0]]  # nothing of the second
 
 
 class MemoryKeyring(KeyringBackend):

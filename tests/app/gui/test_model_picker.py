@@ -1,5 +1,6 @@
-"""The model picker offscreen: catalog rows and fit estimates, downloads through the row buttons
-against a fake Hub, search, import, delete and choosing a model; screenshots of each tab."""
+"""The model picker offscreen: catalog rows (format, quant, fit estimates, releases still to come),
+downloads through the row buttons against a fake Hub (a GGUF row fetches its file alone), search,
+import, delete and choosing a model; screenshots of each tab."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import app.gui.downloads as downloads
 import app.gui.model_picker as model_picker
 from app.catalog import GIB, estimate_fit
 from app.gui.downloads import DownloadManager, DownloadState
-from app.gui.model_picker import FIT_COLOURS, ModelPicker
+from app.gui.model_picker import FIT_COLOURS, FIT_COLUMN, STATUS_COLUMN, ModelPicker
 from app.model_library import ModelLibrary
 from engine.model.tiny import make_tiny_model
+from engine.model.tiny_gguf import write_tiny_gguf
 from engine.resources import demo_model_dir
 from tests.app.fake_hub import FakeHub, FakeRepo
 from tests.screenshots import save_screenshot
@@ -24,6 +26,9 @@ GRANITE = "ibm-granite/granite-3.1-3b-a800m-instruct"
 OLMOE = "allenai/OLMoE-1B-7B-0924-Instruct"
 MIXTRAL = "mistralai/Mixtral-8x7B-Instruct-v0.1"
 DEEPSEEK = "deepseek-ai/DeepSeek-V2-Lite-Chat"
+QWEN3_GGUF = "unsloth/Qwen3-30B-A3B-GGUF"
+QWEN3_Q4, QWEN3_Q8 = f"{QWEN3_GGUF}:Q4_K_M", f"{QWEN3_GGUF}:Q8_0"
+INSTRUCT_GGUF = "unsloth/Qwen3-30B-A3B-Instruct-2507-GGUF"
 VRAM = 8 * GIB
 TIMEOUT_MS = 60_000
 
@@ -40,10 +45,23 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return {kind: make_tiny_model(root / kind, kind) for kind in ("granitemoe", "olmoe", "mixtral")}
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> bytes:
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf"), "qwen3_moe").read_bytes()
+
+
+def gguf_repo(repo_id: str, stem: str, model: bytes) -> FakeRepo:
+    """A GGUF repo as Unsloth lays it out: a file per quant (only Q4_K_M holds a model here)."""
+    files = {f"{stem}-Q4_K_M.gguf": model, f"{stem}-Q8_0.gguf": b"GGUF" + bytes(2**20), "README.md": b"#"}
+    return FakeRepo(repo_id, files)
+
+
 @pytest.fixture
-def hub(tiny_models, monkeypatch):
+def hub(tiny_models, tiny_gguf, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # for the spawned download children
     with FakeHub() as server:
+        server.add_repo(gguf_repo(QWEN3_GGUF, "Qwen3-30B-A3B", tiny_gguf))
+        server.add_repo(gguf_repo(INSTRUCT_GGUF, "Qwen3-30B-A3B-Instruct-2507", tiny_gguf))
         server.add_repo(FakeRepo(GRANITE, files_of(tiny_models["granitemoe"]), model_type="granitemoe"))
         server.add_repo(FakeRepo(OLMOE, files_of(tiny_models["olmoe"]), model_type="olmoe"))
         server.add_repo(
@@ -82,19 +100,26 @@ def wait_for_status(qtbot, picker: ModelPicker, repo_id: str, text: str) -> None
 
 def test_the_catalog_shows_every_model_with_its_fit_on_this_computer(picker):
     table = picker.catalog_table
-    assert table.rowCount() == len(picker.catalog) >= 9
+    assert table.rowCount() == len(picker.catalog) >= 23
     for row, entry in enumerate(picker.catalog):
         assert table.item(row, 0).text().splitlines()[0] == entry.name
         assert table.item(row, 1).text() == entry.architecture
         fit = estimate_fit(entry, picker.ram_bytes, VRAM)
         assert picker.fit_text(entry.id) == f"● {fit.summary}"
-        assert FIT_COLOURS[fit.level] in table.cellWidget(row, 6).findChild(QLabel).styleSheet()
-        if not entry.bundled:
-            assert picker.status_text(entry.repo_id) == "Not downloaded"
-            assert picker.row_buttons(entry.repo_id) == ["Download"]
+        assert FIT_COLOURS[fit.level] in table.cellWidget(row, FIT_COLUMN).findChild(QLabel).styleSheet()
+        if not entry.bundled and not entry.coming:
+            assert picker.status_text(entry.source.key) == "Not downloaded"
+            assert picker.row_buttons(entry.source.key) == ["Download"]
     qwen = table.item(row_of(picker, "qwen3-30b-a3b"), 2).text()
     assert qwen == "30.5B total\n3.3B active"
-    assert table.item(row_of(picker, "mixtral-8x7b-instruct-v0.1"), 5).text() == "Apache-2.0\ngated"
+    formats = {e.id: table.item(row_of(picker, e.id), 4).text() for e in picker.catalog}
+    assert formats["qwen3-30b-a3b-gguf-q4_k_m"] == "GGUF\nQ4_K_M"
+    assert formats["qwen3-30b-a3b-gguf-q8_0"] == "GGUF\nQ8_0"
+    assert formats["qwen3-30b-a3b"] == "BF16\nsafetensors"
+    assert formats["gpt-oss-20b"] == "MXFP4\nsafetensors"
+    assert formats["qwen3-30b-a3b-instruct-2507-fp8"] == "FP8\nsafetensors"
+    assert table.item(row_of(picker, "qwen3-30b-a3b-gguf-q4_k_m"), 5).text() == "~17.3 GiB"
+    assert table.item(row_of(picker, "mixtral-8x7b-instruct-v0.1"), 6).text() == "Apache-2.0\ngated"
     assert "GPU 8.0 GiB" in picker.machine_label.text()
 
     picker.set_vram_bytes(None)
@@ -104,6 +129,36 @@ def test_the_catalog_shows_every_model_with_its_fit_on_this_computer(picker):
         == f"● {estimate_fit(olmoe, picker.ram_bytes, None).summary}"
     )
     assert "no GPU found" in picker.machine_label.text()
+
+
+def test_a_coming_release_says_why_and_offers_no_download(qtbot, picker, hub):
+    entry_id = "qwen3-30b-a3b-instruct-2507-fp8"
+    row = row_of(picker, entry_id)
+    assert picker.catalog_status_text(entry_id).startswith("Coming: MoE Chat cannot load FP8 weights yet")
+    status = picker.catalog_table.cellWidget(row, STATUS_COLUMN).findChild(QLabel)
+    assert status.toolTip() == picker.catalog[row].notes
+    assert picker.catalog_table.cellWidget(row, STATUS_COLUMN + 1) is None  # no buttons at all
+    with pytest.raises(KeyError):
+        picker.download_row(picker.catalog[row].source.key)
+    picker.catalog_table.selectRow(row)
+    assert picker.selected_model_path() is None and not picker.use_button.isEnabled()
+    assert not [path for _, path, _ in hub.requests if "FP8" in path]
+    assert picker.row_buttons("openai/gpt-oss-20b") == ["Download"]  # MXFP4 loads: offered as shipped
+
+
+@pytest.mark.slow
+def test_a_gguf_row_downloads_its_quant_alone_and_can_be_used(qtbot, picker, hub):
+    row = row_of(picker, "qwen3-30b-a3b-gguf-q4_k_m")
+    click(qtbot, picker.download_row(QWEN3_Q4).download_button)
+    wait_for_status(qtbot, picker, QWEN3_Q4, "Installed ✓")
+    assert [p.rsplit("/", 1)[1] for p in hub.file_gets(QWEN3_GGUF)] == ["Qwen3-30B-A3B-Q4_K_M.gguf"]
+    assert picker.status_text(QWEN3_Q8) == "Not downloaded"  # the other quant of the same repo
+    folder = picker.library.folder_for(QWEN3_Q4)
+    assert [p.name for p in folder.iterdir() if p.is_file()] == ["Qwen3-30B-A3B-Q4_K_M.gguf"]
+    picker.catalog_table.selectRow(row)
+    with qtbot.waitSignal(picker.sig_model_chosen) as chosen:
+        click(qtbot, picker.use_button)
+    assert chosen.args == [str(folder)]  # the engine's --model finds the one GGUF in it
 
 
 def test_the_demo_can_be_chosen_at_once(qtbot, picker):
@@ -231,15 +286,21 @@ def test_a_local_folder_is_imported_and_can_be_chosen(qtbot, picker, tiny_models
 def test_screenshot_of_the_catalog_with_an_installed_a_downloading_and_a_failed_model(
     qtbot, picker, hub, tmp_path, monkeypatch
 ):
+    click(qtbot, picker.download_row(QWEN3_Q4).download_button)
+    wait_for_status(qtbot, picker, QWEN3_Q4, "Installed ✓")
+    click(qtbot, picker.download_row("Qwen/Qwen3-30B-A3B").download_button)  # not on this Hub
+    wait_for_status(qtbot, picker, "Qwen/Qwen3-30B-A3B", "Failed: ")
     click(qtbot, picker.download_row(GRANITE).download_button)
     wait_for_status(qtbot, picker, GRANITE, "Installed ✓")
-    click(qtbot, picker.download_row(DEEPSEEK).download_button)  # not on this Hub
-    wait_for_status(qtbot, picker, DEEPSEEK, "Failed: ")
     hub.faults.bytes_per_s = 20_000
-    click(qtbot, picker.download_row(OLMOE).download_button)
+    instruct_q4 = f"{INSTRUCT_GGUF}:Q4_K_M"
+    click(qtbot, picker.download_row(instruct_q4).download_button)
     qtbot.waitUntil(
-        lambda: picker.manager.state(OLMOE).state is DownloadState.DOWNLOADING, timeout=TIMEOUT_MS
+        lambda: picker.manager.state(instruct_q4).state is DownloadState.DOWNLOADING, timeout=TIMEOUT_MS
     )
-    picker.catalog_table.selectRow(row_of(picker, "granite-3.1-3b-a800m-instruct"))
+    picker.catalog_table.selectRow(row_of(picker, "qwen3-30b-a3b-gguf-q4_k_m"))
     path = save_screenshot(picker, "model_picker.png", tmp_path)
     assert path.stat().st_size > 10_000
+    picker.catalog_table.selectRow(row_of(picker, "granite-3.1-3b-a800m-instruct"))
+    picker.catalog_table.scrollToBottom()
+    assert save_screenshot(picker, "model_picker_bottom.png", tmp_path).stat().st_size > 10_000
