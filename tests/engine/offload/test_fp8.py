@@ -60,14 +60,17 @@ def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, block: int = 128
 
 
 def is_quantized(name: str, tensor: torch.Tensor) -> bool:
-    """Qwen3-FP8 quantizes attention and expert matrices; embeddings, norms, router, lm_head stay BF16."""
-    return tensor.dim() == 2 and name.endswith("_proj.weight")
+    """The releases quantize attention, dense and expert matrices (DeepSeek's kv_a_proj_with_mqa too);
+    embeddings, norms, routers and lm_head stay BF16."""
+    return tensor.dim() == 2 and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
 
 
-def write_fp8_model(folder, reference, inter: int = 256, per_tensor: bool = False):
-    """A tiny qwen3_moe folder in the published FP8 format, and `reference`: the same weights
+def write_fp8_model(
+    folder, reference, inter: int = 256, per_tensor: bool = False, model_type: str = "qwen3_moe"
+):
+    """A tiny `model_type` folder in the published FP8 format, and `reference`: the same weights
     dequantized, as a float32 folder without quantization_config."""
-    model = build_tiny_model("qwen3_moe", seed=2, hidden_size=HIDDEN, moe_intermediate_size=inter)
+    model = build_tiny_model(model_type, seed=2, hidden_size=HIDDEN, moe_intermediate_size=inter)
     for out in (folder, reference):
         save_tiny_model(model, out, layout="per_expert", dtype=torch.bfloat16)
     tensors = load_file(folder / "model.safetensors")
@@ -199,6 +202,15 @@ def test_fp8_experts_refuse_a_second_quantization(fp8_folders, no_link_thread_le
 def test_a_gate_ending_inside_a_block_keeps_a_scale_row_per_weight_row(tmp_path):
     folder = write_fp8_model(tmp_path / "m", tmp_path / "ref", inter=192)  # 1.5 blocks
     assert_equals_reference(folder, tmp_path / "ref", tokens=0)
+
+
+def test_deepseek_v3_with_partial_blocks_in_its_attention(tmp_path):
+    # kv_a_proj_with_mqa is 24 × 256 here (576 × 7168 in V3: 4.5 blocks); a dense first layer
+    folder = write_fp8_model(tmp_path / "m", tmp_path / "ref", model_type="deepseek_v3")
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv" in load_file(
+        folder / "model.safetensors"
+    )
+    assert_equals_reference(folder, tmp_path / "ref")
 
 
 def test_per_tensor_scales(tmp_path):
