@@ -131,6 +131,8 @@ class OffloadedModel:
         """How the store holds the experts: native, int8, int4, or a GGUF file's types."""
         if self.store.layout.quant is not None:
             return self.store.layout.quant.name
+        if any(f.block is not None for f in self.store.layout.fields):
+            return "fp8"
         ggml = sorted({f.ggml_type for f in self.store.layout.fields if f.ggml_type is not None})
         if not ggml:
             return "native"

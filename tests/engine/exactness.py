@@ -8,13 +8,15 @@ from engine.generation_config import GenerationConfig, SamplingConfig
 
 
 def assert_matches_reference(model, reference, prompt: list[int], new_tokens: int = 32) -> None:
-    """`model` (an OffloadedModel) against `reference` (a transformers causal LM, eval, fp32)."""
+    """`model` (an OffloadedModel) against `reference` (a transformers causal LM, eval, fp32);
+    `new_tokens=0` compares the logits alone."""
     ids = torch.tensor(prompt)
     with torch.no_grad():
         expected = reference(ids[None]).logits[0]
     got = model.forward(ids, model.new_kv_cache(), logits_to_keep=0)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
-
+    if not new_tokens:
+        return
     greedy = GenerationConfig(
         max_new_tokens=new_tokens, sampling=SamplingConfig(greedy=True), ignore_eos=True
     )

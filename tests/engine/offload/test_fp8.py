@@ -16,12 +16,11 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import CorruptCheckpointError, InvalidConfigError
-from engine.generation import generate_text
-from engine.generation_config import GenerationConfig, SamplingConfig
 from engine.loader import load_model
 from engine.model.check import check_model_folder
 from engine.model.tiny import build_tiny_model, save_tiny_model
 from engine.offload.fp8 import Fp8Weight, dequantize
+from tests.engine.exactness import assert_matches_reference
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 64, 128, 5]
 HIDDEN = 256  # two 128-wide blocks per row
@@ -121,23 +120,8 @@ def assert_equals_reference(folder, reference_folder, tokens: int = 32) -> None:
     model = load_model(folder, offload())
     try:
         assert model.cache.n_slots == 4 < model.store.total_experts  # the cache must evict
-        ids = torch.tensor(PROMPT)
-        with torch.no_grad():
-            expected = reference(ids[None]).logits[0]
-        got = model.forward(ids, model.new_kv_cache(), logits_to_keep=0)
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+        assert_matches_reference(model, reference, PROMPT, tokens)
         assert model.cache.stats.total().misses > 4
-        if not tokens:
-            return
-        greedy = GenerationConfig(
-            max_new_tokens=tokens, sampling=SamplingConfig(greedy=True), ignore_eos=True
-        )
-        generated = generate_text(model, PROMPT, greedy).token_ids
-        with torch.no_grad():
-            reference_tokens = reference.generate(
-                ids[None], max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens, eos_token_id=None
-            )[0, len(PROMPT) :]
-        assert list(generated) == reference_tokens.tolist()
     finally:
         model.close()
 
@@ -238,3 +222,16 @@ def test_bf16_experts_under_an_fp8_config_are_refused(tmp_path, no_link_thread_l
         CorruptCheckpointError, match=r"gate_proj.weight is stored as F32, but config.json says"
     ):
         load_model(folder, offload())
+
+
+def test_the_model_says_its_experts_are_fp8_and_substitutes_are_refused(fp8_folders):
+    from engine.errors import InvalidRequestError
+
+    folder, _ = fp8_folders
+    model = load_model(folder, OffloadConfig(device="cpu", dtype="float32"))
+    try:
+        assert model.info().expert_dtype == "fp8"
+        with pytest.raises(InvalidRequestError, match="--spec self or draft"):
+            model.substitutes(4)
+    finally:
+        model.close()
