@@ -41,6 +41,9 @@ GIB = 2**30
 RAM_OVERHEAD = 2 * GIB  # the worker process: Python, torch, tokenizer, KV cache, activations
 RAM_USABLE = 0.85  # the share of RAM the OS and other programs leave to us
 TIGHT_RAM = 0.6  # above this share of usable RAM the fit is "tight"
+# BF16 experts the loader converts when they do not fit (engine.offload.quant, groups of 64 with a
+# bf16 scale and offset each): int8 is 1 + 4/64 bytes a weight, int4 1/2 + 4/64, of BF16's 2
+HOST_STORE_FACTORS = {"int8": 17 / 32, "int4": 9 / 32}
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 BF16 = "safetensors-bf16"
 FORMATS = {BF16: "BF16", "gguf": "GGUF", "mxfp4": "MXFP4", "fp8": "FP8"}  # format → what the picker says
@@ -318,37 +321,48 @@ def vram_headroom(vram_bytes: int) -> int:
 
 
 def estimate_fit(entry: CatalogEntry, ram_bytes: int, vram_bytes: int | None) -> Fit:
-    """Where the model would live on a computer with `ram_bytes` RAM and `vram_bytes` GPU memory."""
+    """Where the model would live on a computer with `ram_bytes` RAM and `vram_bytes` GPU memory.
+
+    A BF16 release whose experts do not fit is counted as the loader will keep it: its experts
+    converted to int8, or int4 (engine.loader.host_store_quant), said in the summary."""
     spare_vram = None if vram_bytes is None else vram_bytes - entry.resident_bytes - vram_headroom(vram_bytes)
     on_gpu = spare_vram is not None and spare_vram >= 0
-    # On the GPU only the routed experts stay in RAM; on the CPU the rest of the model does too.
-    ram_needed = entry.expert_bytes + (0 if on_gpu else entry.resident_bytes) + RAM_OVERHEAD
     usable_ram = int(ram_bytes * RAM_USABLE)
+    stored_as, expert_bytes = "", entry.expert_bytes
+    for name, factor in (("", 1.0), *(HOST_STORE_FACTORS.items() if not entry.quantized else ())):
+        stored_as, expert_bytes = name, int(entry.expert_bytes * factor)
+        # On the GPU only the routed experts stay in RAM; on the CPU the rest of the model does too.
+        ram_needed = expert_bytes + (0 if on_gpu else entry.resident_bytes) + RAM_OVERHEAD
+        if ram_needed <= usable_ram:
+            break
     fits = ram_needed <= usable_ram
     fraction = None  # of the experts the GPU can cache
     if spare_vram is not None:
-        fraction = min(1.0, spare_vram / max(entry.expert_bytes, 1)) if on_gpu else 0.0
-    ram = f"~{format_bytes(ram_needed)} of {format_bytes(ram_bytes)} RAM"
-    if not fits:
-        summary = (
-            f"Too big: needs ~{format_bytes(ram_needed)} RAM, this computer has {format_bytes(ram_bytes)}"
-        )
-    elif vram_bytes is None:
-        summary = f"Fits (CPU only): {ram}"
-    elif not on_gpu:
-        summary = (
-            f"CPU only: the non-expert weights (~{format_bytes(entry.resident_bytes)}) "
-            f"exceed the GPU's {format_bytes(vram_bytes)}; {ram}"
-        )
-    else:
-        summary = f"Fits: {ram}; the GPU caches {fraction:.0%} of the experts"
+        fraction = min(1.0, spare_vram / max(expert_bytes, 1)) if on_gpu else 0.0
+    summary = _fit_summary(entry, fits, ram_needed, ram_bytes, vram_bytes, on_gpu, fraction)
+    if stored_as and fits:
+        summary = f"{summary} (experts kept as {stored_as}: outputs differ slightly)"
     if not fits:
         level = "no"
-    elif (vram_bytes is not None and not on_gpu) or ram_needed > TIGHT_RAM * usable_ram:
+    elif stored_as or (vram_bytes is not None and not on_gpu) or ram_needed > TIGHT_RAM * usable_ram:
         level = "tight"
     else:
         level = "good"
     return Fit(fits, ram_needed, fraction, summary, level)
+
+
+def _fit_summary(entry, fits, ram_needed, ram_bytes, vram_bytes, on_gpu, fraction) -> str:
+    ram = f"~{format_bytes(ram_needed)} of {format_bytes(ram_bytes)} RAM"
+    if not fits:
+        return f"Too big: needs ~{format_bytes(ram_needed)} RAM, this computer has {format_bytes(ram_bytes)}"
+    if vram_bytes is None:
+        return f"Fits (CPU only): {ram}"
+    if not on_gpu:
+        return (
+            f"CPU only: the non-expert weights (~{format_bytes(entry.resident_bytes)}) "
+            f"exceed the GPU's {format_bytes(vram_bytes)}; {ram}"
+        )
+    return f"Fits: {ram}; the GPU caches {fraction:.0%} of the experts"
 
 
 # -- formatting, shared by the picker and the download states (and format_bytes from engine.config) --

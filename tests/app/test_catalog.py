@@ -10,6 +10,7 @@ import pytest
 
 from app.catalog import (
     GIB,
+    HOST_STORE_FACTORS,
     RAM_OVERHEAD,
     CatalogError,
     estimate_fit,
@@ -83,7 +84,7 @@ def test_each_gguf_entry_fetches_one_quant_file_of_a_plausible_size(catalog):
     assert catalog["qwen3-30b-a3b-gguf-q8_0"].download_bytes == 32_500_000_000
 
 
-def test_mxfp4_gpt_oss_is_offered_as_shipped_and_fp8_is_coming_with_a_reason(catalog):
+def test_mxfp4_gpt_oss_and_the_fp8_release_are_offered_as_shipped(catalog):
     gpt_oss = catalog["gpt-oss-20b"]
     assert (gpt_oss.repo_id, gpt_oss.format, gpt_oss.quant) == ("openai/gpt-oss-20b", "mxfp4", "MXFP4")
     assert (gpt_oss.total_params, gpt_oss.active_params, gpt_oss.num_experts, gpt_oss.top_k) == (
@@ -97,8 +98,8 @@ def test_mxfp4_gpt_oss_is_offered_as_shipped_and_fp8_is_coming_with_a_reason(cat
     assert gpt_oss.source == ModelSource("openai/gpt-oss-20b")  # the whole repo (its safetensors)
     fp8 = catalog["qwen3-30b-a3b-instruct-2507-fp8"]
     assert (fp8.repo_id, fp8.format, fp8.quant) == ("Qwen/Qwen3-30B-A3B-Instruct-2507-FP8", "fp8", "FP8")
-    assert fp8.coming and "FP8" in fp8.status_reason
-    assert {e.id for e in catalog.values() if e.coming} == {"qwen3-30b-a3b-instruct-2507-fp8"}
+    assert not fp8.coming  # the engine keeps FP8 experts as they are, too
+    assert {e.id for e in catalog.values() if e.coming} == set()
     assert all(not e.status_reason for e in catalog.values() if not e.coming)
 
 
@@ -127,6 +128,14 @@ def set_field(entry_id, key, value):
     def change(models):
         entry = next(m for m in models if m["id"] == entry_id)
         entry.pop(key) if value is None else entry.__setitem__(key, value)
+
+    return change
+
+
+def both(first, second):
+    def change(models):
+        first(models)
+        second(models)
 
     return change
 
@@ -198,7 +207,10 @@ SPLIT = ["Q4/Qwen3-30B-A3B-Q4_K_M-00001-of-00002.gguf", "Q4/Qwen3-30B-A3B-Q4_K_M
         (set_field(Q4, "status", "soon"), f"'{Q4}': status 'soon' is not one of available, coming"),
         (set_field(Q4, "status", "coming"), f"'{Q4}': a 'coming' entry says why in status_reason"),
         (set_field(Q4, "status_reason", "why"), f"'{Q4}': a 'coming' entry says why in status_reason"),
-        (set_field(FP8, "status_reason", "x" * 81), f"'{FP8}': status_reason must be at most 80"),
+        (
+            both(set_field(FP8, "status", "coming"), set_field(FP8, "status_reason", "x" * 81)),
+            f"'{FP8}': status_reason must be at most 80",
+        ),
     ],
 )
 def test_a_bad_entry_is_named_in_the_error(tmp_path, change, message):
@@ -220,10 +232,14 @@ def test_without_a_gpu_the_whole_model_must_fit_in_ram(catalog):
     assert roomy.fits_in_ram and roomy.level == "good" and roomy.gpu_cacheable_fraction is None
     assert roomy.ram_needed_bytes == olmoe.download_bytes + RAM_OVERHEAD
     assert roomy.summary.startswith("Fits (CPU only): ~")
-    small = estimate_fit(olmoe, 16 * GIB, None)
-    assert not small.fits_in_ram and small.level == "no"
-    assert small.summary.startswith("Too big: needs ~")
-    assert small.summary.endswith("this computer has 16.0 GiB")
+    small = estimate_fit(olmoe, 16 * GIB, None)  # the loader keeps the experts as int8 then
+    assert small.fits_in_ram and small.level == "tight"
+    expert_bytes = int(olmoe.expert_bytes * HOST_STORE_FACTORS["int8"])
+    assert small.ram_needed_bytes == expert_bytes + olmoe.resident_bytes + RAM_OVERHEAD
+    assert small.summary.endswith("(experts kept as int8: outputs differ slightly)")
+    tiny = estimate_fit(olmoe, 4 * GIB, None)  # not even as int4
+    assert not tiny.fits_in_ram and tiny.level == "no"
+    assert tiny.summary.startswith("Too big: needs ~") and tiny.summary.endswith("this computer has 4.0 GiB")
 
 
 def test_with_a_gpu_only_the_experts_stay_in_ram_and_the_rest_caches_experts(catalog):
@@ -261,7 +277,9 @@ def test_a_gguf_keeps_its_quantized_experts_in_ram_and_the_rest_in_bf16(catalog)
     )
     assert fit.fits_in_ram and fit.level == "tight"  # 18.5 GiB is over 60% of what 32 GiB leaves us
     assert estimate_fit(q4, 64 * GIB, vram).level == "good"
-    assert not estimate_fit(bf16, 32 * GIB, vram).fits_in_ram  # the same model in BF16 does not fit
+    as_bf16 = estimate_fit(bf16, 32 * GIB, vram)  # the same model in BF16 fits only converted to int4
+    assert as_bf16.fits_in_ram and "kept as int4" in as_bf16.summary and as_bf16.level == "tight"
+    assert as_bf16.ram_needed_bytes == int(bf16.expert_bytes * HOST_STORE_FACTORS["int4"]) + RAM_OVERHEAD
     cpu = estimate_fit(q4, 32 * GIB, None)  # on the CPU the BF16 resident weights are in RAM too
     assert cpu.ram_needed_bytes == q4.expert_bytes + q4.resident_bytes + RAM_OVERHEAD
     q8 = estimate_fit(catalog["qwen3-30b-a3b-gguf-q8_0"], 32 * GIB, vram)
@@ -274,7 +292,8 @@ def test_mxfp4_keeps_its_experts_in_mxfp4_and_ships_the_rest_in_bf16(catalog):
     assert gpt_oss.expert_bytes == 13_800_000_000 - gpt_oss.resident_bytes  # ~10 GB of MXFP4 blocks
     fit = estimate_fit(gpt_oss, 16 * GIB, 8 * GIB)
     assert fit.fits_in_ram and fit.ram_needed_bytes == gpt_oss.expert_bytes + RAM_OVERHEAD
-    assert not estimate_fit(catalog["gpt-oss-20b-bf16"], 16 * GIB, 8 * GIB).fits_in_ram
+    as_bf16 = estimate_fit(catalog["gpt-oss-20b-bf16"], 16 * GIB, 8 * GIB)
+    assert as_bf16.fits_in_ram and "kept as int4" in as_bf16.summary  # only converted, with its error
 
 
 def test_a_gpu_too_small_for_the_non_expert_weights_means_cpu_only(catalog):

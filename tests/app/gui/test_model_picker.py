@@ -4,6 +4,7 @@ import, delete and choosing a model; screenshots of each tab."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -72,8 +73,7 @@ def hub(tiny_models, tiny_gguf, monkeypatch):
         yield server
 
 
-@pytest.fixture
-def picker(qtbot, hub, tmp_path, monkeypatch):
+def make_picker(qtbot, hub, tmp_path, monkeypatch) -> tuple[ModelPicker, DownloadManager]:
     monkeypatch.setattr(downloads, "load_token", lambda: None)
     monkeypatch.setattr(model_picker, "load_token", lambda: None)
     library = ModelLibrary(tmp_path / "models")
@@ -81,6 +81,12 @@ def picker(qtbot, hub, tmp_path, monkeypatch):
     picker = ModelPicker(manager=manager, library=library, vram_bytes=VRAM)
     qtbot.addWidget(picker)
     picker.show()
+    return picker, manager
+
+
+@pytest.fixture
+def picker(qtbot, hub, tmp_path, monkeypatch):
+    picker, manager = make_picker(qtbot, hub, tmp_path, monkeypatch)
     yield picker
     manager.shutdown()
 
@@ -131,8 +137,19 @@ def test_the_catalog_shows_every_model_with_its_fit_on_this_computer(picker):
     assert "no GPU found" in picker.machine_label.text()
 
 
-def test_a_coming_release_says_why_and_offers_no_download(qtbot, picker, hub):
-    entry_id = "qwen3-30b-a3b-instruct-2507-fp8"
+def test_a_coming_release_says_why_and_offers_no_download(qtbot, hub, tmp_path, monkeypatch, request):
+    entry_id = "qwen3-30b-a3b-instruct-2507-fp8"  # as if its format could not be loaded yet
+    why = "MoE Chat cannot load FP8 weights yet: take GGUF Q8_0 or BF16"
+    real = model_picker.load_catalog()
+    monkeypatch.setattr(
+        model_picker,
+        "load_catalog",
+        lambda: tuple(
+            replace(e, status="coming", status_reason=why) if e.id == entry_id else e for e in real
+        ),
+    )
+    picker, manager = make_picker(qtbot, hub, tmp_path, monkeypatch)
+    request.addfinalizer(manager.shutdown)
     row = row_of(picker, entry_id)
     assert picker.catalog_status_text(entry_id).startswith("Coming: MoE Chat cannot load FP8 weights yet")
     status = picker.catalog_table.cellWidget(row, STATUS_COLUMN).findChild(QLabel)
