@@ -48,6 +48,7 @@ from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertLayout, ExpertStore, build_store, find_layout
 from engine.offload.fp8_store import Fp8Checkpoint, build_fp8_store, fp8_checkpoint
 from engine.offload.gguf_store import build_gguf_store
+from engine.offload.int4_store import Int4Checkpoint, build_int4_store, int4_checkpoint
 from engine.offload.model import OffloadedModel
 from engine.offload.moe_layer import (
     ExpertControl,
@@ -73,7 +74,7 @@ def load_model(
     config = config or OffloadConfig()
     config.validate()
     folder = Path(model_dir).expanduser()
-    hf_config, checkpoint = fp8_checkpoint(*open_checkpoint(folder))  # FP8 weights read dequantized
+    hf_config, checkpoint = int4_checkpoint(*fp8_checkpoint(*open_checkpoint(folder)))  # read dequantized
     arch = get_architecture(hf_config.model_type)
     device = resolve_device(config.device)
     transfer = n_slots = None
@@ -133,8 +134,9 @@ def _expert_store(folder, checkpoint, hf_model, arch, blocks, dtype, device, con
     if not isinstance(checkpoint, GgufCheckpoint) and is_mxfp4(hf_model.config):
         pin = device.type == "cuda"
         return build_mxfp4_store(checkpoint, arch, blocks, dtype, pin, config.expert_dtype, progress)
-    if isinstance(checkpoint, Fp8Checkpoint):
-        return build_fp8_store(checkpoint, arch, blocks, device.type == "cuda", config.expert_dtype, progress)
+    if isinstance(checkpoint, Fp8Checkpoint | Int4Checkpoint):  # experts kept in the checkpoint's format
+        build = build_fp8_store if isinstance(checkpoint, Fp8Checkpoint) else build_int4_store
+        return build(checkpoint, arch, blocks, device.type == "cuda", config.expert_dtype, progress)
     if not isinstance(checkpoint, GgufCheckpoint):
         disk_layout = find_layout(checkpoint, arch.layouts, next(iter(blocks.values()))[0] + ".")
         return _load_store(

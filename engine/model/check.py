@@ -79,7 +79,7 @@ def check_model_folder(path: str | Path) -> ModelCheck:
             f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}). "
             "Download the model's tokenizer files into the same folder."
         )
-    weights = _read_weights(folder, problems, fp8=_quant_method(config) == "fp8")
+    weights = _read_weights(folder, problems, quant=_quant_method(config))
     return ModelCheck(
         path=str(folder),
         problems=tuple(problems),
@@ -174,7 +174,8 @@ def config_problems(config: dict) -> list[str]:
     if quant and not _loadable(config.get("model_type"), method):
         problems.append(
             f"This checkpoint is pre-quantized ({method}); MoE Chat loads BF16/FP16/FP32 weights, "
-            "FP8 and MXFP4 checkpoints and GGUF files. Use the model's BF16 release or a GGUF file."
+            "FP8, GPTQ/AWQ int4 and MXFP4 checkpoints and GGUF files. "
+            "Use the model's BF16 release or a GGUF file."
         )
     return problems
 
@@ -192,9 +193,9 @@ class _Weights:
     nbytes: int = 0
 
 
-def _read_weights(folder: Path, problems: list[str], fp8: bool = False) -> _Weights:
+def _read_weights(folder: Path, problems: list[str], quant: str | None = None) -> _Weights:
     """Every safetensors header in the folder (or in its index), checked against the index.
-    With `fp8` (the config says so), F8_E4M3 weights are the checkpoint's format, not a problem."""
+    The config's `quant` method says which packed dtypes are the checkpoint's format (`_is_packed`)."""
     index_path = folder / INDEX_NAME
     if index_path.is_file():
         weight_map = _read_index(index_path, problems)
@@ -223,7 +224,7 @@ def _read_weights(folder: Path, problems: list[str], fp8: bool = False) -> _Weig
         for tensor, (dtype, shape) in headers.items():
             found[tensor] = name
             _count(weights, dtype, shape)
-        _check_dtypes(folder / name, headers, problems, fp8)
+        _check_dtypes(folder / name, headers, problems, quant)
     if weight_map is not None:
         _check_against_index(folder, weight_map, found, problems)
     return weights
@@ -267,10 +268,10 @@ def _count(weights: _Weights, dtype: str, shape: list[int]) -> None:
 
 
 def _check_dtypes(
-    path: Path, headers: dict[str, tuple[str, list[int]]], problems: list[str], fp8: bool = False
+    path: Path, headers: dict[str, tuple[str, list[int]]], problems: list[str], quant: str | None = None
 ) -> None:
     """Weights stored in FP8, MXFP4 blocks or integers mean a quantized checkpoint (FP8 ones of an
-    FP8 config and MXFP4 blocks load)."""
+    FP8 config, GPTQ/AWQ int32 words of such a config and MXFP4 blocks load)."""
     odd = sorted(
         {
             dtype
@@ -278,7 +279,7 @@ def _check_dtypes(
             if dtype not in FLOAT_DTYPES
             and _is_weight(name)
             and not _is_mxfp4(name, dtype)
-            and not (fp8 and dtype == "F8_E4M3")
+            and not _is_packed(name, dtype, quant)
         }
     )
     if odd:
@@ -298,6 +299,14 @@ def _loadable(model_type: object, method: str) -> bool:
 def _is_mxfp4(name: str, dtype: str) -> bool:
     """OpenAI's MXFP4 experts: `…_blocks` and `…_scales` bytes (engine.offload.mxfp4_store)."""
     return dtype == "U8" and name.endswith(("_blocks", "_scales"))
+
+
+def _is_packed(name: str, dtype: str, quant: str | None) -> bool:
+    """A quantized checkpoint's own packed tensors: FP8 weights, GPTQ/AWQ int32 words
+    (engine.offload.fp8_store, int4_store)."""
+    if quant == "fp8":
+        return dtype == "F8_E4M3"
+    return quant in ("gptq", "awq") and dtype == "I32" and name.endswith((".qweight", ".qzeros", ".g_idx"))
 
 
 def _is_weight(name: str) -> bool:

@@ -20,7 +20,8 @@ from engine.model.gguf_file import GgufCheckpoint, find_gguf
 
 log = logging.getLogger(__name__)
 
-KEPT_QUANTIZATION = ("mxfp4", "fp8")  # pre-quantized experts the engine keeps in their own format
+# pre-quantized experts the engine keeps in their own format
+KEPT_QUANTIZATION = ("mxfp4", "fp8", "gptq", "awq")
 
 
 def open_checkpoint(folder: Path) -> tuple[object, Checkpoint | GgufCheckpoint]:
@@ -70,7 +71,7 @@ def _reject_quantized(hf_config) -> None:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__
         refused = get_architecture(hf_config.model_type).unsupported_quantization
         if method in KEPT_QUANTIZATION and method not in refused:
-            return  # its experts are loaded as they are (engine.offload.mxfp4_store, fp8_store)
+            return  # its experts are loaded as they are (engine.offload.mxfp4_store, fp8_store, int4_store)
         raise UnsupportedArchitectureError(
             f"This checkpoint is pre-quantized ({method}); MoE Chat loads BF16/FP16/FP32 weights. "
             "Use the model's BF16 release."

@@ -13,7 +13,8 @@ has mixed-dtype fields (codes, scales, offsets) and `layout.quant` says so.
 `quantize_store` makes such a copy of a loaded store, and `ExpertStore.to` puts a
 store on the device (SubSpec's resident low-bit substitutes). A checkpoint's own quantized
 experts keep their format: ggml blocks (`from_ggml`) and FP8 values with their block scales
-(`from_fp8`, `engine.offload.fp8`), which `views` hands out as `GgmlWeight` and `Fp8Weight`.
+(`from_fp8`, `engine.offload.fp8`), GPTQ/AWQ int4 words with their zeros and scales (`from_int4`,
+`engine.offload.int4`), which `views` hands out as `GgmlWeight`, `Fp8Weight` and `Int4Weight`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from engine.errors import CorruptCheckpointError, DeviceOutOfMemoryError, Missin
 from engine.model.adapters.base import DiskLayout
 from engine.model.checkpoint import Checkpoint
 from engine.offload.fp8 import FP8_DTYPE, Fp8Weight, scale_shape
+from engine.offload.int4 import Int4Weight, packed_shapes
 from engine.offload.quant import QuantSpec, is_weight, quantize_into, quantized_fields
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class ExpertField:
     ggml_type: int | None = None  # a GGUF file's quantized blocks, as the file has them
     weight_shape: tuple[int, ...] | None = None  # a ggml field's weight: (out, in), rows of blocks
     block: tuple[int, int] | None = None  # an FP8 field's scale block (its scales: `<name>.scale_inv`)
+    int4: str | None = None  # an int4 field's format (its qweight; `<name>.qzeros`, `.scales`, `.g_idx`)
 
     @property
     def nbytes(self) -> int:
@@ -99,6 +102,22 @@ class ExpertLayout:
         return cls._placed(placed)
 
     @classmethod
+    def from_int4(cls, fields: Iterable[tuple[str, tuple[int, int], str, int, int]]) -> ExpertLayout:
+        """Fields `(name, (out, in), format, groups, g_idx rows)` of a GPTQ/AWQ checkpoint, kept in
+        its int32 words: qweight, qzeros, fp16 scales and, for act-order, one g_idx row per matrix."""
+        placed = []
+        for name, (out, columns), fmt, groups, g_idx_rows in fields:
+            shapes = packed_shapes(fmt, (out, columns), groups)
+            placed.append(
+                ExpertField(name, shapes["qweight"], torch.int32, 0, weight_shape=(out, columns), int4=fmt)
+            )
+            placed.append(ExpertField(f"{name}.qzeros", shapes["qzeros"], torch.int32, 0))
+            placed.append(ExpertField(f"{name}.scales", shapes["scales"], torch.float16, 0))
+            if g_idx_rows:
+                placed.append(ExpertField(f"{name}.g_idx", (g_idx_rows, columns), torch.int32, 0))
+        return cls._placed(placed)
+
+    @classmethod
     def _placed(cls, fields: list[ExpertField], quant: QuantSpec | None = None) -> ExpertLayout:
         placed, offset = [], 0
         for field in fields:
@@ -114,8 +133,8 @@ class ExpertLayout:
         """This native layout with every weight matrix replaced by its quantized fields."""
         if self.quant is not None:
             raise ValueError(f"The layout is already quantized ({self.quant.name}).")
-        if any(f.block is not None for f in self.fields):
-            raise ValueError("The layout holds FP8 experts: they are quantized already.")
+        if any(f.block is not None or f.int4 is not None for f in self.fields):
+            raise ValueError("The layout holds FP8 or int4 experts: they are quantized already.")
         fields = []
         for f in self.fields:
             if is_weight(f.shape):
@@ -124,10 +143,11 @@ class ExpertLayout:
                 fields.append((f.name, f.shape, f.dtype))
         return ExpertLayout.from_fields(fields, spec)
 
-    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor | GgmlWeight | Fp8Weight]:
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor | GgmlWeight | Fp8Weight | Int4Weight]:
         """Typed tensor views of one packed expert buffer (uint8, at least `nbytes` long).
 
-        An FP8 field is one `Fp8Weight` of its values and its `.scale_inv` field."""
+        An FP8 field is one `Fp8Weight` of its values and its `.scale_inv` field; an int4 field one
+        `Int4Weight` of its qweight and its `.qzeros`, `.scales` (and `.g_idx`) fields."""
         views = {}
         for f in self.fields:
             view = buffer[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape)
@@ -135,6 +155,10 @@ class ExpertLayout:
         for f in self.fields:
             if f.block is not None:
                 views[f.name] = Fp8Weight(views[f.name], views.pop(f"{f.name}.scale_inv"), f.block)
+            elif f.int4 is not None:
+                qzeros, scales = views.pop(f"{f.name}.qzeros"), views.pop(f"{f.name}.scales")
+                g_idx = views.pop(f"{f.name}.g_idx", None)
+                views[f.name] = Int4Weight(views[f.name], qzeros, scales, g_idx, f.int4, f.weight_shape)
         return views
 
 
@@ -197,7 +221,7 @@ class ExpertStore:
     def buffer(self, layer: int, expert: int) -> torch.Tensor:
         return self._layers[layer][expert]
 
-    def views(self, layer: int, expert: int) -> dict[str, torch.Tensor | GgmlWeight | Fp8Weight]:
+    def views(self, layer: int, expert: int) -> dict[str, torch.Tensor | GgmlWeight | Fp8Weight | Int4Weight]:
         return self.layout_of(layer).views(self._layers[layer][expert])
 
     @property

@@ -192,8 +192,12 @@ def linear(x: torch.Tensor, views: Mapping[str, torch.Tensor], name: str, transp
 
     Native views compute exactly as transformers' experts do. A GGUF file's blocks
     (`GgmlWeight`) and FP8 weights (`Fp8Weight`) hold `(out, in)` rows whatever the family's
-    own orientation."""
+    own orientation, and so do GPTQ/AWQ int4 weights (`Int4Weight`)."""
     weight = views.get(name)
+    if hasattr(weight, "qzeros"):  # engine.offload.int4.Int4Weight
+        from engine.offload.int4 import linear as int4_linear
+
+        return int4_linear(x, weight)
     if hasattr(weight, "scale_inv"):  # engine.offload.fp8.Fp8Weight
         from engine.offload.fp8 import linear as fp8_linear
 

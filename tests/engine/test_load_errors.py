@@ -90,8 +90,10 @@ def test_unsupported_architecture_lists_the_supported_ones(broken):
 
 
 def test_pre_quantized_config(broken):
-    edit_config(broken, quantization_config={"quant_method": "gptq", "bits": 4})
-    with pytest.raises(UnsupportedArchitectureError, match=r"pre-quantized \(gptq\).*Use the model's BF16"):
+    edit_config(broken, quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    with pytest.raises(
+        UnsupportedArchitectureError, match=r"pre-quantized \(bitsandbytes\).*Use the model's BF16"
+    ):
         load_model(broken, CPU)
 
 

@@ -81,5 +81,6 @@ class Architecture:
     notes: str = ""
     # config keys whose presence means weights we cannot compute with yet (MXFP4 experts in fused
     # `_blocks`/`_scales` tensors, as gpt-oss ships them, load: engine.offload.mxfp4_store; FP8
-    # checkpoints with per-expert matrices too: engine.offload.fp8_store)
-    unsupported_quantization: tuple[str, ...] = field(default=("gptq", "awq", "bitsandbytes"))
+    # checkpoints with per-expert matrices too: engine.offload.fp8_store, and GPTQ/AWQ int4 ones:
+    # engine.offload.int4_store)
+    unsupported_quantization: tuple[str, ...] = field(default=("bitsandbytes",))

@@ -257,7 +257,7 @@ def test_search_lists_supported_models_and_downloads_from_a_result(qtbot, picker
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # conftest imported it offline
     hub.add_repo(FakeRepo("someone/dense-llama", {}, model_type="llama", downloads=10**6))
-    quantized = {"quantization_config": {"quant_method": "gptq"}}
+    quantized = {"quantization_config": {"quant_method": "bitsandbytes"}}
     hub.add_repo(FakeRepo("someone/moe-gptq", {}, model_type="mixtral", downloads=5, config=quantized))
     picker.tabs.setCurrentIndex(1)
     picker.search_box.setText("e")

@@ -112,11 +112,12 @@ def test_config_problems_use_the_loaders_words(tmp_path):
 
     edit_json(
         folder / "config.json",
-        lambda c: c.update(model_type="qwen3_moe", quantization_config={"quant_method": "gptq"}),
+        lambda c: c.update(model_type="qwen3_moe", quantization_config={"quant_method": "bitsandbytes"}),
     )
     assert check_model_folder(folder).problems == (
-        "This checkpoint is pre-quantized (gptq); MoE Chat loads BF16/FP16/FP32 weights, "
-        "FP8 and MXFP4 checkpoints and GGUF files. Use the model's BF16 release or a GGUF file.",
+        "This checkpoint is pre-quantized (bitsandbytes); MoE Chat loads BF16/FP16/FP32 weights, "
+        "FP8, GPTQ/AWQ int4 and MXFP4 checkpoints and GGUF files. "
+        "Use the model's BF16 release or a GGUF file.",
     )
 
     (folder / "config.json").write_text("{broken")

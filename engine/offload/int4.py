@@ -1,0 +1,108 @@
+"""Int4 weights as GPTQ and AWQ checkpoints publish them: packed int32 codes, zeros and fp16 scales.
+
+A quantized Linear `W [out, in]` is stored transposed, input rows by output columns, in groups of
+`group_size` inputs (`quantization_config.group_size`, usually 128):
+
+- GPTQ (AutoGPTQ / GPTQModel, `quant_method: gptq`): `qweight` int32 `[in/8, out]`, 8 codes of one
+  column packed along the input dim, low bits first (input `8r + j` is bits `4j..4j+3` of row r);
+  `qzeros` int32 `[groups, out/8]` packed along the output dim, low bits first; `scales` fp16
+  `[groups, out]`; `g_idx` int32 `[in]`, the group of each input (act-order, `desc_act: true`,
+  permutes it; without it input i is in group `i // group_size`). Format "gptq" (v1, the historic
+  one) stores each zero minus one, so a symmetric 4-bit zero of 8 is the nibble 7 (0x77777777);
+  "gptq_v2" stores the zero itself.
+- AWQ GEMM (AutoAWQ, `quant_method: awq`, `version: gemm`): `qweight` int32 `[in, out/8]`, 8 codes
+  of one input packed along the output dim in AutoAWQ's interleaved order: nibble i of a word holds
+  column `AWQ_ORDER[i]` of its 8; `qzeros` `[groups, out/8]` alike; `scales` fp16 `[groups, out]`.
+
+Either way `W[o, i] = (q[i, o] - z[g(i), o]) * s[g(i), o]`. An expert field keeps the checkpoint's
+bytes (`Int4Weight`); `linear` dequantizes where it computes, with plain torch ops (shifts and masks),
+the same on every device. A field made of stacked matrices (gate and up: `gate_up_proj`) has them
+side by side on the output dim, and act-order keeps one `g_idx` row per matrix (`[parts, in]`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+GPTQ, GPTQ_V2, AWQ = "gptq", "gptq_v2", "awq"
+FORMATS = (GPTQ, GPTQ_V2, AWQ)
+PACK = 8  # 4-bit codes per int32 word
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8
+AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of a word is nibble AWQ_NIBBLE[c] (the inverse)
+
+
+class Int4Weight(NamedTuple):
+    """The view of an int4 field: the checkpoint's packed tensors, their format and `(out, in)`."""
+
+    qweight: torch.Tensor  # int32: GPTQ [in/8, out], AWQ [in, out/8]
+    qzeros: torch.Tensor  # int32 [groups, out/8]
+    scales: torch.Tensor  # float16 [groups, out]
+    g_idx: torch.Tensor | None  # int32 [parts, in]: each input's group, per stacked matrix (act-order)
+    format: str  # one of FORMATS
+    shape: tuple[int, int]  # (out, in)
+
+
+def packed_shapes(fmt: str, shape: tuple[int, int], groups: int) -> dict[str, tuple[int, int]]:
+    """The shapes of `qweight`, `qzeros` and `scales` of a `(out, in)` weight in `groups` groups."""
+    out, inputs = shape
+    qweight = (inputs, out // PACK) if fmt == AWQ else (inputs // PACK, out)
+    return {"qweight": qweight, "qzeros": (groups, out // PACK), "scales": (groups, out)}
+
+
+def unpack(words: torch.Tensor, dim: int) -> torch.Tensor:
+    """The 4-bit codes of int32 `words`, 8 per word along `dim`, low bits first (int32, 0..15)."""
+    dim = dim % words.dim()
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    shifts = shifts.view([PACK] + [1] * (words.dim() - dim - 1))
+    codes = (words.unsqueeze(dim + 1) >> shifts) & 0xF
+    return codes.flatten(dim, dim + 1)
+
+
+def _columns(words: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Codes packed along the last (output) dim, in column order."""
+    codes = unpack(words, -1)
+    if fmt != AWQ:
+        return codes
+    order = torch.tensor(AWQ_NIBBLE, device=words.device)
+    return codes.unflatten(-1, (-1, PACK))[..., order].flatten(-2)
+
+
+def codes(weight: Int4Weight) -> torch.Tensor:
+    """The weight's codes, int32 `[in, out]`."""
+    if weight.format == AWQ:
+        return _columns(weight.qweight, AWQ)
+    return unpack(weight.qweight, 0)
+
+
+def zeros(weight: Int4Weight) -> torch.Tensor:
+    """The zero point of each group and column, int32 `[groups, out]` (v1's "+1" applied)."""
+    found = _columns(weight.qzeros, weight.format)
+    return found + 1 if weight.format == GPTQ else found
+
+
+def dequantize(weight: Int4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight `[out, in]` in `dtype`: `(q - z) * s` per group, computed in float32."""
+    q, z, s = codes(weight), zeros(weight), weight.scales.float()
+    inputs, out = q.shape
+    groups = s.shape[0]
+    if weight.g_idx is None:  # contiguous groups: a broadcast, no gathered zeros or scales
+        grouped = (q.view(groups, inputs // groups, out) - z[:, None]).float() * s[:, None]
+        return grouped.view(inputs, out).t().to(dtype)
+    parts = weight.g_idx.shape[0]
+    width = out // parts
+    pieces = []
+    for part, g_idx in enumerate(weight.g_idx.long()):  # [in] each
+        cols = slice(part * width, (part + 1) * width)
+        pieces.append((q[:, cols] - z[g_idx, cols]).float() * s[g_idx, cols])
+    return torch.cat(pieces, dim=1).t().to(dtype)
+
+
+def linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """`x @ W.T` for an int4 weight, whatever the family's own orientation.
+
+    Half-precision elementwise ops are slow on CPU: there the product is taken in float32."""
+    work = torch.float32 if x.device.type == "cpu" else x.dtype
+    return F.linear(x.to(work), dequantize(weight, work)).to(x.dtype)

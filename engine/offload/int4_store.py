@@ -1,0 +1,244 @@
+"""GPTQ and AWQ int4 checkpoints as published: experts kept in int4, the rest dequantized at load.
+
+config.json says `quantization_config: {"quant_method": "gptq" | "awq", "bits": 4, "group_size":
+128, …}`; each quantized Linear `<name>` is `<name>.qweight`, `<name>.qzeros`, `<name>.scales` (and,
+for GPTQ, `<name>.g_idx`) in the layout `engine.offload.int4` describes. Norms, embeddings, routers
+and whatever `modules_to_not_convert` names stay as floats.
+
+Two readers of the same folder, as for FP8 (`engine.offload.fp8_store`):
+- `Int4Checkpoint` wraps the `Checkpoint` for the resident weights: each quantized Linear reads as
+  `<name>.weight`, dequantized once at load, and its packed tensors are hidden.
+- `build_int4_store` packs each routed expert's own qweight/qzeros/scales words (`g_idx` rows too
+  when the config says act-order) into an int4 layout (`ExpertLayout.from_int4`): the link carries
+  int4, dequantized only where computed. Gate and up become `gate_up_proj` side by side on the
+  output dim (the packed tensors' last dim), as transformers' fused field stacks them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+
+from engine.errors import (
+    CorruptCheckpointError,
+    InvalidConfigError,
+    MissingTensorsError,
+    UnsupportedQuantizationError,
+)
+from engine.model.adapters.base import Architecture, DiskLayout
+from engine.model.checkpoint import SUPPORTED_DTYPES, Checkpoint
+from engine.offload.expert_store import ExpertLayout, ExpertStore, allocate_layer
+from engine.offload.fp8_store import WEIGHTS, fp8_disk_layout
+from engine.offload.int4 import AWQ, GPTQ, GPTQ_V2, PACK, Int4Weight, dequantize, packed_shapes
+from engine.offload.moe_layer import expert_field_shapes
+
+PACKED = (".qweight", ".qzeros", ".scales", ".g_idx")
+Progress = Callable[[str, int, int], None]  # (stage, done, total), as the loader reports
+
+
+def _quant(hf_config) -> dict:
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant is None:
+        return {}
+    return dict(quant) if isinstance(quant, dict) else quant.to_dict()
+
+
+def int4_format(hf_config) -> str | None:
+    """The int4 format of a GPTQ/AWQ config ("gptq", "gptq_v2" or "awq"), None for other configs."""
+    quant = _quant(hf_config)
+    method = str(quant.get("quant_method", "")).lower()
+    if method not in (GPTQ, AWQ):
+        return None
+    problem = None
+    if int(quant.get("bits", 4)) != 4:
+        problem = f"{quant.get('bits')}-bit weights (MoE Chat reads 4-bit)"
+    elif method == AWQ and str(quant.get("version", "gemm")).lower() != "gemm":
+        problem = f"AWQ version {quant.get('version')} (MoE Chat reads the GEMM layout)"
+    elif method == AWQ and not quant.get("zero_point", True):
+        problem = "AWQ without zero points (MoE Chat reads zero_point: true)"
+    if problem:
+        raise UnsupportedQuantizationError(
+            f"This {method.upper()} checkpoint has {problem}. Use a 4-bit GEMM release or the BF16 one."
+        )
+    if method == AWQ:
+        return AWQ
+    checkpoint_format = str(quant.get("checkpoint_format") or quant.get("format") or GPTQ).lower()
+    return GPTQ_V2 if checkpoint_format == GPTQ_V2 else GPTQ
+
+
+def int4_checkpoint(hf_config, checkpoint) -> tuple[object, object]:
+    """The config and `checkpoint` as the loader reads it: wrapped in an `Int4Checkpoint` when the
+    model is GPTQ/AWQ int4."""
+    fmt = int4_format(hf_config) if isinstance(checkpoint, Checkpoint) else None
+    if fmt is not None:
+        checkpoint = Int4Checkpoint(checkpoint, fmt, bool(_quant(hf_config).get("desc_act", False)))
+    return hf_config, checkpoint
+
+
+class Int4Checkpoint:
+    """A `Checkpoint` whose int4 Linears read as `<name>.weight` floats, their packed tensors hidden."""
+
+    def __init__(self, checkpoint: Checkpoint, fmt: str, act_order: bool):
+        self.packed, self.format, self.act_order = checkpoint, fmt, act_order
+        self.folder = checkpoint.folder
+        self._quantized = {n[: -len(".qweight")] for n in checkpoint if n.endswith(".qweight")}
+        hidden = {base + suffix for base in self._quantized for suffix in PACKED}
+        self._stored = [n for n in checkpoint if n not in hidden]
+        self._names = self._stored + sorted(base + ".weight" for base in self._quantized)
+        self._visible = set(self._names)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._visible
+
+    def _base(self, name: str) -> str | None:
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        return base if base in self._quantized else None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        base = self._base(name)
+        return self.weight(base).shape if base else self.packed.shape(name)
+
+    def dtype_name(self, name: str) -> str:
+        base = self._base(name)
+        return self.packed.dtype_name(base + ".scales" if base else name)
+
+    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor `name`; an int4 Linear's weight dequantized, in `dtype` (float32 if None)."""
+        base = self._base(name)
+        if base is None:
+            return self.packed.read(name, dtype)
+        return dequantize(self.weight(base), dtype or torch.float32)
+
+    def weight(self, base: str) -> Int4Weight:
+        """The int4 Linear `base` as stored, its shapes checked; `g_idx` as one row, when stored."""
+        tensors = {}
+        for suffix in PACKED:
+            if base + suffix in self.packed:
+                tensors[suffix[1:]] = self.packed.read(base + suffix, None)
+        if len(tensors) < 3:
+            raise MissingTensorsError(
+                f"The {self.format} weight {base} lacks its qzeros or scales in {self.folder}. "
+                "The download is incomplete; download the model again."
+            )
+        qweight, scales = tensors["qweight"], tensors["scales"]
+        inputs = qweight.shape[0] * (1 if self.format == AWQ else PACK)
+        shape = (scales.shape[-1], inputs)
+        g_idx = tensors.get("g_idx")
+        expected = packed_shapes(self.format, shape, scales.shape[0])
+        found = {key: tuple(tensors[key].shape) for key in expected}
+        if found != expected or inputs % scales.shape[0] or (g_idx is not None and g_idx.shape != (inputs,)):
+            raise CorruptCheckpointError(
+                f"The {self.format} tensors of {base} have shapes {found} (g_idx "
+                f"{None if g_idx is None else tuple(g_idx.shape)}), not those of a {shape} weight: "
+                f"{expected}. The config and weights disagree."
+            )
+        rows = None if g_idx is None else g_idx[None]  # [1, in]: one matrix
+        return Int4Weight(qweight, tensors["qzeros"], scales, rows, self.format, shape)
+
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype most unquantized tensors (norms, embeddings, routers) are stored in."""
+        counts: dict[str, int] = {}
+        for name in self._stored:
+            dtype_name = self.packed.dtype_name(name)
+            if dtype_name in SUPPORTED_DTYPES:
+                counts[dtype_name] = counts.get(dtype_name, 0) + 1
+        if not counts:
+            return torch.float16  # the scales' dtype: what GPTQ/AWQ kernels compute in
+        return SUPPORTED_DTYPES[max(counts, key=counts.get)]
+
+    def close(self) -> None:
+        self.packed.close()
+
+
+def build_int4_store(
+    checkpoint: Int4Checkpoint,
+    arch: Architecture,
+    blocks: Mapping[int, tuple[str, torch.nn.Module]],
+    pin: bool,
+    expert_dtype: str,
+    progress: Progress | None = None,
+) -> tuple[ExpertStore, DiskLayout]:
+    """Every routed expert of the MoE `blocks` (layer → (prefix, block)), kept in int4."""
+    if expert_dtype != "native":
+        raise InvalidConfigError(
+            f"{checkpoint.folder.name} is quantized already: its experts are kept in {checkpoint.format} "
+            f"int4. Load it with --expert-dtype native, not {expert_dtype}."
+        )
+    disk_layout = fp8_disk_layout(arch)
+    experts = next(iter(blocks.values()))[1].experts
+    shapes, num_experts = expert_field_shapes(experts), experts.num_experts
+    if set(shapes) != set(WEIGHTS) or getattr(experts, "is_transposed", False):
+        raise UnsupportedQuantizationError(
+            f"{checkpoint.format} experts of {arch.model_type} ({', '.join(shapes)}) are not supported: "
+            "MoE Chat keeps int4 experts of gate/up/down matrices without biases. Use the BF16 release."
+        )
+    first_prefix = next(iter(sorted(blocks.items())))[1][0] + "."
+    first = disk_layout.names(first_prefix, 0)
+    groups = {field: checkpoint.weight(_base(names[0])).scales.shape[0] for field, names in first.items()}
+    layout = ExpertLayout.from_int4(
+        (field, shapes[field], checkpoint.format, groups[field], len(first[field]) * checkpoint.act_order)
+        for field in WEIGHTS
+    )
+    layers, total = {}, len(blocks) * num_experts
+    for done, (layer, (prefix, _)) in enumerate(sorted(blocks.items())):
+        layers[layer] = allocate_layer(num_experts, layout.nbytes, pin, layer)
+        for expert in range(num_experts):
+            names = disk_layout.names(prefix + ".", expert)
+            _pack_expert(checkpoint, names, layout.views(layers[layer][expert]))
+        if progress is not None:
+            progress("experts", (done + 1) * num_experts, total)
+    return ExpertStore(layout, layers, num_experts), disk_layout
+
+
+def _base(weight_name: str) -> str:
+    return weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
+
+
+def _pack_expert(checkpoint: Int4Checkpoint, names, views) -> None:
+    """Write one expert's int4 words, zeros, scales (and g_idx rows) into its packed views."""
+    for field, sources in names.items():
+        view = views[field]
+        parts = [checkpoint.weight(_base(name)) for name in sources]
+        part_shape = (view.shape[0] // len(parts), view.shape[1])
+        for name, part in zip(sources, parts, strict=True):
+            if part.shape != part_shape or part.scales.shape[0] != view.scales.shape[0]:
+                raise CorruptCheckpointError(
+                    f"{_base(name)} is a {part.format} weight of shape {part.shape} in "
+                    f"{part.scales.shape[0]} groups, but the config implies {part_shape} in "
+                    f"{view.scales.shape[0]}. The config and weights disagree."
+                )
+        view.qweight.copy_(torch.cat([part.qweight for part in parts], dim=-1))
+        view.qzeros.copy_(torch.cat([part.qzeros for part in parts], dim=-1))
+        view.scales.copy_(torch.cat([part.scales for part in parts], dim=-1))
+        if view.g_idx is not None:
+            rows = [_g_idx(part, name) for part, name in zip(parts, sources, strict=True)]
+            view.g_idx.copy_(torch.cat(rows, dim=0))
+        else:
+            for part, name in zip(parts, sources, strict=True):
+                _check_contiguous_groups(part, name)
+
+
+def _g_idx(part: Int4Weight, name: str) -> torch.Tensor:
+    if part.g_idx is None:
+        raise MissingTensorsError(
+            f"{_base(name)}.g_idx is missing, but config.json says the checkpoint is act-order "
+            "(desc_act: true). The download is incomplete; download the model again."
+        )
+    return part.g_idx
+
+
+def _check_contiguous_groups(part: Int4Weight, name: str) -> None:
+    """Without act-order, a stored g_idx must be the plain `i // group_size`: the layout drops it."""
+    if part.g_idx is None:
+        return
+    inputs, groups = part.shape[1], part.scales.shape[0]
+    plain = torch.arange(inputs, dtype=part.g_idx.dtype) // (inputs // groups)
+    if not torch.equal(part.g_idx[0], plain):
+        raise CorruptCheckpointError(
+            f"{_base(name)}.g_idx reorders the groups, but config.json says desc_act: false. "
+            "The config and weights disagree; use the config that came with them."
+        )
