@@ -133,6 +133,9 @@ class OffloadedModel:
             return self.store.layout.quant.name
         if any(f.block is not None for f in self.store.layout.fields):
             return "fp8"
+        int4 = {f.int4 for f in self.store.layout.fields if f.int4 is not None}
+        if int4:
+            return f"int4 ({'/'.join(sorted(int4))})"
         ggml = sorted({f.ggml_type for f in self.store.layout.fields if f.ggml_type is not None})
         if not ggml:
             return "native"

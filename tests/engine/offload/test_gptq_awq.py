@@ -194,3 +194,16 @@ def test_the_folder_check_accepts_the_folder(int4_folders):
 def test_int4_experts_refuse_a_second_quantization(int4_folders, no_link_thread_left):
     with pytest.raises(InvalidConfigError, match=r"quantized already.*--expert-dtype native"):
         load_model(int4_folders[0], offload("int8"))
+
+
+def test_the_model_says_its_experts_are_int4_and_substitutes_are_refused(int4_folders):
+    from engine.errors import InvalidRequestError
+
+    folder, _, _ = int4_folders
+    model = load_model(folder, offload())
+    try:
+        assert model.info().expert_dtype.startswith("int4 (")
+        with pytest.raises(InvalidRequestError, match="--spec self or draft"):
+            model.substitutes(4)
+    finally:
+        model.close()
