@@ -57,7 +57,9 @@ def test_fit_link_clamps_a_negative_intercept_and_needs_two_sizes():
 
 
 def test_cpu_expert_time_grows_with_the_expert():
-    small = measure_cpu_expert_ms(hidden=256, intermediate=64, repeats=5)
+    # the best of three medians: on a loaded 2-core machine a thread pool's wake-up can stall a
+    # whole median of the tiny expert (seen: 16 ms, the large one's time)
+    small = min(measure_cpu_expert_ms(hidden=256, intermediate=64, repeats=5) for _ in range(3))
     large = measure_cpu_expert_ms(hidden=4096, intermediate=1536, repeats=3)
     assert 0 < small < large
 
