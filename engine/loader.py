@@ -33,7 +33,6 @@ from engine.errors import (
     BudgetTooSmallError,
     CorruptCheckpointError,
     DeviceOutOfMemoryError,
-    InvalidConfigError,
     InvalidRequestError,
     MissingTensorsError,
     UnsupportedArchitectureError,
@@ -54,10 +53,10 @@ from engine.offload.moe_layer import (
     ExpertControl,
     OffloadedExperts,
     RoutingTrace,
-    expert_field_shapes,
     moe_blocks,
 )
 from engine.offload.mxfp4_store import build_mxfp4_store, is_mxfp4
+from engine.offload.prequantized import first_experts, refuse_requantization
 from engine.offload.quant import QuantSpec
 from engine.offload.store_cache import StoreKey, load_or_build
 from engine.offload.transfer import make_transfer
@@ -142,22 +141,11 @@ def _expert_store(folder, checkpoint, hf_model, arch, blocks, dtype, device, con
         return _load_store(
             folder, checkpoint, disk_layout, blocks, dtype, device, config, progress
         ), disk_layout
-    if config.expert_dtype != "native":
-        raise InvalidConfigError(
-            f"{checkpoint.parts[0].name} is quantized already: its experts are kept in the file's own "
-            f"types. Load it with --expert-dtype native, not {config.expert_dtype}."
-        )
+    refuse_requantization(checkpoint.parts[0].name, "in the file's own types", config.expert_dtype)
     checkpoint.bind(hf_model)
-    first = next(iter(blocks.values()))[1].experts
+    _, shapes, num_experts = first_experts(blocks)
     report = (lambda done, total: progress("experts", done, total)) if progress else None
-    store = build_gguf_store(
-        checkpoint,
-        sorted(blocks),
-        first.num_experts,
-        expert_field_shapes(first),
-        device.type == "cuda",
-        report,
-    )
+    store = build_gguf_store(checkpoint, sorted(blocks), num_experts, shapes, device.type == "cuda", report)
     return store, None
 
 
@@ -198,8 +186,7 @@ def _load_store(
     """The host store of every routed expert: packed from the checkpoint, quantized if asked.
 
     A quantized store comes from the store cache when it holds one for this model."""
-    first_experts = next(iter(blocks.values()))[1].experts
-    num_experts, shapes = first_experts.num_experts, expert_field_shapes(first_experts)
+    _, shapes, num_experts = first_experts(blocks)
     moe_layers = {layer: name + "." for layer, (name, _) in blocks.items()}
     report = (lambda done, total: progress("experts", done, total)) if progress else None
     if report is not None:

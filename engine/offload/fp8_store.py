@@ -24,7 +24,6 @@ import torch
 
 from engine.errors import (
     CorruptCheckpointError,
-    InvalidConfigError,
     MissingTensorsError,
     UnsupportedQuantizationError,
 )
@@ -32,7 +31,7 @@ from engine.model.adapters.base import Architecture, DiskLayout
 from engine.model.checkpoint import SUPPORTED_DTYPES, Checkpoint
 from engine.offload.expert_store import ExpertLayout, ExpertStore, allocate_layer
 from engine.offload.fp8 import FP8_DTYPE, Fp8Weight, dequantize, scale_shape
-from engine.offload.moe_layer import expert_field_shapes
+from engine.offload.prequantized import first_experts, refuse_requantization
 
 FP8_NAME = "F8_E4M3"
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # block scales; one per-tensor scale
@@ -172,14 +171,9 @@ def build_fp8_store(
     progress: Progress | None = None,
 ) -> tuple[ExpertStore, DiskLayout]:
     """Every routed expert of the MoE `blocks` (layer → (prefix, block)), kept in FP8."""
-    if expert_dtype != "native":
-        raise InvalidConfigError(
-            f"{checkpoint.folder.name} is quantized already: its experts are kept in FP8. "
-            f"Load it with --expert-dtype native, not {expert_dtype}."
-        )
+    refuse_requantization(checkpoint.folder.name, "in FP8", expert_dtype)
     disk_layout = fp8_disk_layout(arch)
-    experts = next(iter(blocks.values()))[1].experts
-    shapes, num_experts = expert_field_shapes(experts), experts.num_experts
+    experts, shapes, num_experts = first_experts(blocks)
     if set(shapes) != set(WEIGHTS) or getattr(experts, "is_transposed", False):
         raise UnsupportedQuantizationError(
             f"FP8 experts of {arch.model_type} ({', '.join(shapes)}) are not supported: MoE Chat keeps "

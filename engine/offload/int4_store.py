@@ -22,7 +22,6 @@ import torch
 
 from engine.errors import (
     CorruptCheckpointError,
-    InvalidConfigError,
     MissingTensorsError,
     UnsupportedQuantizationError,
 )
@@ -31,7 +30,7 @@ from engine.model.checkpoint import SUPPORTED_DTYPES, Checkpoint
 from engine.offload.expert_store import ExpertLayout, ExpertStore, allocate_layer
 from engine.offload.fp8_store import WEIGHTS, fp8_disk_layout
 from engine.offload.int4 import AWQ, GPTQ, GPTQ_V2, PACK, Int4Weight, dequantize, packed_shapes
-from engine.offload.moe_layer import expert_field_shapes
+from engine.offload.prequantized import first_experts, refuse_requantization
 
 PACKED = (".qweight", ".qzeros", ".scales", ".g_idx")
 Progress = Callable[[str, int, int], None]  # (stage, done, total), as the loader reports
@@ -163,14 +162,9 @@ def build_int4_store(
     progress: Progress | None = None,
 ) -> tuple[ExpertStore, DiskLayout]:
     """Every routed expert of the MoE `blocks` (layer → (prefix, block)), kept in int4."""
-    if expert_dtype != "native":
-        raise InvalidConfigError(
-            f"{checkpoint.folder.name} is quantized already: its experts are kept in {checkpoint.format} "
-            f"int4. Load it with --expert-dtype native, not {expert_dtype}."
-        )
+    refuse_requantization(checkpoint.folder.name, f"in {checkpoint.format} int4", expert_dtype)
     disk_layout = fp8_disk_layout(arch)
-    experts = next(iter(blocks.values()))[1].experts
-    shapes, num_experts = expert_field_shapes(experts), experts.num_experts
+    experts, shapes, num_experts = first_experts(blocks)
     if set(shapes) != set(WEIGHTS) or getattr(experts, "is_transposed", False):
         raise UnsupportedQuantizationError(
             f"{checkpoint.format} experts of {arch.model_type} ({', '.join(shapes)}) are not supported: "

@@ -23,12 +23,12 @@ from collections.abc import Callable, Mapping
 import torch
 from gguf import GGMLQuantizationType
 
-from engine.errors import CorruptCheckpointError, InvalidConfigError, UnsupportedQuantizationError
+from engine.errors import CorruptCheckpointError, UnsupportedQuantizationError
 from engine.model.adapters.base import Architecture, DiskLayout
 from engine.model.checkpoint import Checkpoint
 from engine.offload.expert_store import ExpertField, ExpertLayout, ExpertStore, allocate_layer
 from engine.offload.ggml_quants import row_bytes
-from engine.offload.moe_layer import expert_field_shapes
+from engine.offload.prequantized import first_experts, refuse_requantization
 
 MXFP4 = GGMLQuantizationType.MXFP4
 BLOCK = 32  # weights per MXFP4 block
@@ -87,14 +87,9 @@ def build_mxfp4_store(
     progress: Progress | None = None,
 ) -> tuple[ExpertStore, DiskLayout]:
     """Every routed expert of the MoE `blocks` (layer → (prefix, block)), kept in MXFP4."""
-    if expert_dtype != "native":
-        raise InvalidConfigError(
-            f"{checkpoint.folder.name} is quantized already: its experts are kept in MXFP4. "
-            f"Load it with --expert-dtype native, not {expert_dtype}."
-        )
+    refuse_requantization(checkpoint.folder.name, "in MXFP4", expert_dtype)
     disk_layout = mxfp4_disk_layout(arch)
-    experts = next(iter(blocks.values()))[1].experts
-    shapes, num_experts = expert_field_shapes(experts), experts.num_experts
+    experts, shapes, num_experts = first_experts(blocks)
     transposed = getattr(experts, "is_transposed", False)  # gpt-oss: [in, out]
     weights = {w: shapes[w][::-1] if transposed else shapes[w] for w in WEIGHTS}
     biases = {name: shape for name, shape in shapes.items() if name not in WEIGHTS}
