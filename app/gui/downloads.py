@@ -59,16 +59,10 @@ log = logging.getLogger(__name__)
 
 KEYRING_SERVICE = "moe-chat"
 KEYRING_USER = "huggingface"
-QUANTIZED_TAGS = {  # what a whole-repo download cannot load (MXFP4 gpt-oss it can: see config_problems)
-    "gptq",
-    "awq",
-    "fp8",
-    "4-bit",
-    "8-bit",
-    "gguf",
-    "bitsandbytes",
-    "compressed-tensors",
-}
+# What a whole-repo download cannot load, by tag: a GGUF repo holds many quants (the catalog fetches
+# one file), and formats the loader refuses. GPTQ/AWQ int4, FP8 and MXFP4 load: config_problems
+# judges those from the config, which says the method and its bits ("4-bit" tags say neither).
+QUANTIZED_TAGS = {"gguf", "bitsandbytes", "compressed-tensors"}
 
 
 # -- the token for gated models -------------------------------------------------------------------

@@ -177,6 +177,11 @@ def config_problems(config: dict) -> list[str]:
             "FP8, GPTQ/AWQ int4 and MXFP4 checkpoints and GGUF files. "
             "Use the model's BF16 release or a GGUF file."
         )
+    elif method in ("gptq", "awq") and isinstance(quant, dict) and quant.get("bits", 4) != 4:
+        problems.append(
+            f"This checkpoint is {method} with {quant.get('bits')}-bit weights; MoE Chat loads {method} "
+            "int4 only. Use the model's 4-bit or BF16 release, or a GGUF file."
+        )
     return problems
 
 

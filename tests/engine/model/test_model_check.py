@@ -168,3 +168,16 @@ def test_importing_the_module_loads_neither_torch_nor_safetensors():
     code = "import sys, engine.model.check; print('torch' in sys.modules, 'safetensors' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_gptq_and_awq_int4_configs_pass_and_other_bit_widths_are_named():
+    from engine.model.check import config_problems
+
+    for method in ("gptq", "awq"):
+        config = {"model_type": "qwen3_moe", "quantization_config": {"quant_method": method, "bits": 4}}
+        assert config_problems(config) == []
+        config["quantization_config"]["bits"] = 8
+        assert config_problems(config) == [
+            f"This checkpoint is {method} with 8-bit weights; MoE Chat loads {method} int4 only. "
+            "Use the model's 4-bit or BF16 release, or a GGUF file."
+        ]
