@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 COPY_TIMEOUT_S = 120.0  # no copy of one expert takes this long: a link that stalls this long is broken
 
 
+IDLE_POLL_S = 1.0  # how often an idle simulated link looks whether it was closed
+
+
 class CopyTimeout(RuntimeError):
     """A copy did not land within `COPY_TIMEOUT_S`."""
 
@@ -122,6 +125,7 @@ class _SimCopy(CopyHandle):
             raise self.error
 
     def synchronize(self) -> None:
+        """The host is the consumer here: the same bounded wait (`COPY_TIMEOUT_S`)."""
         self.wait()
 
     def done(self) -> bool:
@@ -154,7 +158,12 @@ class SimulatedLink(TransferEngine):
 
     def _run(self) -> None:
         while True:
-            task = self._tasks.get()
+            try:  # bounded: a link whose close() sentinel is lost still ends
+                task = self._tasks.get(timeout=IDLE_POLL_S)
+            except queue.Empty:
+                if self._closed:  # the queue is empty: nothing queued before close() is dropped
+                    return
+                continue
             if task is None:
                 return
             dst, src, handle, issued_at = task

@@ -54,12 +54,17 @@ log = logging.getLogger(__name__)
 HYBRIMOE_DEPTH = 3
 
 
+IDLE_POLL_S = 1.0  # how often an idle worker looks whether it was closed
+DRAIN_TIMEOUT_S = 60.0  # issuing a batch of prefetches takes milliseconds
+
+
 class PrefetchWorker:
     """A thread that copies each queued task's experts into the cache as one batch."""
 
     def __init__(self, cache: ExpertCache):
         self.cache = cache
         self._tasks: queue.Queue = queue.Queue()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="expert-prefetch", daemon=True)
         self._thread.start()
 
@@ -71,7 +76,12 @@ class PrefetchWorker:
 
     def _run(self) -> None:
         while True:
-            task = self._tasks.get()
+            try:  # bounded: a worker whose close() sentinel is lost still ends
+                task = self._tasks.get(timeout=IDLE_POLL_S)
+            except queue.Empty:
+                if self._closed:  # the queue is empty: nothing queued before close() is dropped
+                    return
+                continue
             try:
                 if task is None:
                     return
@@ -85,9 +95,12 @@ class PrefetchWorker:
             finally:
                 self._tasks.task_done()
 
-    def drain(self) -> None:
-        """Block until every submitted task has been issued."""
-        self._tasks.join()
+    def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Block until every submitted task has been issued; a worker that does not get there
+        within `timeout_s` is an error, never a hang."""
+        with self._tasks.all_tasks_done:
+            if not self._tasks.all_tasks_done.wait_for(lambda: not self._tasks.unfinished_tasks, timeout_s):
+                raise TimeoutError(f"The prefetch worker did not issue its tasks within {timeout_s:.0f} s.")
 
     def discard_pending(self) -> None:
         """Drop tasks not started yet (their step is over)."""
@@ -100,6 +113,7 @@ class PrefetchWorker:
 
     def close(self) -> None:
         self.discard_pending()
+        self._closed = True
         self._tasks.put(None)
         self._thread.join(timeout=5)
 

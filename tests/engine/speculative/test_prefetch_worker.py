@@ -139,3 +139,30 @@ def test_the_worker_prefetches_into_a_real_cache(no_worker_left):
     finally:
         worker.close()
         link.close()
+
+
+def test_drain_is_bounded_when_the_worker_is_stuck():
+    import threading as _threading
+
+    from engine.speculative.prefetch import PrefetchWorker
+
+    release = _threading.Event()
+
+    class StuckCache:
+        lock = _threading.RLock()
+
+        def prefetch(self, key, phase, spare_only=False):
+            release.wait(10)  # a copy that does not get issued
+            return True
+
+        def __contains__(self, key):
+            return False
+
+    worker = PrefetchWorker(StuckCache())
+    try:
+        worker.submit([(0, 0)], "draft")
+        with pytest.raises(TimeoutError, match="did not issue"):
+            worker.drain(timeout_s=0.2)
+    finally:
+        release.set()
+        worker.close()
