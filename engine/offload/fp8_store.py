@@ -18,7 +18,7 @@ Two readers of the same folder:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -28,10 +28,15 @@ from engine.errors import (
     UnsupportedQuantizationError,
 )
 from engine.model.adapters.base import Architecture, DiskLayout
-from engine.model.checkpoint import SUPPORTED_DTYPES, Checkpoint
+from engine.model.checkpoint import Checkpoint
 from engine.offload.expert_store import ExpertLayout, ExpertStore, allocate_layer
 from engine.offload.fp8 import FP8_DTYPE, Fp8Weight, dequantize, scale_shape
-from engine.offload.prequantized import first_experts, refuse_requantization
+from engine.offload.prequantized import (
+    PackedCheckpoint,
+    first_experts,
+    per_expert_disk_layout,
+    refuse_requantization,
+)
 
 FP8_NAME = "F8_E4M3"
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # block scales; one per-tensor scale
@@ -62,25 +67,13 @@ def fp8_checkpoint(hf_config, checkpoint) -> tuple[object, object]:
     return hf_config, checkpoint
 
 
-class Fp8Checkpoint:
+class Fp8Checkpoint(PackedCheckpoint):
     """A `Checkpoint` whose FP8 weights read as floats and whose scale tensors are hidden."""
 
     def __init__(self, checkpoint: Checkpoint, block: tuple[int, int] | None):
-        self.packed, self.block, self.folder = checkpoint, block, checkpoint.folder
-        self._names = [n for n in checkpoint if not n.endswith(SCALE_SUFFIXES)]
-        self._visible = set(self._names)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._visible
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.packed.shape(name)
-
-    def dtype_name(self, name: str) -> str:
-        return self.packed.dtype_name(name)
+        # every tensor FP8 but its scales: BF16 is what the release computes in
+        super().__init__(checkpoint, hidden={n for n in checkpoint if n.endswith(SCALE_SUFFIXES)})
+        self.block = block
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor `name`; an FP8 weight dequantized with its scales, in `dtype` (float32 if None)."""
@@ -117,31 +110,6 @@ class Fp8Checkpoint:
             )
         return Fp8Weight(data, scale, block)
 
-    def storage_dtype(self) -> torch.dtype:
-        """The dtype most unquantized tensors (norms, embeddings, routers) are stored in."""
-        counts: dict[str, int] = {}
-        for name in self._names:
-            dtype_name = self.packed.dtype_name(name)
-            if dtype_name in SUPPORTED_DTYPES:
-                counts[dtype_name] = counts.get(dtype_name, 0) + 1
-        if not counts:
-            return torch.bfloat16  # every tensor FP8: BF16 is what the release computes in
-        return SUPPORTED_DTYPES[max(counts, key=counts.get)]
-
-    def close(self) -> None:
-        self.packed.close()
-
-
-def fp8_disk_layout(arch: Architecture) -> DiskLayout:
-    """The family's per-expert layout: FP8 checkpoints hold each expert's matrices apart."""
-    per_expert = [layout for layout in arch.layouts if layout.per_expert]
-    if not per_expert:
-        raise UnsupportedQuantizationError(
-            f"FP8 checkpoints of {arch.model_type} are not supported: MoE Chat reads FP8 experts only "
-            "as per-expert matrices. Use the model's BF16 release."
-        )
-    return per_expert[0]
-
 
 def field_block(shape: tuple[int, int], parts: int, block: tuple[int, int] | None) -> tuple[int, int]:
     """The scale block of a field of `shape` `(out, in)` made of `parts` equal matrices stacked."""
@@ -172,7 +140,7 @@ def build_fp8_store(
 ) -> tuple[ExpertStore, DiskLayout]:
     """Every routed expert of the MoE `blocks` (layer → (prefix, block)), kept in FP8."""
     refuse_requantization(checkpoint.folder.name, "in FP8", expert_dtype)
-    disk_layout = fp8_disk_layout(arch)
+    disk_layout = per_expert_disk_layout(arch, "FP8")
     experts, shapes, num_experts = first_experts(blocks)
     if set(shapes) != set(WEIGHTS) or getattr(experts, "is_transposed", False):
         raise UnsupportedQuantizationError(

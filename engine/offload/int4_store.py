@@ -16,7 +16,7 @@ Two readers of the same folder, as for FP8 (`engine.offload.fp8_store`):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -26,26 +26,25 @@ from engine.errors import (
     UnsupportedQuantizationError,
 )
 from engine.model.adapters.base import Architecture, DiskLayout
-from engine.model.checkpoint import SUPPORTED_DTYPES, Checkpoint
+from engine.model.checkpoint import Checkpoint
 from engine.offload.expert_store import ExpertLayout, ExpertStore, allocate_layer
-from engine.offload.fp8_store import WEIGHTS, fp8_disk_layout
+from engine.offload.fp8_store import WEIGHTS
 from engine.offload.int4 import AWQ, GPTQ, GPTQ_V2, PACK, Int4Weight, dequantize, packed_shapes
-from engine.offload.prequantized import first_experts, refuse_requantization
+from engine.offload.prequantized import (
+    PackedCheckpoint,
+    first_experts,
+    per_expert_disk_layout,
+    quantization_config,
+    refuse_requantization,
+)
 
 PACKED = (".qweight", ".qzeros", ".scales", ".g_idx")
 Progress = Callable[[str, int, int], None]  # (stage, done, total), as the loader reports
 
 
-def _quant(hf_config) -> dict:
-    quant = getattr(hf_config, "quantization_config", None)
-    if quant is None:
-        return {}
-    return dict(quant) if isinstance(quant, dict) else quant.to_dict()
-
-
 def int4_format(hf_config) -> str | None:
     """The int4 format of a GPTQ/AWQ config ("gptq", "gptq_v2" or "awq"), None for other configs."""
-    quant = _quant(hf_config)
+    quant = quantization_config(hf_config)
     method = str(quant.get("quant_method", "")).lower()
     if method not in (GPTQ, AWQ):
         return None
@@ -71,27 +70,24 @@ def int4_checkpoint(hf_config, checkpoint) -> tuple[object, object]:
     model is GPTQ/AWQ int4."""
     fmt = int4_format(hf_config) if isinstance(checkpoint, Checkpoint) else None
     if fmt is not None:
-        checkpoint = Int4Checkpoint(checkpoint, fmt, bool(_quant(hf_config).get("desc_act", False)))
+        checkpoint = Int4Checkpoint(
+            checkpoint, fmt, bool(quantization_config(hf_config).get("desc_act", False))
+        )
     return hf_config, checkpoint
 
 
-class Int4Checkpoint:
+class Int4Checkpoint(PackedCheckpoint):
     """A `Checkpoint` whose int4 Linears read as `<name>.weight` floats, their packed tensors hidden."""
 
     def __init__(self, checkpoint: Checkpoint, fmt: str, act_order: bool):
-        self.packed, self.format, self.act_order = checkpoint, fmt, act_order
-        self.folder = checkpoint.folder
-        self._quantized = {n[: -len(".qweight")] for n in checkpoint if n.endswith(".qweight")}
-        hidden = {base + suffix for base in self._quantized for suffix in PACKED}
-        self._stored = [n for n in checkpoint if n not in hidden]
-        self._names = self._stored + sorted(base + ".weight" for base in self._quantized)
-        self._visible = set(self._names)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._visible
+        quantized = {n[: -len(".qweight")] for n in checkpoint if n.endswith(".qweight")}
+        super().__init__(
+            checkpoint,
+            hidden={base + suffix for base in quantized for suffix in PACKED},
+            virtual=(base + ".weight" for base in quantized),
+            default_dtype=torch.float16,  # the scales' dtype: what GPTQ/AWQ kernels compute in
+        )
+        self.format, self.act_order, self._quantized = fmt, act_order, quantized
 
     def _base(self, name: str) -> str | None:
         base = name[: -len(".weight")] if name.endswith(".weight") else None
@@ -138,20 +134,6 @@ class Int4Checkpoint:
         rows = None if g_idx is None else g_idx[None]  # [1, in]: one matrix
         return Int4Weight(qweight, tensors["qzeros"], scales, rows, self.format, shape)
 
-    def storage_dtype(self) -> torch.dtype:
-        """The dtype most unquantized tensors (norms, embeddings, routers) are stored in."""
-        counts: dict[str, int] = {}
-        for name in self._stored:
-            dtype_name = self.packed.dtype_name(name)
-            if dtype_name in SUPPORTED_DTYPES:
-                counts[dtype_name] = counts.get(dtype_name, 0) + 1
-        if not counts:
-            return torch.float16  # the scales' dtype: what GPTQ/AWQ kernels compute in
-        return SUPPORTED_DTYPES[max(counts, key=counts.get)]
-
-    def close(self) -> None:
-        self.packed.close()
-
 
 def build_int4_store(
     checkpoint: Int4Checkpoint,
@@ -163,7 +145,7 @@ def build_int4_store(
 ) -> tuple[ExpertStore, DiskLayout]:
     """Every routed expert of the MoE `blocks` (layer → (prefix, block)), kept in int4."""
     refuse_requantization(checkpoint.folder.name, f"in {checkpoint.format} int4", expert_dtype)
-    disk_layout = fp8_disk_layout(arch)
+    disk_layout = per_expert_disk_layout(arch, checkpoint.format.upper())
     experts, shapes, num_experts = first_experts(blocks)
     if set(shapes) != set(WEIGHTS) or getattr(experts, "is_transposed", False):
         raise UnsupportedQuantizationError(
