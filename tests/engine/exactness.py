@@ -1,8 +1,14 @@
-"""The exactness check every checkpoint format shares: the engine's logits equal a transformers
-reference model's (fp32, 1e-4) and its greedy tokens are the reference's, token for token."""
+"""What the checkpoint-format tests share: the exactness check (the engine's logits equal a
+transformers reference model's, fp32 1e-4, and its greedy tokens are the reference's, token
+for token), the cache they run it with, and writing a folder in a published quantized format."""
+
+import json
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
+from engine.config import ExpertBudget, OffloadConfig
 from engine.generation import generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig
 
@@ -30,3 +36,22 @@ def assert_matches_reference(model, reference, prompt: list[int], new_tokens: in
             eos_token_id=None,
         )[0, len(prompt) :]
     assert list(tokens) == reference_tokens.tolist()
+
+
+def quarter_cached(expert_dtype: str = "native") -> OffloadConfig:
+    """The tiny models' 2 MoE layers × 8 experts with 4 slots: a quarter, and twice top-2."""
+    return OffloadConfig(
+        device="cpu",
+        dtype="float32",
+        expert_budget=ExpertBudget.parse("4"),
+        sim_link_gbps=50.0,
+        expert_dtype=expert_dtype,
+    )
+
+
+def save_published(folder: Path, tensors: dict, quantization_config: dict) -> None:
+    """`tensors` as the folder's weights, and `quantization_config` in its config.json."""
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (folder / "config.json").write_text(json.dumps(config, indent=2))

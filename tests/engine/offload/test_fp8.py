@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from engine.config import ExpertBudget, OffloadConfig
+from engine.config import OffloadConfig
 from engine.errors import CorruptCheckpointError, InvalidConfigError
 from engine.loader import load_model
 from engine.model.check import check_model_folder
 from engine.model.tiny import build_tiny_model, save_tiny_model
 from engine.offload.fp8 import Fp8Weight, dequantize
-from tests.engine.exactness import assert_matches_reference
+from tests.engine.exactness import assert_matches_reference, quarter_cached, save_published
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 64, 128, 5]
 HIDDEN = 256  # two 128-wide blocks per row
@@ -87,26 +87,12 @@ def write_fp8_model(
         else:
             tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(weight)
             dequantized[name] = dequantize_blocks(tensors[name], tensors[name + "_scale_inv"])
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((folder / "config.json").read_text())
     quant = dict(QUANTIZATION_CONFIG)
     if per_tensor:
         del quant["weight_block_size"]
-    config["quantization_config"] = quant
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_published(folder, tensors, quant)
     return folder
-
-
-def offload(expert_dtype: str = "native") -> OffloadConfig:
-    # 2 MoE layers × 8 experts: 4 slots is a quarter, and twice top-2.
-    return OffloadConfig(
-        device="cpu",
-        dtype="float32",
-        expert_budget=ExpertBudget.parse("4"),
-        sim_link_gbps=50.0,
-        expert_dtype=expert_dtype,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +103,7 @@ def fp8_folders(tmp_path_factory):
 
 def assert_equals_reference(folder, reference_folder, tokens: int = 32) -> None:
     reference = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
-    model = load_model(folder, offload())
+    model = load_model(folder, quarter_cached())
     try:
         assert model.cache.n_slots == 4 < model.store.total_experts  # the cache must evict
         assert_matches_reference(model, reference, PROMPT, tokens)
@@ -143,7 +129,7 @@ def test_logits_and_greedy_tokens_equal_the_dequantized_model(fp8_folders):
 
 def test_the_experts_stay_in_fp8(fp8_folders):
     folder, _ = fp8_folders
-    model = load_model(folder, offload())
+    model = load_model(folder, quarter_cached())
     try:
         assert model.info().disk_layout == "per-expert mlp.experts"
         fields = {f.name: f for f in model.store.layout_of(0).fields}
@@ -180,7 +166,7 @@ def test_the_folder_check_accepts_a_published_fp8_folder(fp8_folders):
 
 def test_fp8_experts_refuse_a_second_quantization(fp8_folders, no_link_thread_left):
     with pytest.raises(InvalidConfigError, match=r"quantized already.*--expert-dtype native"):
-        load_model(fp8_folders[0], offload("int8"))
+        load_model(fp8_folders[0], quarter_cached("int8"))
 
 
 def test_a_gate_ending_inside_a_block_keeps_a_scale_row_per_weight_row(tmp_path):
@@ -211,7 +197,7 @@ def test_scales_that_disagree_with_the_weights_are_a_corrupt_checkpoint(tmp_path
     with pytest.raises(
         CorruptCheckpointError, match=r"down_proj.weight \(256, 256\) are \(1, 2\).*make \(2, 2\)"
     ):
-        load_model(folder, offload())
+        load_model(folder, quarter_cached())
 
 
 def test_bf16_experts_under_an_fp8_config_are_refused(tmp_path, no_link_thread_left):
@@ -221,7 +207,7 @@ def test_bf16_experts_under_an_fp8_config_are_refused(tmp_path, no_link_thread_l
     with pytest.raises(
         CorruptCheckpointError, match=r"gate_proj.weight is stored as F32, but config.json says"
     ):
-        load_model(folder, offload())
+        load_model(folder, quarter_cached())
 
 
 def test_the_model_says_its_experts_are_fp8_and_substitutes_are_refused(fp8_folders):

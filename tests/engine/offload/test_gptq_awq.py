@@ -7,20 +7,17 @@ act-order, GPTQ v2, AWQ GEMM). Reference: transformers' forward on the dequantiz
 folder without quantization_config, loaded with `from_pretrained`); the engine's logits equal it at
 fp32 1e-4 and 32 greedy tokens are identical, with a quarter of the experts cached on a simulated link."""
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import InvalidConfigError
 from engine.loader import load_model
 from engine.model.check import check_model_folder
 from engine.model.tiny import build_tiny_model, save_tiny_model
 from engine.offload.int4 import AWQ_ORDER, Int4Weight, dequantize
-from tests.engine.exactness import assert_matches_reference
+from tests.engine.exactness import assert_matches_reference, quarter_cached, save_published
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 64, 128, 5]
 GROUP = 128
@@ -109,23 +106,9 @@ def write_int4_model(folder, reference, variant: str):
         base = name.removesuffix(".weight")
         packed, dequantized[name] = encode(weight, variant)
         tensors.update({f"{base}.{key}": value for key, value in packed.items()})
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = CONFIGS[variant]
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_published(folder, tensors, CONFIGS[variant])
     return folder
-
-
-def offload(expert_dtype: str = "native") -> OffloadConfig:
-    # 2 MoE layers × 8 experts: 4 slots is a quarter, and twice top-2.
-    return OffloadConfig(
-        device="cpu",
-        dtype="float32",
-        expert_budget=ExpertBudget.parse("4"),
-        sim_link_gbps=50.0,
-        expert_dtype=expert_dtype,
-    )
 
 
 @pytest.fixture(scope="module", params=["gptq", "gptq_act_order", "awq"])
@@ -149,7 +132,7 @@ def test_dequantize_reads_each_published_layout(variant):
 def test_logits_and_greedy_tokens_equal_the_dequantized_model(int4_folders):
     folder, reference_folder, _ = int4_folders
     reference = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
-    model = load_model(folder, offload())
+    model = load_model(folder, quarter_cached())
     try:
         assert model.cache.n_slots == 4 < model.store.total_experts  # the cache must evict
         assert_matches_reference(model, reference, PROMPT, new_tokens=32)
@@ -160,7 +143,7 @@ def test_logits_and_greedy_tokens_equal_the_dequantized_model(int4_folders):
 
 def test_the_experts_stay_in_int4(int4_folders):
     folder, _, variant = int4_folders
-    model = load_model(folder, offload())
+    model = load_model(folder, quarter_cached())
     try:
         fields = {f.name: f for f in model.store.layout_of(0).fields}
         assert fields["gate_up_proj"].dtype == torch.int32 and fields["gate_up_proj"].weight_shape == (
@@ -193,14 +176,14 @@ def test_the_folder_check_accepts_the_folder(int4_folders):
 
 def test_int4_experts_refuse_a_second_quantization(int4_folders, no_link_thread_left):
     with pytest.raises(InvalidConfigError, match=r"quantized already.*--expert-dtype native"):
-        load_model(int4_folders[0], offload("int8"))
+        load_model(int4_folders[0], quarter_cached("int8"))
 
 
 def test_the_model_says_its_experts_are_int4_and_substitutes_are_refused(int4_folders):
     from engine.errors import InvalidRequestError
 
     folder, _, _ = int4_folders
-    model = load_model(folder, offload())
+    model = load_model(folder, quarter_cached())
     try:
         assert model.info().expert_dtype.startswith("int4 (")
         with pytest.raises(InvalidRequestError, match="--spec self or draft"):

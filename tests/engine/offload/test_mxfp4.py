@@ -3,8 +3,6 @@ in MXFP4 end to end. The logits equal transformers' own loading of the folder (w
 MXFP4 on CPU) at fp32 1e-4 and 32 greedy tokens are identical, with a quarter of the experts
 cached on a simulated link."""
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -14,14 +12,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
 
-from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import CorruptCheckpointError, InvalidConfigError
 from engine.loader import load_model
 from engine.model.checkpoint import Checkpoint
 from engine.model.tiny import build_tiny_model, save_tiny_model
 from engine.offload.ggml_quants import dequantize
 from engine.offload.mxfp4_store import repack_to_ggml
-from tests.engine.exactness import assert_matches_reference
+from tests.engine.exactness import assert_matches_reference, quarter_cached, save_published
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 64, 128, 5]
 HIDDEN, INTER = 64, 64  # multiples of 32: whole MXFP4 blocks, two per row
@@ -58,22 +55,8 @@ def write_mxfp4_model(folder):
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         weight = tensors.pop(name).transpose(1, 2)  # transformers' [E, in, out] -> [E, out, in]
         tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = encode_mxfp4(weight)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = QUANTIZATION_CONFIG
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_published(folder, tensors, QUANTIZATION_CONFIG)
     return folder
-
-
-def offload(expert_dtype: str = "native") -> OffloadConfig:
-    # 2 MoE layers × 8 experts: 4 slots is a quarter, and twice top-2.
-    return OffloadConfig(
-        device="cpu",
-        dtype="float32",
-        expert_budget=ExpertBudget.parse("4"),
-        sim_link_gbps=50.0,
-        expert_dtype=expert_dtype,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +80,7 @@ def test_repacked_blocks_dequantize_as_transformers_does():
 
 def test_logits_and_greedy_tokens_equal_transformers_loading(mxfp4_folder):
     reference = AutoModelForCausalLM.from_pretrained(mxfp4_folder, dtype=torch.float32).eval()
-    model = load_model(mxfp4_folder, offload())
+    model = load_model(mxfp4_folder, quarter_cached())
     try:
         assert model.cache.n_slots == 4 < model.store.total_experts  # the cache must evict
         assert_matches_reference(model, reference, PROMPT)
@@ -107,7 +90,7 @@ def test_logits_and_greedy_tokens_equal_transformers_loading(mxfp4_folder):
 
 
 def test_the_experts_stay_in_mxfp4(mxfp4_folder):
-    model = load_model(mxfp4_folder, offload())
+    model = load_model(mxfp4_folder, quarter_cached())
     try:
         assert model.info().disk_layout == "mxfp4 mlp.experts"
         fields = {f.name: f for f in model.store.layout_of(0).fields}
@@ -127,7 +110,7 @@ def test_the_experts_stay_in_mxfp4(mxfp4_folder):
 
 def test_mxfp4_experts_refuse_a_second_quantization(mxfp4_folder, no_link_thread_left):
     with pytest.raises(InvalidConfigError, match=r"quantized already.*--expert-dtype native"):
-        load_model(mxfp4_folder, offload("int4"))
+        load_model(mxfp4_folder, quarter_cached("int4"))
 
 
 def test_mxfp4_blocks_are_never_read_as_floats(mxfp4_folder):
@@ -145,7 +128,7 @@ def test_blocks_that_disagree_with_the_config_are_a_corrupt_checkpoint(tmp_path,
     tensors[name] = tensors[name][:, :32].contiguous()
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CorruptCheckpointError, match=rf"{name} is U8 \(8, 32, 2\).*holds U8 \(8, 64, 2\)"):
-        load_model(folder, offload())
+        load_model(folder, quarter_cached())
 
 
 def test_the_folder_check_accepts_a_published_mxfp4_folder(mxfp4_folder):
