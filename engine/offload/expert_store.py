@@ -32,6 +32,7 @@ from engine.errors import CorruptCheckpointError, DeviceOutOfMemoryError, Missin
 from engine.model.adapters.base import DiskLayout
 from engine.model.checkpoint import Checkpoint
 from engine.offload.fp8 import FP8_DTYPE, Fp8Weight, scale_shape
+from engine.offload.ggml_quants import linear as ggml_linear
 from engine.offload.int4 import Int4Weight, packed_shapes
 from engine.offload.quant import QuantSpec, is_weight, quantize_into, quantized_fields
 
@@ -62,6 +63,10 @@ class GgmlWeight(NamedTuple):
     data: torch.Tensor  # uint8 [out, bytes per row]
     ggml_type: int
     shape: tuple[int, int]
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T`: how `engine.offload.quant.linear` computes this format."""
+        return ggml_linear(x, self.data, self.ggml_type, *self.shape)
 
 
 @dataclass(frozen=True)

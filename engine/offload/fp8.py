@@ -30,6 +30,10 @@ class Fp8Weight(NamedTuple):
     scale_inv: torch.Tensor  # float32 [ceil(out / b_out), ceil(in / b_in)]
     block: tuple[int, int]  # (b_out, b_in)
 
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T`: how `engine.offload.quant.linear` computes this format."""
+        return linear(x, self)
+
 
 def scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
     """The scales of a `(out, in)` weight in blocks of `(b_out, b_in)`: one per block, partial ones too."""

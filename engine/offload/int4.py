@@ -44,6 +44,10 @@ class Int4Weight(NamedTuple):
     format: str  # one of FORMATS
     shape: tuple[int, int]  # (out, in)
 
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T`: how `engine.offload.quant.linear` computes this format."""
+        return linear(x, self)
+
 
 def packed_shapes(fmt: str, shape: tuple[int, int], groups: int) -> dict[str, tuple[int, int]]:
     """The shapes of `qweight`, `qzeros` and `scales` of a `(out, in)` weight in `groups` groups."""

@@ -190,22 +190,12 @@ def dequantize(
 def linear(x: torch.Tensor, views: Mapping[str, torch.Tensor], name: str, transposed: bool) -> torch.Tensor:
     """`x @ W.T` (`x @ W` when `transposed`) for the expert weight `name`, native or quantized.
 
-    Native views compute exactly as transformers' experts do. A GGUF file's blocks
-    (`GgmlWeight`) and FP8 weights (`Fp8Weight`) hold `(out, in)` rows whatever the family's
-    own orientation, and so do GPTQ/AWQ int4 weights (`Int4Weight`)."""
+    Native views compute exactly as transformers' experts do. A checkpoint format's own weight
+    (`GgmlWeight` of a GGUF file, `Fp8Weight`, GPTQ/AWQ `Int4Weight`) computes itself: it holds
+    `(out, in)` rows whatever the family's own orientation."""
     weight = views.get(name)
-    if hasattr(weight, "qzeros"):  # engine.offload.int4.Int4Weight
-        from engine.offload.int4 import linear as int4_linear
-
-        return int4_linear(x, weight)
-    if hasattr(weight, "scale_inv"):  # engine.offload.fp8.Fp8Weight
-        from engine.offload.fp8 import linear as fp8_linear
-
-        return fp8_linear(x, weight)
-    if hasattr(weight, "ggml_type"):  # engine.offload.expert_store.GgmlWeight
-        from engine.offload.ggml_quants import linear as ggml_linear
-
-        return ggml_linear(x, weight.data, weight.ggml_type, *weight.shape)
+    if hasattr(weight, "linear"):  # a format's weight object, not a tensor
+        return weight.linear(x)
     if weight is None:
         work = _work_dtype(x.dtype, x.device)
         weight = _dequantized(views, name, work)
