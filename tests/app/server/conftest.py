@@ -21,6 +21,7 @@ class LiveServer:
     """One server, its backend and its session; `stop()` undoes all three."""
 
     def __init__(self, api_key: str | None = None, max_new_tokens: int = 64):
+        self._clients: list[openai.OpenAI] = []
         self.session = EngineSession()
         self.session.start()
         try:
@@ -38,7 +39,10 @@ class LiveServer:
         return self.server.url
 
     def client(self, timeout: float = 60, api_key: str = "unused") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url, api_key=api_key, max_retries=0, timeout=timeout)
+        """An `openai` client of this server, closed with it (an unclosed one's sockets warn at GC)."""
+        client = openai.OpenAI(base_url=self.url, api_key=api_key, max_retries=0, timeout=timeout)
+        self._clients.append(client)
+        return client
 
     def request(
         self, method: str, path: str, body: bytes = b"", headers: dict | None = None
@@ -60,6 +64,8 @@ class LiveServer:
             conn.close()
 
     def stop(self) -> None:
+        for client in self._clients:
+            client.close()
         self.server.stop()
         self.backend.close()
         self.session.close()

@@ -134,14 +134,17 @@ def test_engine_errors_have_their_http_status(error, status):
 
 @pytest.fixture
 def serve():
-    servers = []
+    servers, clients = [], []
 
     def start(session) -> openai.OpenAI:
         server = ApiServer(ChatBackend(session, MODEL, DEFAULTS), port=0).start()
         servers.append(server)
-        return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=10)
+        clients.append(openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=10))
+        return clients[-1]
 
     yield start
+    for client in clients:
+        client.close()
     for server in servers:
         server.stop()
 

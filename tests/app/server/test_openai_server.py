@@ -43,7 +43,8 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
