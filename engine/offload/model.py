@@ -18,6 +18,7 @@ from transformers import DynamicCache
 from engine.config import OffloadConfig
 from engine.errors import DeviceOutOfMemoryError, InvalidRequestError
 from engine.model.adapters.base import Architecture
+from engine.model.hf_calls import with_cache
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertStore
 from engine.offload.moe_layer import ExpertControl, OffloadedExperts, RoutingTrace
@@ -188,12 +189,9 @@ class OffloadedModel:
     ) -> torch.Tensor:
         """Logits `[n, V]` of the last `logits_to_keep` positions of `input_ids [T]` (0 keeps all)."""
         try:
-            output = self.hf_model(
-                input_ids=input_ids.view(1, -1).to(self.device),
-                past_key_values=kv_cache,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-            )
+            inputs = input_ids.view(1, -1).to(self.device)
+            kwargs = with_cache(self.hf_model, kv_cache, use_cache=True, logits_to_keep=logits_to_keep)
+            output = self.hf_model(input_ids=inputs, **kwargs)
         except torch.OutOfMemoryError as err:
             self.cache.clear()
             raise DeviceOutOfMemoryError(

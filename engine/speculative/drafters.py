@@ -30,6 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from engine.errors import DeviceOutOfMemoryError, InvalidRequestError, ModelNotFoundError
+from engine.model.hf_calls import with_cache
 from engine.offload.moe_layer import DraftRouting
 from engine.sampling import Sampler
 
@@ -120,9 +121,8 @@ class ModelDrafter(Drafter):
 
         def logits_fn(token: int | None) -> torch.Tensor:
             ids = pending if token is None else pending.new_tensor([token])
-            out = self.model(
-                input_ids=ids.view(1, -1).to(self.device), past_key_values=self.kv_cache, use_cache=True
-            )
+            inputs = ids.view(1, -1).to(self.device)
+            out = self.model(input_ids=inputs, **with_cache(self.model, self.kv_cache, use_cache=True))
             return out.logits[0, -1]
 
         try:

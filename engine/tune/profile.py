@@ -38,6 +38,7 @@ from transformers import DynamicCache
 from engine.errors import GenerationCancelled
 from engine.generation import FinishedEvent, encode_prompt, generate, generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
+from engine.model.hf_calls import with_cache
 from engine.prompts import PROMPTS
 from engine.speculative.draft_len import alpha_from_acceptance
 from engine.speculative.drafters import load_draft_model, rewind_cache
@@ -213,11 +214,11 @@ def _draft_token_ms(model, drafter_dir: str, prompt: torch.Tensor, token: torch.
     """Median ms of one draft token: the whole draft model's forward of one token after the prompt."""
     draft = load_draft_model(drafter_dir, model)
     kv_cache = DynamicCache()
-    draft(input_ids=prompt.view(1, -1), past_key_values=kv_cache, use_cache=True, logits_to_keep=1)
+    draft(**with_cache(draft, kv_cache, input_ids=prompt.view(1, -1), use_cache=True, logits_to_keep=1))
     base = kv_cache.get_seq_length()
 
     def run() -> None:
-        draft(input_ids=token.view(1, -1), past_key_values=kv_cache, use_cache=True, logits_to_keep=1)
+        draft(**with_cache(draft, kv_cache, input_ids=token.view(1, -1), use_cache=True, logits_to_keep=1))
         rewind_cache(kv_cache, base)
 
     run()  # warm-up
