@@ -12,6 +12,12 @@ order, `ReplyText`s and then exactly one of `Finished`, `Error` or `WorkerCrashe
 Only a reply in flight when the caller itself calls `restart()` or `shutdown()`
 gets no end: whoever stops the worker ends it.
 
+Recovery is fast because the next worker is already there: once a model has loaded, a
+standby worker (`engine.worker.standby`) is spawned `STANDBY_DELAY_MS` later and imports
+torch, transformers and the model's code while the user chats; `restart()` (after a
+crash, or asked for) wakes it instead of spawning a cold one, and the caller's load of
+the model is then the only wait (the converted store comes from the store cache).
+
 No torch import here: the GUI needs no CUDA context and starts fast.
 """
 
@@ -50,8 +56,11 @@ from engine.worker.protocol import (
     TuneProgress,
     TuneResult,
 )
+from engine.worker.standby import StandbyWorker
 
 log = logging.getLogger(__name__)
+
+STANDBY_DELAY_MS = 3000  # after a load, and no reply streaming: the standby's imports take CPU
 
 
 class ConnectionState(enum.Enum):
@@ -115,9 +124,13 @@ class EngineClient(QObject):
         parent: QObject | None = None,
         worker_factory: Callable[[], WorkerProcess] = WorkerProcess,
         flush_ms: int = 50,
+        standby_factory: Callable[[str | None], WorkerProcess] | None = StandbyWorker,
     ):
         super().__init__(parent)
         self._worker_factory = worker_factory
+        self._standby_factory = standby_factory  # None: no standby worker, a restart starts cold
+        self._standby: WorkerProcess | None = None
+        self._model_dir: str | None = None  # the last model asked for: the standby imports its code
         self._worker: WorkerProcess | None = None
         self._reader: threading.Thread | None = None
         self._inbox: deque = deque()  # events from the reader thread, in order
@@ -130,6 +143,8 @@ class EngineClient(QObject):
         self._timer = QTimer(self)
         self._timer.setInterval(flush_ms)
         self._timer.timeout.connect(self._flush)
+        self._standby_timer = QTimer(self, singleShot=True, interval=STANDBY_DELAY_MS)
+        self._standby_timer.timeout.connect(self._spawn_standby)
 
     # -- life cycle -----------------------------------------------------------------------------
 
@@ -138,7 +153,7 @@ class EngineClient(QObject):
         if self.state in (ConnectionState.STARTING, ConnectionState.READY):
             return
         self._set_state(ConnectionState.STARTING)
-        self._worker = worker = self._worker_factory()
+        self._worker = worker = self._take_standby() or self._worker_factory()
         self._reader = threading.Thread(target=self._read, args=(worker,), name="engine-reader", daemon=True)
         self._reader.start()
         self._timer.start()
@@ -152,7 +167,38 @@ class EngineClient(QObject):
         """Ask the worker to exit (killing it after `timeout_s`); for application exit."""
         self._stop_worker(kill=False, timeout_s=timeout_s)
         self._timer.stop()
+        self._standby_timer.stop()
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            standby.kill()
         self._set_state(ConnectionState.STOPPED)
+
+    @property
+    def standby_warm(self) -> bool:
+        """True while a standby worker with its imports done waits for a restart."""
+        return self._standby is not None and getattr(self._standby, "warm", True)
+
+    def _take_standby(self) -> WorkerProcess | None:
+        standby, self._standby = self._standby, None
+        if standby is not None and not standby.alive:
+            standby.kill()
+            return None
+        return standby
+
+    def _spawn_standby(self) -> None:
+        if (
+            self._standby_factory is None
+            or self._standby is not None
+            or self.state is not ConnectionState.READY
+        ):
+            return
+        if self._replies:  # a reply is streaming: spawn the standby once it is quiet
+            self._standby_timer.start()
+            return
+        try:
+            self._standby = self._standby_factory(self._model_dir)
+        except OSError as err:  # no process to spare: restarts start cold
+            log.warning("No standby engine process: %s", err)
 
     def _stop_worker(self, kill: bool, timeout_s: float = 5.0) -> None:
         worker, self._worker = self._worker, None
@@ -170,6 +216,7 @@ class EngineClient(QObject):
 
     def load_model(self, model_dir: str | None = None, offload: OffloadConfig = OffloadConfig()) -> str:
         """Load `model_dir` (None: the demo model); returns the request id."""
+        self._model_dir = model_dir
         return self._request(lambda rid: LoadModel(rid, model_dir, offload))
 
     def generate(self, messages: Sequence[ChatMessage], config: GenerationConfig = GenerationConfig()) -> str:
@@ -259,6 +306,8 @@ class EngineClient(QObject):
             case LoadProgress(request_id=rid, stage=stage, done=done, total=total):
                 self.sig_load_progress.emit(rid, stage, done, total)
             case Loaded(request_id=rid, model=model):
+                if self._standby is None:
+                    self._standby_timer.start()
                 self.sig_loaded.emit(rid, model)
             case Notice(request_id=rid, message=message):
                 self.sig_notice.emit(rid, message)

@@ -107,3 +107,28 @@ def test_cancel_ends_the_reply_as_cancelled(qtbot, client):
     with qtbot.waitSignal(client.sig_reply, timeout=5000, check_params_cb=_is_finished) as done:
         client.cancel(request_id)
     assert done.args[0].reason == "cancelled" and done.args[0].completion_tokens < 2000
+
+
+RECOVERY_S = 5.0  # kill -9 mid-reply → the model loaded again in a (warm standby) worker
+
+
+def test_after_a_kill_mid_reply_the_next_reply_is_possible_within_seconds(qtbot, client):
+    client.start()
+    _load(qtbot, client)
+    qtbot.waitUntil(lambda: client.standby_warm, timeout=START_S)  # spawned after the load, imports done
+    config = GenerationConfig(max_new_tokens=2000, ignore_eos=True, sampling=SamplingConfig(greedy=True))
+    with qtbot.waitSignal(client.sig_reply, timeout=30_000, check_params_cb=_is_text):
+        client.generate(COW, config)
+    client.sig_worker_died.connect(lambda message: (client.restart(), client.load_model(None, CPU)))
+    crashed_pid = client.ready.pid
+    with qtbot.waitSignal(client.sig_loaded, timeout=START_S) as reloaded:  # as the window: restart, load
+        os.kill(crashed_pid, signal.SIGKILL)
+        killed = time.perf_counter()
+    loaded = time.perf_counter() - killed
+    assert client.ready.pid != crashed_pid and reloaded.args[1]["model_type"] == "qwen3_moe"
+    with qtbot.waitSignal(client.sig_reply, timeout=60_000, check_params_cb=_is_finished) as done:
+        client.generate(COW, GenerationConfig(sampling=SamplingConfig(greedy=True)))
+    replied = time.perf_counter() - killed
+    print(f"\nkill -9 → model loaded again {loaded:.2f} s, → next reply finished {replied:.2f} s")
+    assert done.args[0].text == "A cow says moo."
+    assert loaded < RECOVERY_S, f"the next reply was possible only {loaded:.1f} s after the crash"
