@@ -12,6 +12,13 @@ Order of writes keeps the user's words safe: the user's message is stored
 before it is sent; a reply is stored when it ends, whole when the engine
 finished it, else with what had streamed so far and why it ended.
 Regenerate and edit-and-resend delete the stored tail first, then send again.
+
+An interrupted reply (the worker crashed, the engine failed, the app let it go) is
+its own entry, marked `finish_reason: "interrupted"` with the reason; a crash is
+recorded even when nothing had streamed. Regenerate keeps it and adds the new reply
+as a separate entry below it (the view is refreshed from the store first, so a
+failed reply's bubble never runs into the next one), and the model is not shown it:
+an interrupted entry is context only when the user answered it.
 """
 
 from __future__ import annotations
@@ -44,6 +51,23 @@ class FinishReason(enum.Enum):
     CRASHED = "crashed"  # the worker died mid-reply
     ABANDONED = "abandoned"  # the app let it go: another conversation, a restart, closing the app
     DISCARDED = "discarded"  # its conversation was deleted: nothing is kept
+
+
+INTERRUPTED = "interrupted"  # the stored finish_reason of a reply the engine did not finish
+
+
+def is_interrupted(message: StoredMessage) -> bool:
+    return message.role == "assistant" and (message.stats or {}).get("finish_reason") == INTERRUPTED
+
+
+def context_messages(messages: list[StoredMessage]) -> list[StoredMessage]:
+    """What the model is shown: every message but an interrupted reply that no user message answered
+    (one a reply was regenerated after, or the last)."""
+    return [
+        message
+        for message, after in zip(messages, [*messages[1:], None], strict=True)
+        if not is_interrupted(message) or (after is not None and after.role == "user")
+    ]
 
 
 @dataclass
@@ -131,9 +155,9 @@ class ChatSession(QObject):
         if self.busy or conversation is None or not conversation.messages:
             return
         last = conversation.messages[-1]
-        if last.role == "assistant":
+        if last.role == "assistant" and not is_interrupted(last):
             self.store.delete_messages_from(conversation.id, last.id)
-            self._refresh()
+        self._refresh()  # the view shows the store: a failed reply's bubble is its stored entry, or gone
         self._generate()
 
     def edit_resend(self, message_id: int, text: str) -> None:
@@ -147,7 +171,7 @@ class ChatSession(QObject):
     def _generate(self) -> None:
         conversation = self.conversation()
         messages = [ChatMessage("system", conversation.system_prompt)] if conversation.system_prompt else []
-        messages += [ChatMessage(m.role, m.content) for m in conversation.messages]
+        messages += [ChatMessage(m.role, m.content) for m in context_messages(conversation.messages)]
         sampling, max_new_tokens = sampling_from(conversation.settings)
         config = self._settings().generation_config(sampling, max_new_tokens)
         self.reply = Reply(self.client.generate(messages, config), conversation.id)
@@ -195,12 +219,15 @@ class ChatSession(QObject):
         self.sig_reply_ended.emit(reply)
 
     def _store(self, reply: Reply) -> StoredMessage | None:
-        """Keep the reply: whole when the engine finished it, else what streamed and why it stopped."""
+        """Keep the reply: whole when the engine finished it, else what streamed and why it stopped
+        (a crash even when nothing streamed: the conversation records that it happened)."""
         if reply.finished is not None:
             stats = dict(reply.finished.stats, finish_reason=reply.finished.reason)
-        elif reply.text and reply.reason is not FinishReason.DISCARDED:
+        elif (
+            reply.text or reply.reason is FinishReason.CRASHED
+        ) and reply.reason is not FinishReason.DISCARDED:
             # "interrupted" is what stored conversations and the bubble's stats line know
-            stats = {"finish_reason": "interrupted", "error": reply.error}
+            stats = {"finish_reason": INTERRUPTED, "error": reply.error}
         else:
             return None
         return self.store.add_message(reply.conversation_id, "assistant", reply.text, stats)

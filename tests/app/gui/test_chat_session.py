@@ -3,6 +3,7 @@
 import pytest
 from PySide6.QtCore import QObject, Signal
 
+from app.gui.chat_bubbles import UserBubble
 from app.gui.chat_session import ChatSession, FinishReason
 from app.gui.chat_view import ChatView
 from app.gui.engine_client import ReplyText, WorkerCrashed
@@ -141,11 +142,70 @@ def test_every_ending_records_its_reason_and_ends_the_reply_once(
     assert len(ended) == 1
 
 
-def test_an_ending_with_nothing_streamed_stores_nothing(session, client, store, ended):
+def test_an_ending_with_nothing_streamed_stores_nothing_but_a_crash(session, client, store, ended):
     session.send("Hi")
-    client.sig_reply.emit(WorkerCrashed(session.reply.request_id, "The engine stopped."))
-    assert ended[0].reason is FinishReason.CRASHED and ended[0].message is None
+    client.sig_reply.emit(Error(session.reply.request_id, "internal", "Out of memory."))
+    assert ended[0].reason is FinishReason.ERROR and ended[0].message is None
     assert [m.role for m in store.get(session.conversation_id).messages] == ["user"]
+
+    session.regenerate()
+    client.sig_reply.emit(WorkerCrashed(session.reply.request_id, "The engine stopped."))
+    assert ended[1].reason is FinishReason.CRASHED
+    crash = store.get(session.conversation_id).messages[-1]
+    assert crash == ended[1].message and crash.content == ""
+    assert crash.stats == {"finish_reason": "interrupted", "error": "The engine stopped."}
+
+
+def _shown(view) -> list[tuple[str, str, str]]:
+    """Each bubble of the view: its kind, its text, its footer (the stats line, or the error line)."""
+    shown = []
+    for bubble in view._bubbles:
+        if isinstance(bubble, UserBubble):
+            shown.append(("user", bubble.message.content, ""))
+        else:
+            footer = bubble.error.text() if bubble.error is not None else bubble.stats.text()
+            shown.append(("reply", bubble.text, footer))
+    return shown
+
+
+@pytest.mark.parametrize("streamed", ["", "A cow sa"], ids=["nothing-streamed", "text-streamed"])
+def test_a_crashed_reply_stays_its_own_entry_apart_from_the_regenerated_one(
+    session, client, store, ended, streamed
+):
+    session.send("What sound does a cow make?")
+    if streamed:
+        client.sig_reply.emit(ReplyText("reply-1", streamed, 2))
+    client.sig_reply.emit(WorkerCrashed("reply-1", "The engine process stopped unexpectedly (signal 9)."))
+    assert _shown(session.view)[-1] == (
+        "reply",
+        streamed,
+        "⚠ The engine process stopped unexpectedly (signal 9).",
+    )
+
+    session.view.set_input_enabled(True)  # the restarted worker loaded the model
+    session.regenerate()
+    assert [m.role for m in client.generated[1]] == ["user"], "the model is not shown the interrupted reply"
+    client.sig_reply.emit(ReplyText("reply-2", "A cow says moo.", 5))
+    client.sig_reply.emit(_finished("reply-2", "eos", "A cow says moo."))
+
+    stored = store.get(session.conversation_id).messages
+    assert [(m.role, m.content, (m.stats or {}).get("finish_reason")) for m in stored] == [
+        ("user", "What sound does a cow make?", None),
+        ("assistant", streamed, "interrupted"),
+        ("assistant", "A cow says moo.", "eos"),
+    ]
+    assert _shown(session.view) == [
+        ("user", "What sound does a cow make?", ""),
+        ("reply", streamed, "interrupted"),  # its own bubble, its own line saying so
+        ("reply", "A cow says moo.", "2 tokens"),
+    ]
+    session.view.set_input_enabled(True)
+    session.send("And a dog?")  # answered now: the interrupted reply stays out of the context
+    assert [m.content for m in client.generated[2]] == [
+        "What sound does a cow make?",
+        "A cow says moo.",
+        "And a dog?",
+    ]
 
 
 def test_events_of_another_reply_are_ignored(session, client, ended):
