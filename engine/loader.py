@@ -90,7 +90,7 @@ def load_model(
         )
         transfer = make_transfer(device, config.sim_link_gbps, config.sim_latency_us)
         policy = make_policy(config.policy, top_k=top_k, alpha=config.mrs_alpha)
-        cache = ExpertCache(store, n_slots, device, transfer, policy)
+        cache = ExpertCache(store, n_slots, device, transfer, policy, in_place=config.sim_link_gbps is None)
         trace, control = _offload_experts(blocks, arch, cache)
         expert_names = _expert_tensor_names(disk_layout, blocks, store.num_experts) if disk_layout else set()
         _load_resident_weights(hf_model, checkpoint, expert_names, device, progress)

@@ -18,6 +18,10 @@ its layer turned out not to need.
 
 The phase a use counts in is scoped with `in_phase` (always restored).
 
+In place (`in_place`: a CPU device with no link to simulate and a slot for every expert), the
+device *is* the host memory the store lives in: an expert's slot is a view of its store row, so
+nothing is copied, every use is a hit, and no second copy of the experts is ever allocated.
+
 Thread safety: the prefetch worker thread and compute share the cache; every
 table change happens under one lock. Waiting for a copy happens outside it.
 """
@@ -51,8 +55,10 @@ class ExpertCache:
         device: torch.device,
         transfer: TransferEngine,
         policy: EvictionPolicy,
+        in_place: bool = False,
     ):
         self.store = store
+        self.in_place = in_place and device.type == "cpu" and n_slots >= store.total_experts
         self.device = device
         self.transfer = transfer
         self.policy = policy
@@ -122,7 +128,10 @@ class ExpertCache:
         with self.lock:
             counters = self.stats.phases[self.phase]
             slot = self._table.get(key)
-            if slot is None:
+            if slot is None and self.in_place:
+                slot = self._map_in_place(key)
+                counters.hits += 1
+            elif slot is None:
                 transient = streaming and not self._keeps(key[0])
                 slot = self._load(key, counters, transient)
                 counters.misses += 1
@@ -206,7 +215,7 @@ class ExpertCache:
 
         False when already resident or no such slot can be evicted."""
         with self.lock:
-            if key in self._table:
+            if key in self._table or self.in_place:
                 return False
             phase = phase or self.phase
             counters = self.stats.phases[phase]
@@ -268,6 +277,16 @@ class ExpertCache:
         self.policy.on_insert(key)
         counters.copies += 1
         counters.bytes_copied += src.numel()
+        return slot
+
+    def _map_in_place(self, key: ExpertKey) -> Slot:
+        """The slot of `key` in place: views of its store row, ready at once, never evicted."""
+        slot = self._free.pop()
+        slot.views = self.store.views(*key)
+        slot.key, slot.state = key, SlotState.READY
+        self._kept[key[0]] += 1
+        self._table[key] = slot
+        self.policy.on_insert(key)
         return slot
 
     def _evictable(self) -> dict[ExpertKey, Slot]:
@@ -355,7 +374,7 @@ class ExpertCache:
             self._build_pool(n_slots)
 
     def _build_pool(self, n_slots: int) -> None:
-        self.pool = allocate_pool(n_slots, self.expert_nbytes, self.device)
+        self.pool = None if self.in_place else allocate_pool(n_slots, self.expert_nbytes, self.device)
         self.n_slots = n_slots
         self.slots = [Slot(i, {}) for i in range(n_slots)]  # a slot's views come with its expert
         self._free = list(reversed(self.slots))

@@ -98,7 +98,8 @@ class OffloadedModel:
 
     @property
     def simulated_link(self) -> bool:
-        return self.transfer.simulated
+        """Whether copies cross a simulated link (never when the experts are used in place)."""
+        return self.transfer.simulated and not self.cache.in_place
 
     @property
     def context_length(self) -> int | None:
