@@ -22,10 +22,13 @@ chosen file(s) of one quant of a GGUF repo (only those are fetched); its key (th
   as an unfinished download, so never another model's files). A failure keeps the complete
   files, so Retry fetches only what is missing.
 
-Gated models need a token: `store_token` keeps it in the system keyring (service "moe-chat",
-user "huggingface") where a keyring backend exists, else in huggingface_hub's own token file;
-`load_token` reads it back. `search_models` asks the Hub for models of supported architectures;
-it blocks, so the picker runs it in a background thread.
+A download uses the token `app.gui.hub_client.load_token` finds (searching the Hub and storing
+the token live there too).
+
+Every expected failure (offline, refused, a timeout, HTTP 401/403/404/429, a gated repo, a full
+disk, a broken connection) reaches the user as one sentence with what to do, and its details
+(`DownloadProgress.details`, `HubError.failure.details`) go to the log file at debug level:
+the console gets one warning line, never a traceback (see `app.download_child.hub_errors`).
 """
 
 from __future__ import annotations
@@ -41,130 +44,12 @@ from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.catalog import format_bytes
 from app.download_child import DownloadJob, DownloadProgress, DownloadState, run_download
+from app.gui.hub_client import load_token
 from app.model_library import ModelLibrary, ModelSource
-from engine.model.adapters import SUPPORTED_MODEL_TYPES
-from engine.model.check import config_problems
 
-__all__ = [
-    "DownloadManager",
-    "DownloadProgress",
-    "DownloadState",
-    "HubModel",
-    "load_token",
-    "search_models",
-    "store_token",
-]
+__all__ = ["DownloadManager", "DownloadProgress", "DownloadState"]
 
 log = logging.getLogger(__name__)
-
-KEYRING_SERVICE = "moe-chat"
-KEYRING_USER = "huggingface"
-# What a whole-repo download cannot load, by tag: a GGUF repo holds many quants (the catalog fetches
-# one file), and formats the loader refuses. GPTQ/AWQ int4, FP8 and MXFP4 load: config_problems
-# judges those from the config, which says the method and its bits ("4-bit" tags say neither).
-QUANTIZED_TAGS = {"gguf", "bitsandbytes", "compressed-tensors"}
-
-
-# -- the token for gated models -------------------------------------------------------------------
-
-
-def _keyring():
-    """The system keyring, or None where there is no usable backend."""
-    try:
-        import keyring
-        from keyring.backends import chainer, fail
-    except ImportError:
-        return None
-    backend = keyring.get_keyring()
-    if isinstance(backend, fail.Keyring):
-        return None
-    if isinstance(backend, chainer.ChainerBackend) and not backend.backends:
-        return None
-    return backend
-
-
-def store_token(token: str) -> str:
-    """Keep the Hugging Face token; returns where it went (for the user to read)."""
-    token = token.strip()
-    if not token:
-        raise ValueError("The token is empty.")
-    backend = _keyring()
-    if backend is not None:
-        from keyring.errors import KeyringError
-
-        try:
-            backend.set_password(KEYRING_SERVICE, KEYRING_USER, token)
-            return "the system keyring"
-        except KeyringError as err:
-            log.warning("The keyring refused the token (%s); using huggingface_hub's token file", err)
-    from huggingface_hub import login
-
-    login(token=token, skip_if_logged_in=False)  # checks the token with the Hub, then saves it
-    return "huggingface_hub's token file"
-
-
-def load_token() -> str | None:
-    """The stored token: the keyring's, else huggingface_hub's (HF_TOKEN or its token file)."""
-    backend = _keyring()
-    if backend is not None:
-        from keyring.errors import KeyringError
-
-        try:
-            token = backend.get_password(KEYRING_SERVICE, KEYRING_USER)
-        except KeyringError as err:
-            log.warning("Cannot read the keyring (%s)", err)
-            token = None
-        if token:
-            return token
-    from huggingface_hub import get_token
-
-    return get_token()
-
-
-# -- searching the Hub ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HubModel:
-    repo_id: str
-    architecture: str
-    downloads: int
-    gated: bool
-    quantized: bool  # pre-quantized in a way MoE Chat cannot load (or GGUF: the catalog fetches one file)
-    total_params: int | None = None
-
-
-def search_models(query: str, limit: int = 20, endpoint: str | None = None) -> list[HubModel]:
-    """Up to `limit` Hub models matching `query` whose architecture MoE Chat supports."""
-    from huggingface_hub import HfApi
-
-    api = HfApi(endpoint=endpoint, token=load_token() or None)
-    found: list[HubModel] = []
-    listing = api.list_models(
-        search=query.strip() or None,
-        sort="downloads",
-        limit=min(1000, max(100, limit * 10)),  # most matches are dense models, filtered out here
-        expand=["config", "downloads", "gated", "safetensors", "tags"],
-    )
-    for info in listing:
-        config = info.config or {}
-        tags = set(info.tags or ())
-        architecture = config.get("model_type") or next((t for t in tags if t in SUPPORTED_MODEL_TYPES), None)
-        if architecture not in SUPPORTED_MODEL_TYPES:
-            continue
-        found.append(
-            HubModel(
-                repo_id=info.id,
-                architecture=architecture,
-                downloads=info.downloads or 0,
-                gated=bool(info.gated),
-                quantized=bool(config_problems(config)) or bool(tags & QUANTIZED_TAGS),
-                total_params=getattr(info.safetensors, "total", None),
-            )
-        )
-        if len(found) >= limit:
-            break
-    return found
 
 
 # -- disk space ----------------------------------------------------------------------------------
@@ -335,9 +220,11 @@ class DownloadManager(QObject):
                 self._emit_progress(DownloadProgress(key, DownloadState.DONE, total, total))
                 self.sig_finished.emit(key, str(self.library.installed_path(key) or folder))
                 return True
-            case ("failed", str(reason)):
-                self._fail(key, download, reason)
+            case ("failed", str(reason), str(details)):
+                self._fail(key, download, reason, details)
                 return True
+            case ("log", int(level), str(name), str(message)):
+                logging.getLogger(name).log(level, "download of %s: %s", key, message)
         return False
 
     def _check_disk(self, key: str, download: _Download, to_fetch: int) -> None:
@@ -346,20 +233,27 @@ class DownloadManager(QObject):
         if need > have:
             self._stop(download)
             where = target.parent
-            reason = f"not enough disk space: need {format_bytes(need)}, have {format_bytes(have)} on {where}"
-            self._fail(key, download, reason)
+            reason = (
+                f"Not enough disk space: {format_bytes(need)} needed, {format_bytes(have)} free on {where}; "
+                "free some space, then try again."
+            )
+            self._fail(
+                key, download, reason, f"{key}: {to_fetch} bytes to fetch, {have} bytes free on {target}"
+            )
             return
         download.go.set()
 
     def _died(self, key: str, download: _Download) -> None:
         code = download.process.exitcode
-        self._fail(key, download, f"the download process stopped unexpectedly (exit code {code}).")
+        reason = f"The download stopped unexpectedly (its process exited with code {code}): try again."
+        self._fail(key, download, reason, f"download process {download.process.pid} exit code {code}")
 
-    def _fail(self, key: str, download: _Download, reason: str) -> None:
+    def _fail(self, key: str, download: _Download, reason: str, details: str = "") -> None:
         self._end(key, download)
         self.library.remove_incomplete_files(key)
-        log.warning("Download of %s failed: %s", key, reason)
-        self._emit_progress(DownloadProgress(key, DownloadState.FAILED, reason=reason))
+        log.warning("Download of %s failed: %s", key, reason)  # one line: the details go to the file
+        log.debug("Details of the failed download of %s:\n%s", key, details)
+        self._emit_progress(DownloadProgress(key, DownloadState.FAILED, reason=reason, details=details))
         self.sig_failed.emit(key, reason)
 
     def _end(self, key: str, download: _Download) -> None:

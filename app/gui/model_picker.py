@@ -13,13 +13,19 @@ Downloads belong to the `DownloadManager` passed in (the main window's, so they 
 dialog); a picker that made its own stops its downloads when it closes. Searches, imports and
 token checks block, so they run on a worker thread (`app.gui.picker_widgets.BackgroundCall`) and
 report back on the GUI thread. Nothing here imports torch or safetensors.
+
+A failure (a download, a search, a token) is one sentence shown in full in the `ErrorPanel` under
+the tabs, with its details behind "Details…"; a row's status cell only starts it. The dialog fits
+the screen it opens on (down to 1024×600): it is never larger than the available geometry, and
+the columns the user acts on (model, fit, status, its buttons) come first and shrink last.
 """
 
 from __future__ import annotations
 
 import logging
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import QRect, QSize, Signal
+from PySide6.QtGui import QGuiApplication, QResizeEvent
 from PySide6.QtWidgets import (
     QDialog,
     QHBoxLayout,
@@ -38,19 +44,14 @@ from app.catalog import (
     CatalogEntry,
     estimate_fit,
     format_bytes,
-    format_params,
     gpu_memory_bytes,
     load_catalog,
     system_ram_bytes,
 )
-from app.gui.downloads import (
-    DownloadManager,
-    DownloadProgress,
-    HubModel,
-    load_token,
-    search_models,
-    store_token,
-)
+from app.gui.downloads import DownloadManager, DownloadProgress, DownloadState
+from app.gui.error_panel import ErrorPanel
+from app.gui.hub_client import load_token, store_token
+from app.gui.hub_search_page import HubSearchPage
 from app.gui.picker_widgets import (
     NBSP,
     BackgroundCall,
@@ -58,6 +59,7 @@ from app.gui.picker_widgets import (
     LocalModelsPage,
     catalog_cells,
     cell_text,
+    fitted_widths,
     make_table,
     status_label,
 )
@@ -66,25 +68,27 @@ from app.model_library import ModelLibrary, ModelSource
 log = logging.getLogger(__name__)
 
 FIT_COLOURS = {"good": "#1b7f3b", "tight": "#9a6700", "no": "#b3261e"}
+# What the user acts on first (it stays in view on a narrow screen), then what describes the release.
 CATALOG_COLUMNS = (
     "Model",
-    "Architecture",
     "Parameters",
-    "Experts",
     "Format",
     "Download",
-    "Licence",
     "Fit on this computer",
     "Status",
     "",
+    "Experts",
+    "Architecture",
+    "Licence",
 )
-FIT_COLUMN, STATUS_COLUMN = 7, 8
+FIT_COLUMN, STATUS_COLUMN = CATALOG_COLUMNS.index("Fit on this computer"), CATALOG_COLUMNS.index("Status")
 COMING_COLOUR = "#9a6700"
-SEARCH_COLUMNS = ("Model", "Architecture", "Parameters", "Downloads", "Notes", "Status", "")
-CATALOG_WIDTHS = (270, 90, 90, 85, 80, 75, 95, 235, 235, 100)
-SEARCH_WIDTHS = (340, 100, 90, 100, 240, 270, 100)
-ROW_HEIGHT = 50
-QUANTIZED_NOTE = "pre-quantized: cannot run"
+CATALOG_WIDTHS = (270, 95, 85, 80, 260, 210, 100, 90, 95, 95)
+CATALOG_MIN_WIDTHS = (190, 85, 85, 70, 205, 130, 100, 85, 90, 85)
+ROW_HEIGHT = 54
+PREFERRED_SIZE = QSize(1420, 760)
+SCREEN_MARGIN = 40  # room left around the dialog for the window frame and the desktop's panels
+SCROLLBAR_ROOM = 40  # the table's frame and vertical scrollbar, and the page's margins
 
 
 class ModelPicker(QDialog):
@@ -107,18 +111,31 @@ class ModelPicker(QDialog):
         self.ram_bytes = system_ram_bytes()
         self.vram_bytes = vram_bytes if vram_bytes is not None else gpu_memory_bytes()
         self._rows: dict[str, list[DownloadRow]] = {}
-        self._search_results: list[HubModel] = []
+        self._error_key: str | None = None  # the download whose failure the error panel shows
         self._build()
         self.manager.sig_progress.connect(self._on_progress)
         self.manager.sig_finished.connect(self._on_installed_changed)
-        self.manager.sig_failed.connect(self._on_installed_changed)
+        self.manager.sig_failed.connect(self._on_failed)
         self.manager.sig_cancelled.connect(self._on_installed_changed)
-        self.resize(1420, 600)
+        self.resize(self.size_for_screen())
+
+    def size_for_screen(self) -> QSize:
+        """The preferred size, cut to the free area of the screen the dialog opens on."""
+        room = available_geometry(self.parentWidget() or self).size() - QSize(SCREEN_MARGIN, SCREEN_MARGIN)
+        return PREFERRED_SIZE.boundedTo(room)
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        width = self.tabs.width() - SCROLLBAR_ROOM
+        for column, column_width in enumerate(fitted_widths(CATALOG_WIDTHS, CATALOG_MIN_WIDTHS, width)):
+            self.catalog_table.setColumnWidth(column, column_width)
+        self.search_page.fit_columns(width)
 
     # -- building -------------------------------------------------------------------------------
 
     def _build(self) -> None:
         self.machine_label = QLabel(self._machine_text())
+        self.machine_label.setWordWrap(True)
         self.tabs = QTabWidget()
         self.catalog_table = self._table(CATALOG_COLUMNS, CATALOG_WIDTHS)
         self.local_page = LocalModelsPage(self.library)
@@ -127,8 +144,17 @@ class ModelPicker(QDialog):
         self.local_page.table.itemSelectionChanged.connect(self._update_use_button)
         self.local_page.table.cellDoubleClicked.connect(lambda *_: self._use_selected())
         self.tabs.addTab(self.catalog_table, "Catalog")
-        self.tabs.addTab(self._build_search(), "Search the Hub")
+        self.search_page = HubSearchPage(
+            lambda: self.manager.endpoint, self._add_download_row, self._forget_search_rows, ROW_HEIGHT
+        )
+        self.search_page.sig_failed.connect(lambda error: self.show_error(str(error), _details(error)))
+        self.search_page.table.itemSelectionChanged.connect(self._update_use_button)
+        self.search_page.table.cellDoubleClicked.connect(lambda *_: self._use_selected())
+        self.search_box, self.search_table = self.search_page.search_box, self.search_page.table
+        self.search_status = self.search_page.status
+        self.tabs.addTab(self.search_page, "Search the Hub")
         self.tabs.addTab(self.local_page, "Local folders")
+        self.error_panel = ErrorPanel()
         self.message_label = QLabel()
         self.message_label.setWordWrap(True)
         token_button = QPushButton("Hugging Face token…")
@@ -147,6 +173,7 @@ class ModelPicker(QDialog):
         layout = QVBoxLayout(self)
         layout.addWidget(self.machine_label)
         layout.addWidget(self.tabs, 1)
+        layout.addWidget(self.error_panel)
         layout.addLayout(buttons)
         self._fill_catalog()
         self.tabs.currentChanged.connect(lambda _: self._update_use_button())
@@ -158,34 +185,16 @@ class ModelPicker(QDialog):
         table.cellDoubleClicked.connect(lambda *_: self._use_selected())
         return table
 
-    def _build_search(self) -> QWidget:
-        self.search_box = QLineEdit()
-        self.search_box.setPlaceholderText("Search the Hugging Face Hub, e.g. Qwen3 MoE, Mixtral, OLMoE")
-        self.search_box.returnPressed.connect(self.search)
-        search_button = QPushButton("Search")
-        search_button.clicked.connect(self.search)
-        self.search_status = QLabel("Only models of architectures MoE Chat supports are listed.")
-        self.search_table = self._table(SEARCH_COLUMNS, SEARCH_WIDTHS)
-        row = QHBoxLayout()
-        row.addWidget(self.search_box, 1)
-        row.addWidget(search_button)
-        page = QWidget()
-        layout = QVBoxLayout(page)
-        layout.addLayout(row)
-        layout.addWidget(self.search_status)
-        layout.addWidget(self.search_table, 1)
-        return page
-
     # -- catalog ----------------------------------------------------------------------------------
 
     def _fill_catalog(self) -> None:
         table = self.catalog_table
         table.setRowCount(len(self.catalog))
         for row, entry in enumerate(self.catalog):
-            for column, text in enumerate(catalog_cells(entry)):
+            for name, text in catalog_cells(entry).items():
                 item = QTableWidgetItem(text)
                 item.setToolTip(entry.notes)
-                table.setItem(row, column, item)
+                table.setItem(row, CATALOG_COLUMNS.index(name), item)
             if entry.bundled:
                 table.setCellWidget(row, STATUS_COLUMN, status_label("Bundled with the app: ready to use"))
             elif entry.coming:  # listed, so the user learns why it is not offered yet
@@ -265,6 +274,23 @@ class ModelPicker(QDialog):
     def _on_progress(self, key: str, progress: DownloadProgress) -> None:
         for download_row in self._rows.get(key, ()):
             self._refresh_row(download_row)
+        if key == self._error_key and progress.state is DownloadState.CHECKING:  # a Retry
+            self.error_panel.clear()
+
+    def _on_failed(self, key: str, reason: str) -> None:
+        state = self.manager.state(key)
+        self.show_error(f"{key} was not downloaded. {reason}", state.details if state else "")
+        self._error_key = key
+        self._on_installed_changed(key)
+
+    def show_error(self, message: str, details: str = "") -> None:
+        """Show a failure in full under the tabs, its details behind "Details…"."""
+        self._error_key = None
+        self.error_panel.show_error(message, details)
+
+    def error_text(self) -> str:
+        """The failure the error panel shows ("" when none)."""
+        return self.error_panel.message()
 
     def _on_installed_changed(self, key: str, *_) -> None:
         for download_row in self._rows.get(key, ()):
@@ -304,8 +330,11 @@ class ModelPicker(QDialog):
             self._say(f"Token saved in {where}.")
             then()
 
+        def failed(error: Exception) -> None:
+            self._say("Token not saved.")
+            self.show_error(f"The token was not saved. {error}", _details(error))
+
         self._say("Saving the token…")
-        failed = lambda err: self._say(f"Token not saved: {err}")  # noqa: E731
         BackgroundCall(lambda: store_token(token), stored, failed, owner=self).start()
 
     def _delete_download(self, key: str) -> None:
@@ -313,36 +342,13 @@ class ModelPicker(QDialog):
         if model is not None:
             self.local_page.delete(model)
 
-    # -- search ------------------------------------------------------------------------------------
-
     def search(self) -> None:
         """Search the Hub for the query in the search box (on a worker thread)."""
-        query = self.search_box.text()
-        self.search_status.setText(f"Searching the Hub for “{query}”…")
-        endpoint = self.manager.endpoint
-        work = lambda: search_models(query, endpoint=endpoint)  # noqa: E731
-        BackgroundCall(work, self._show_results, self._search_failed, owner=self).start()
+        self.search_page.search()
 
-    def _search_failed(self, message: str) -> None:
-        self.search_status.setText(f"The search failed: {message}")
-
-    def _show_results(self, results: list[HubModel]) -> None:
-        for repo_id in [m.repo_id for m in self._search_results]:
-            self._rows[repo_id] = [r for r in self._rows.get(repo_id, []) if r.where != "search"]
-        self._search_results = results
-        table = self.search_table
-        table.setRowCount(len(results))
-        for row, model in enumerate(results):
-            params = format_params(model.total_params) if model.total_params else "unknown"
-            notes = [note for note, on in (("gated", model.gated), (QUANTIZED_NOTE, model.quantized)) if on]
-            cells = (model.repo_id, model.architecture, params, f"{model.downloads:,}", ", ".join(notes))
-            for column, text in enumerate(cells):
-                table.setItem(row, column, QTableWidgetItem(text))
-            source = ModelSource(model.repo_id)
-            download_row = self._add_download_row(table, row, 5, source, model.gated, "search")
-            download_row.download_button.setEnabled(not model.quantized)
-        count = f"{len(results)} model(s)" if results else "No models"
-        self.search_status.setText(f"{count} of supported architectures found.")
+    def _forget_search_rows(self) -> None:
+        for key, rows in self._rows.items():
+            self._rows[key] = [r for r in rows if r.where != "search"]
 
     # -- choosing ----------------------------------------------------------------------------------
 
@@ -353,11 +359,9 @@ class ModelPicker(QDialog):
             row = self.catalog_table.currentRow()
             return self._entry_path(self.catalog[row]) if 0 <= row < len(self.catalog) else None
         if page == 1:
-            row = self.search_table.currentRow()
-            if 0 <= row < len(self._search_results):
-                model = self.library.find(self._search_results[row].repo_id)
-                return model.path if model else None
-            return None
+            repo_id = self.search_page.selected_repo_id()
+            model = self.library.find(repo_id) if repo_id is not None else None
+            return model.path if model else None
         return self.local_page.selected_path()
 
     def _entry_path(self, entry: CatalogEntry) -> str | None:
@@ -382,3 +386,15 @@ class ModelPicker(QDialog):
         if self._owns_manager:
             self.manager.shutdown()  # nobody else would watch these downloads
         super().done(result)
+
+
+def available_geometry(widget: QWidget) -> QRect:
+    """The screen area free of panels and docks, where `widget` is (tests replace it)."""
+    screen = widget.screen() or QGuiApplication.primaryScreen()
+    return screen.availableGeometry()
+
+
+def _details(error: Exception) -> str:
+    """The technical account of `error` for "Details…": a HubError's own, else its type and text."""
+    failure = getattr(error, "failure", None)
+    return failure.details if failure is not None else f"{type(error).__name__}: {error}"

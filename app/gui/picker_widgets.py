@@ -1,7 +1,9 @@
 """Pieces of the model picker: catalog cells, a download's row widgets, the local-folders page,
 a background call.
 
-`catalog_cells(entry)` are the texts of a catalog row, its release's format and quant among them.
+`catalog_cells(entry)` are the texts of a catalog row by column, its release's format and quant
+among them. `fitted_widths` shrinks a table's columns towards their minimum widths to fit a narrow
+dialog (the picker puts the columns the user acts on first, so they stay in view).
 
 `DownloadRow` is what a table shows for a model that can be downloaded: a status line over a
 thin progress bar, and Download / Cancel / Retry / Delete buttons, of which only those that
@@ -14,7 +16,9 @@ Import… and Delete. Imported folders are registered by reference (see `app.mod
 
 `BackgroundCall(work, on_success, on_failure, owner)` runs a blocking function (a Hub search,
 a folder check in a child process, a token check) on a worker thread and delivers its result,
-or its error message, on the GUI thread; nothing is delivered once `owner` is destroyed.
+or the exception it raised, on the GUI thread; nothing is delivered once `owner` is destroyed.
+An expected failure (`EXPECTED_ERRORS`) is logged as one warning line, its traceback at debug
+level (the log file); anything else is a bug and logged with its traceback.
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ from PySide6.QtWidgets import (
 )
 
 from app.catalog import CatalogEntry, format_bytes, format_params
-from app.download_child import DownloadProgress, DownloadState
-from app.model_library import InstalledModel, ModelLibrary
+from app.download_child import DownloadProgress, DownloadState, HubError
+from app.model_library import InstalledModel, ModelImportError, ModelLibrary
 
 log = logging.getLogger(__name__)
 
@@ -52,22 +56,35 @@ INSTALLED_COLOUR = "#1b7f3b"
 SELECTION_COLOUR = "#cfe2f6"
 LOCAL_COLUMNS = ("Model", "Source", "Size", "Folder")
 NBSP = "\u00a0"
+EXPECTED_ERRORS = (HubError, ModelImportError, ValueError)
 STATUS_MARGINS = (6, 2, 6, 2)
 
 
-def catalog_cells(entry: CatalogEntry) -> tuple[str, ...]:
+def catalog_cells(entry: CatalogEntry) -> dict[str, str]:
     """Model and repo, architecture, parameters, experts, format and quant, download size, licence."""
     size = format_bytes(entry.download_bytes)
     kind, _, quant = entry.format_label.partition(" ")
-    return (
-        f"{entry.name}\n{entry.repo_id or 'bundled with the app'}",
-        entry.architecture,
-        f"{format_params(entry.total_params)} total\n{format_params(entry.active_params)} active",
-        f"{entry.num_experts} experts\ntop-{entry.top_k}",
-        f"{kind}\n{quant}" if quant else f"{kind}\nsafetensors",
-        f"~{size}" if entry.size_approximate and not entry.bundled else size,
-        entry.license + ("\ngated" if entry.gated else ""),
-    )
+    total, active = format_params(entry.total_params), format_params(entry.active_params)
+    return {
+        "Model": f"{entry.name}\n{entry.repo_id or 'bundled with the app'}",
+        "Architecture": entry.architecture,
+        "Parameters": f"{total} total\n{active} active",
+        "Experts": f"{entry.num_experts} experts\ntop-{entry.top_k}",
+        "Format": f"{kind}\n{quant}" if quant else f"{kind}\nsafetensors",
+        "Download": f"~{size}" if entry.size_approximate and not entry.bundled else size,
+        "Licence": entry.license + ("\ngated" if entry.gated else ""),
+    }
+
+
+def fitted_widths(preferred: tuple[int, ...], minimum: tuple[int, ...], width: int) -> list[int]:
+    """Column widths that fit `width`: the preferred ones where they fit, else each column shrunk
+    by the same share of its slack towards its minimum (never below it: then the table scrolls)."""
+    excess = sum(preferred) - width
+    slack = sum(p - m for p, m in zip(preferred, minimum, strict=True))
+    if excess <= 0 or slack <= 0:
+        return list(preferred)
+    share = min(1.0, excess / slack)
+    return [round(p - (p - m) * share) for p, m in zip(preferred, minimum, strict=True)]
 
 
 def status_label(text: str, colour: str = "", tooltip: str = "") -> QWidget:
@@ -187,7 +204,7 @@ class BackgroundCall(QObject):
     """Run `work()` on a worker thread; report on the GUI thread (see the module docstring)."""
 
     _sig_finished = Signal(object, object)
-    """The work ended: its result, or None, and an error message, or None."""
+    """The work ended: its result, or None, and the exception it raised, or None."""
 
     _running: ClassVar[set[BackgroundCall]] = set()  # each call lives until it has reported
 
@@ -195,7 +212,7 @@ class BackgroundCall(QObject):
         self,
         work: Callable[[], object],
         on_success: Callable[[object], None],
-        on_failure: Callable[[str], None],
+        on_failure: Callable[[Exception], None],
         owner: QObject | None = None,
     ):
         super().__init__()
@@ -212,16 +229,20 @@ class BackgroundCall(QObject):
     def _run(self) -> None:
         try:
             result = self._work()
-        except Exception as err:  # reported to the user, not raised on a bare thread
+        except EXPECTED_ERRORS as err:  # reported to the user, not raised on a bare thread
+            log.warning("%s", err)
+            log.debug("Details:", exc_info=True)
+            self._sig_finished.emit(None, err)
+        except Exception as err:
             log.warning("Background work failed", exc_info=True)
-            self._sig_finished.emit(None, str(err) or type(err).__name__)
+            self._sig_finished.emit(None, err)
         else:
             self._sig_finished.emit(result, None)
 
     def _forget_owner(self) -> None:
         self._owner_gone = True
 
-    def _deliver(self, result: object, error: str | None) -> None:
+    def _deliver(self, result: object, error: Exception | None) -> None:
         BackgroundCall._running.discard(self)
         if self._owner_gone:
             return
@@ -296,8 +317,8 @@ class LocalModelsPage(QWidget):
         self.sig_message.emit(f"Imported {model.name}.")
         self.sig_changed.emit()
 
-    def _import_failed(self, message: str) -> None:
-        self.sig_message.emit(f"Cannot import: {message}")
+    def _import_failed(self, error: Exception) -> None:
+        self.sig_message.emit(f"Cannot import: {error}")
 
     def delete(self, model: InstalledModel) -> None:
         """Delete a download or forget an imported folder, after asking."""

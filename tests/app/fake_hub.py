@@ -11,7 +11,9 @@
 
 Faults a test can switch on and off while the server runs: serve other bytes than the listing
 says (`wrong_bytes`), close the connection part way through a file (`break_after`), send slowly
-(`bytes_per_s`), and ask for a token (`token` on a gated repo). Every request is logged in
+(`bytes_per_s`), ask for a token (`token` on a gated repo), answer every request with an HTTP
+error as the Hub words it (`status`: 401, 403, 404, 429, 5xx), or close every connection without
+an answer (`drop_connections`). Every request is logged in
 `requests` as (method, path, headers) so a test can assert what was fetched.
 """
 
@@ -65,6 +67,17 @@ class Faults:
     wrong_bytes: dict[str, bytes] = field(default_factory=dict)  # file → bytes served instead
     break_after: dict[str, int] = field(default_factory=dict)  # file → bytes sent before closing
     bytes_per_s: float | None = None  # throttle every file body
+    status: int | None = None  # answer every request with this HTTP error
+    drop_connections: bool = False  # close every connection before answering
+
+
+# What the Hub sends with each error status (huggingface_hub reads X-Error-Code and X-Error-Message).
+ERROR_HEADERS = {
+    401: {"X-Error-Message": "Invalid credentials in Authorization header"},
+    403: {"X-Error-Message": "Access to this resource is forbidden for this token"},
+    404: {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"},
+    429: {"X-Error-Message": "Too many requests", "Retry-After": "0"},
+}
 
 
 class FakeHub:
@@ -142,6 +155,14 @@ class _HubHandler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         path = unquote(url.path)
         self.hub.log(method, path, dict(self.headers.items()))
+        faults = self.hub.faults
+        if faults.drop_connections:
+            self.close_connection = True
+            self.connection.shutdown(2)  # the client sees the connection end with no answer
+            return None
+        if faults.status is not None:
+            headers = ERROR_HEADERS.get(faults.status, {})
+            return self._json({"error": headers.get("X-Error-Message", "error")}, faults.status, headers)
         query = parse_qs(url.query)
         if path == "/api/models":
             return self._search(query)

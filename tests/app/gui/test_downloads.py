@@ -13,8 +13,10 @@ import pytest
 from keyring.backend import KeyringBackend
 
 import app.gui.downloads as downloads
+import app.gui.hub_client as hub_client
 from app.download_child import DownloadProgress, DownloadState, RateMeter
-from app.gui.downloads import DownloadManager, search_models
+from app.gui.downloads import DownloadManager
+from app.gui.hub_client import search_models
 from app.model_library import PARTIAL_MARKER, ModelLibrary, ModelSource
 from engine.model.tiny import make_tiny_model
 from engine.model.tiny_gguf import write_split_gguf, write_tiny_gguf
@@ -111,7 +113,9 @@ def assert_installed(folder: Path, model_files: dict[str, bytes]) -> None:
         assert hashlib.sha256((folder / name).read_bytes()).digest() == hashlib.sha256(data).digest()
 
 
-def test_a_download_shows_each_state_and_leaves_a_verified_model(qtbot, manager, library, model_files, hub):
+def test_a_download_shows_each_state_and_leaves_a_verified_model(
+    qtbot, manager, library, model_files, hub, capfd
+):
     outcome, folder = download(qtbot, manager)
     assert outcome == "finished" and Path(folder) == library.folder_for(REPO)
     assert states(manager) == [
@@ -128,6 +132,7 @@ def test_a_download_shows_each_state_and_leaves_a_verified_model(qtbot, manager,
     assert not (Path(folder) / PARTIAL_MARKER).exists()
     assert library.is_installed(REPO) and library.find(REPO).source == "downloaded"
     assert len(hub.file_gets(REPO)) == len(model_files)  # each file fetched once
+    assert capfd.readouterr().err == ""  # the child prints nothing
 
 
 def test_cancel_kills_the_child_removes_the_partial_files_and_retry_works(
@@ -156,14 +161,21 @@ def test_cancel_kills_the_child_removes_the_partial_files_and_retry_works(
 
 
 def test_a_broken_connection_fails_with_a_reason_and_retry_succeeds(
-    qtbot, manager, library, model_files, hub
+    qtbot, manager, library, model_files, hub, capfd, caplog
 ):
     hub.faults.break_after[WEIGHTS] = 50_000  # every attempt at the weights stops there
-    outcome, reason = download(qtbot, manager)
+    with caplog.at_level("DEBUG", logger="app.gui.downloads"):
+        outcome, reason = download(qtbot, manager)
     assert outcome == "failed"
-    assert reason.startswith("the connection to the Hub broke off during the download")
+    assert reason == f"The connection to the Hub at {hub.url.removeprefix('http://')} broke off: try again."
     assert manager.state(REPO).state is DownloadState.FAILED
     assert manager.state(REPO).describe() == f"Failed: {reason}"
+    assert "Traceback" in manager.state(REPO).details
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and r.name == "app.gui.downloads"]
+    assert [r.getMessage() for r in warnings] == [f"Download of {REPO} failed: {reason}"]
+    assert not any(r.exc_info for r in warnings)  # the traceback is in the debug record (the file)
+    assert any("Traceback" in r.getMessage() for r in caplog.records if r.levelname == "DEBUG")
+    assert capfd.readouterr().err == ""
     assert not list(library.folder_for(REPO).rglob("*.incomplete"))
     assert not library.is_installed(REPO)
 
@@ -180,7 +192,8 @@ def test_a_child_that_dies_is_reported_as_failed(qtbot, manager, library, hub):
     psutil.Process(manager.pid(REPO)).kill()
     qtbot.waitUntil(lambda: bool(manager.outcomes), timeout=TIMEOUT_MS)
     [(outcome, reason)] = manager.outcomes
-    assert outcome == "failed" and reason.startswith("the download process stopped unexpectedly (exit code")
+    assert outcome == "failed"
+    assert reason.startswith("The download stopped unexpectedly (its process exited with code ")
     assert library.has_partial(REPO) and not library.is_installed(REPO)
 
 
@@ -188,7 +201,8 @@ def test_not_enough_disk_space_fails_before_any_byte_is_fetched(qtbot, manager, 
     monkeypatch.setattr(downloads, "disk_free_bytes", lambda path: 1000)
     outcome, reason = download(qtbot, manager)
     assert outcome == "failed"
-    assert reason.startswith("not enough disk space: need ") and ", have 1000 B on " in reason
+    assert reason.startswith("Not enough disk space: ") and ", 1000 B free on " in reason
+    assert reason.endswith("; free some space, then try again.")
     assert hub.file_gets(REPO) == []
     assert states(manager) == [DownloadState.CHECKING, DownloadState.FAILED]
 
@@ -204,8 +218,8 @@ def test_bytes_that_differ_from_the_listing_fail_verification_and_are_removed(
     hub.faults.wrong_bytes[name] = bytes([good[0] ^ 0xFF]) + good[1:] if name == WEIGHTS else good + b" "
     outcome, reason = download(qtbot, manager)
     assert outcome == "failed"
-    assert reason.startswith("verification: ") and expected in reason
-    assert manager.state(REPO).describe().startswith("Failed: verification: ")
+    assert reason.startswith("Verification failed (") and expected in reason
+    assert manager.state(REPO).describe().startswith("Failed: Verification failed (")
     assert not (library.folder_for(REPO) / name).exists()
     assert not library.is_installed(REPO)
 
@@ -270,13 +284,16 @@ def test_a_gguf_download_that_cannot_load_or_is_gone_fails_with_the_reason(
     hub.add_repo(FakeRepo(GGUF_REPO, broken))
     outcome, reason = download(qtbot, manager, Q4)
     assert outcome == "failed"
-    assert reason.startswith("downloaded, but MoE Chat cannot load it: ") and "GGUF" in reason
+    assert reason.startswith("Downloaded, but MoE Chat cannot load it: ") and "GGUF" in reason
     assert not library.is_installed(Q4.key)
 
     gone = ModelSource(GGUF_REPO, ("tiny-moe-Q5_K_M.gguf",), "Q5_K_M")
     outcome, reason = download(qtbot, manager, gone)
     assert outcome == "failed"
-    assert reason == f"{GGUF_REPO} has no model files (tiny-moe-Q5_K_M.gguf: renamed or removed)."
+    expected = (
+        f"{GGUF_REPO} has no model files (tiny-moe-Q5_K_M.gguf: renamed or removed): choose another model."
+    )
+    assert reason == expected
     assert fetched(hub, GGUF_REPO) == [Q4.files[0]]  # nothing of the second
 
 
@@ -306,16 +323,21 @@ def memory_keyring():
     keyring.set_keyring(previous)
 
 
-def test_a_gated_model_needs_the_stored_token(qtbot, hub, library, model_files, memory_keyring):
+def test_a_gated_model_needs_the_stored_token(qtbot, hub, library, model_files, memory_keyring, capfd):
     hub.add_repo(FakeRepo("gated/moe", dict(model_files), gated=True, token="hf_secret"))
     manager = make_manager(hub, library)
     try:
         outcome, reason = download(qtbot, manager, "gated/moe")
-        assert outcome == "failed" and reason.startswith("gated/moe is gated: accept its terms at ")
+        assert outcome == "failed"
+        assert reason == (
+            "gated/moe is gated: accept its terms at https://huggingface.co/gated/moe, "
+            "then set a Hugging Face token."
+        )
+        assert capfd.readouterr().err == ""
 
-        assert downloads.store_token(" hf_secret\n") == "the system keyring"
+        assert hub_client.store_token(" hf_secret\n") == "the system keyring"
         assert memory_keyring.passwords[("moe-chat", "huggingface")] == "hf_secret"
-        assert downloads.load_token() == "hf_secret"
+        assert hub_client.load_token() == "hf_secret"
         assert download(qtbot, manager, "gated/moe", retry=True)[0] == "finished"
     finally:
         manager.shutdown()
@@ -324,22 +346,22 @@ def test_a_gated_model_needs_the_stored_token(qtbot, hub, library, model_files, 
 def test_without_a_keyring_the_token_goes_to_huggingface_hub(monkeypatch):
     import huggingface_hub
 
-    monkeypatch.setattr(downloads, "_keyring", lambda: None)
+    monkeypatch.setattr(hub_client, "_keyring", lambda: None)
     logins = []
     monkeypatch.setattr(huggingface_hub, "login", lambda token, **kw: logins.append(token))
-    assert downloads.store_token("hf_abc") == "huggingface_hub's token file"
+    assert hub_client.store_token("hf_abc") == "huggingface_hub's token file"
     assert logins == ["hf_abc"]
     monkeypatch.setenv("HF_TOKEN", "hf_from_env")
-    assert downloads.load_token() == "hf_from_env"
+    assert hub_client.load_token() == "hf_from_env"
     with pytest.raises(ValueError, match="empty"):
-        downloads.store_token("  ")
+        hub_client.store_token("  ")
 
 
 def test_search_lists_only_supported_architectures_most_downloaded_first(hub, model_files, monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # imported under conftest's "1"
-    monkeypatch.setattr(downloads, "load_token", lambda: None)
+    monkeypatch.setattr(hub_client, "load_token", lambda: None)
     hub.add_repo(FakeRepo("a/mixtral-moe", {}, model_type="mixtral", downloads=50))
     hub.add_repo(FakeRepo("b/llama-dense", {}, model_type="llama", downloads=999))
     hub.add_repo(FakeRepo("c/qwen-moe-gated", {}, model_type="qwen3_moe", downloads=70, gated=True))
@@ -365,3 +387,23 @@ def test_the_rate_meter_averages_over_its_window():
         meter.add(start + second, second * 1000)
     assert meter.speed() == pytest.approx(1000)
     assert meter.eta(9000, 19000) == pytest.approx(10)
+
+
+def test_offline_a_download_fails_at_once_in_one_sentence_and_prints_nothing(qtbot, library, capfd):
+    manager = DownloadManager(library=library, endpoint="http://no-such-hub.invalid", poll_ms=30)
+    outcomes = []
+    manager.sig_failed.connect(lambda key, reason: outcomes.append(reason))
+    try:
+        manager.start(REPO)
+        started = time.monotonic()
+        qtbot.waitUntil(lambda: bool(outcomes), timeout=TIMEOUT_MS)
+        # the child's start (a spawned interpreter importing the app) comes on top of the 2 s probe
+        assert time.monotonic() - started < 20
+    finally:
+        manager.shutdown()
+    assert outcomes == [
+        "This computer seems to be offline (the Hub at no-such-hub.invalid cannot be reached): "
+        "check the internet connection, then try again."
+    ]
+    assert "gaierror" in manager.state(REPO).details
+    assert capfd.readouterr().err == ""

@@ -8,14 +8,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QRect, Qt
 from PySide6.QtWidgets import QInputDialog, QLabel, QMessageBox
 
 import app.gui.downloads as downloads
+import app.gui.hub_client as hub_client
 import app.gui.model_picker as model_picker
 from app.catalog import GIB, estimate_fit
 from app.gui.downloads import DownloadManager, DownloadState
-from app.gui.model_picker import FIT_COLOURS, FIT_COLUMN, STATUS_COLUMN, ModelPicker
+from app.gui.hub_search_page import SEARCH_COLUMNS
+from app.gui.model_picker import CATALOG_COLUMNS, FIT_COLOURS, FIT_COLUMN, STATUS_COLUMN, ModelPicker
 from app.model_library import ModelLibrary
 from engine.model.tiny import make_tiny_model
 from engine.model.tiny_gguf import write_tiny_gguf
@@ -73,11 +75,12 @@ def hub(tiny_models, tiny_gguf, monkeypatch):
         yield server
 
 
-def make_picker(qtbot, hub, tmp_path, monkeypatch) -> tuple[ModelPicker, DownloadManager]:
+def make_picker(qtbot, hub, tmp_path, monkeypatch, endpoint=None) -> tuple[ModelPicker, DownloadManager]:
     monkeypatch.setattr(downloads, "load_token", lambda: None)
     monkeypatch.setattr(model_picker, "load_token", lambda: None)
+    monkeypatch.setattr(hub_client, "load_token", lambda: None)
     library = ModelLibrary(tmp_path / "models")
-    manager = DownloadManager(library=library, endpoint=hub.url, poll_ms=30)
+    manager = DownloadManager(library=library, endpoint=endpoint or hub.url, poll_ms=30)
     picker = ModelPicker(manager=manager, library=library, vram_bytes=VRAM)
     qtbot.addWidget(picker)
     picker.show()
@@ -89,6 +92,10 @@ def picker(qtbot, hub, tmp_path, monkeypatch):
     picker, manager = make_picker(qtbot, hub, tmp_path, monkeypatch)
     yield picker
     manager.shutdown()
+
+
+def column(name: str) -> int:
+    return CATALOG_COLUMNS.index(name)
 
 
 def row_of(picker: ModelPicker, entry_id: str) -> int:
@@ -108,24 +115,25 @@ def test_the_catalog_shows_every_model_with_its_fit_on_this_computer(picker):
     table = picker.catalog_table
     assert table.rowCount() == len(picker.catalog) >= 23
     for row, entry in enumerate(picker.catalog):
-        assert table.item(row, 0).text().splitlines()[0] == entry.name
-        assert table.item(row, 1).text() == entry.architecture
+        assert table.item(row, column("Model")).text().splitlines()[0] == entry.name
+        assert table.item(row, column("Architecture")).text() == entry.architecture
         fit = estimate_fit(entry, picker.ram_bytes, VRAM)
         assert picker.fit_text(entry.id) == f"● {fit.summary}"
         assert FIT_COLOURS[fit.level] in table.cellWidget(row, FIT_COLUMN).findChild(QLabel).styleSheet()
         if not entry.bundled and not entry.coming:
             assert picker.status_text(entry.source.key) == "Not downloaded"
             assert picker.row_buttons(entry.source.key) == ["Download"]
-    qwen = table.item(row_of(picker, "qwen3-30b-a3b"), 2).text()
+    qwen = table.item(row_of(picker, "qwen3-30b-a3b"), column("Parameters")).text()
     assert qwen == "30.5B total\n3.3B active"
-    formats = {e.id: table.item(row_of(picker, e.id), 4).text() for e in picker.catalog}
+    formats = {e.id: table.item(row_of(picker, e.id), column("Format")).text() for e in picker.catalog}
     assert formats["qwen3-30b-a3b-gguf-q4_k_m"] == "GGUF\nQ4_K_M"
     assert formats["qwen3-30b-a3b-gguf-q8_0"] == "GGUF\nQ8_0"
     assert formats["qwen3-30b-a3b"] == "BF16\nsafetensors"
     assert formats["gpt-oss-20b"] == "MXFP4\nsafetensors"
     assert formats["qwen3-30b-a3b-instruct-2507-fp8"] == "FP8\nsafetensors"
-    assert table.item(row_of(picker, "qwen3-30b-a3b-gguf-q4_k_m"), 5).text() == "~17.3 GiB"
-    assert table.item(row_of(picker, "mixtral-8x7b-instruct-v0.1"), 6).text() == "Apache-2.0\ngated"
+    assert table.item(row_of(picker, "qwen3-30b-a3b-gguf-q4_k_m"), column("Download")).text() == "~17.3 GiB"
+    mixtral = row_of(picker, "mixtral-8x7b-instruct-v0.1")
+    assert table.item(mixtral, column("Licence")).text() == "Apache-2.0\ngated"
     assert "GPU 8.0 GiB" in picker.machine_label.text()
 
     picker.set_vram_bytes(None)
@@ -214,13 +222,17 @@ def test_a_failed_download_shows_why_and_retry_from_the_row_works(qtbot, picker,
     real_disk_free_bytes = downloads.disk_free_bytes
     monkeypatch.setattr(downloads, "disk_free_bytes", lambda path: 10 * 2**20)
     click(qtbot, picker.download_row(OLMOE).download_button)
-    wait_for_status(qtbot, picker, OLMOE, "Failed: not enough disk space: need ")
-    assert ", have 10.0 MiB on " in picker.status_text(OLMOE)
+    wait_for_status(qtbot, picker, OLMOE, "Failed: Not enough disk space: ")
+    assert ", 10.0 MiB free on " in picker.status_text(OLMOE)
     assert picker.row_buttons(OLMOE) == ["Retry"]
+    reason = picker.status_text(OLMOE).removeprefix("Failed: ")
+    assert picker.error_text() == f"{OLMOE} was not downloaded. {reason}"  # in full, under the table
+    assert picker.error_panel.details_button.isVisible()
 
     monkeypatch.setattr(downloads, "disk_free_bytes", real_disk_free_bytes)
     click(qtbot, picker.download_row(OLMOE).retry_button)
     wait_for_status(qtbot, picker, OLMOE, "Installed ✓")
+    assert picker.error_text() == ""  # the retry cleared it
 
 
 @pytest.mark.slow
@@ -268,10 +280,10 @@ def test_search_lists_supported_models_and_downloads_from_a_result(qtbot, picker
     assert "someone/dense-llama" not in names and GRANITE in names
     assert picker.search_status.text().endswith("of supported architectures found.")
     quantized_row = names.index("someone/moe-gptq")
-    assert table.item(quantized_row, 4).text() == "pre-quantized: cannot run"
+    assert table.item(quantized_row, SEARCH_COLUMNS.index("Notes")).text() == "pre-quantized: cannot run"
     assert not picker.download_row("someone/moe-gptq", "search").download_button.isEnabled()
     row = names.index(OLMOE)
-    assert table.item(row, 1).text() == "olmoe"
+    assert table.item(row, SEARCH_COLUMNS.index("Architecture")).text() == "olmoe"
     click(qtbot, picker.download_row(OLMOE, "search").download_button)
     wait_for_status(qtbot, picker, OLMOE, "Installed ✓")
     table.selectRow(row)
@@ -321,3 +333,61 @@ def test_screenshot_of_the_catalog_with_an_installed_a_downloading_and_a_failed_
     picker.catalog_table.selectRow(row_of(picker, "granite-3.1-3b-a800m-instruct"))
     picker.catalog_table.scrollToBottom()
     assert save_screenshot(picker, "model_picker_bottom.png", tmp_path).stat().st_size > 10_000
+
+
+OFFLINE = (
+    "This computer seems to be offline (the Hub at no-such-hub.invalid cannot be reached): "
+    "check the internet connection, then try again."
+)
+
+
+def as_screen(monkeypatch, width: int, height: int) -> QRect:
+    available = QRect(0, 0, width, height)
+    monkeypatch.setattr(model_picker, "available_geometry", lambda widget: available)
+    return available
+
+
+def assert_in_view(widget, dialog) -> None:
+    """Shown, inside the dialog, and not clipped by a scrolled table or a narrow column."""
+    assert widget.isVisible()
+    visible = widget.visibleRegion().boundingRect()
+    assert visible == widget.rect(), f"{widget}: {visible} of {widget.rect()}"
+    assert dialog.rect().contains(QRect(widget.mapTo(dialog, widget.rect().topLeft()), widget.size()))
+
+
+@pytest.mark.slow
+def test_on_a_1024x600_screen_the_dialog_fits_and_offline_is_said_in_full(
+    qtbot, hub, tmp_path, monkeypatch, capfd
+):
+    available = as_screen(monkeypatch, 1024, 600)
+    picker, manager = make_picker(qtbot, hub, tmp_path, monkeypatch, endpoint="http://no-such-hub.invalid")
+    try:
+        qtbot.waitExposed(picker)
+        assert picker.width() <= available.width() and picker.height() <= available.height()
+        for entry in picker.catalog[:5]:
+            if not entry.bundled and not entry.coming:
+                assert_in_view(picker.download_row(entry.source.key).download_button, picker)
+        assert_in_view(picker.use_button, picker)
+        save_screenshot(picker, "model_picker_1024x600.png", tmp_path)
+
+        click(qtbot, picker.download_row(OLMOE).download_button)
+        wait_for_status(qtbot, picker, OLMOE, "Failed: ")
+        assert picker.status_text(OLMOE) == f"Failed: {OFFLINE}"
+        assert picker.error_text() == f"{OLMOE} was not downloaded. {OFFLINE}"
+        label = picker.error_panel.message_label
+        assert_in_view(label, picker)
+        assert label.height() >= label.heightForWidth(label.width())  # wrapped, not cut
+        save_screenshot(picker, "model_picker_offline_1024x600.png", tmp_path)
+        click(qtbot, picker.error_panel.details_button)
+        assert "gaierror" in picker.error_panel.details_view.toPlainText()
+        save_screenshot(picker, "model_picker_offline_details_1024x600.png", tmp_path)
+
+        picker.tabs.setCurrentIndex(1)
+        picker.search_box.setText("qwen")
+        picker.search()
+        qtbot.waitUntil(lambda: picker.search_status.text().startswith("The search failed"), timeout=5000)
+        assert picker.error_text() == OFFLINE and not picker.error_panel.details_view.isVisible()
+        save_screenshot(picker, "model_picker_search_offline_1024x600.png", tmp_path)
+    finally:
+        manager.shutdown()
+    assert capfd.readouterr().err == ""
