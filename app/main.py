@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.window or args.screenshot:
         parser.error("--window and --screenshot go with --self-test")
 
+    from app.gui.system_libs import qt_platform_problem
+
+    problem = qt_platform_problem(qt_args)  # one line naming the packages, not Qt's abort
+    if problem:
+        sys.stderr.write(problem + "\n")
+        return 1
     from app.gui.application import application
     from app.gui.main_window import MainWindow
     from app.gui.single_instance import SingleInstance

@@ -61,6 +61,18 @@ def self_test(exe: Path, *extra: str) -> tuple[int, str]:
     return done.returncode, lines[-1] if lines else f"(no output; stderr: {done.stderr.strip()[-500:]})"
 
 
+def xcb_packages_not_carried(bundle: Path) -> list[str]:
+    """Linux: the apt packages of Qt's X11 libraries the bundle lacks (PyInstaller copies those the
+    build machine has); the machines it runs on need these installed, and the app says so at start."""
+    if not sys.platform.startswith("linux"):
+        return []
+    sys.path.insert(0, str(ROOT))
+    from app.gui.system_libs import XCB_LIBRARIES
+
+    carried = {path.name for path in bundle.rglob("*.so*")}
+    return [package for soname, package in XCB_LIBRARIES.items() if soname not in carried]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dist", type=Path, default=ROOT / "dist", help="where the bundle goes")
@@ -87,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     size = folder_bytes(bundle)
     print(f"Built {bundle} in {seconds / 60:.1f} min: {size / 2**20:.0f} MiB ({torch_build}).")
     result = {"seconds": seconds, "bytes": size, "torch": torch_build, "executable": str(exe)}
+    not_carried = xcb_packages_not_carried(bundle)
+    if not_carried:
+        print(f"Not in the bundle (its users need them): sudo apt install {' '.join(not_carried)}")
+    result["xcb_packages_not_carried"] = not_carried
     status = 0
     if not args.no_self_test:
         status, line = self_test(exe)

@@ -68,6 +68,8 @@ def engine_self_test(device: str = "auto", tokens: int = TOKENS) -> int:
 
 
 def window_self_test(device: str = "auto", screenshot: Path | None = None) -> int:
+    if not _qt_can_start():
+        return 1
     from PySide6.QtCore import QTimer
 
     with _throwaway_profile():
@@ -123,6 +125,16 @@ def window_self_test(device: str = "auto", screenshot: Path | None = None) -> in
         window.close()
         report(str(outcome["line"]))
         return int(outcome["status"])
+
+
+def _qt_can_start() -> bool:
+    """False (and the one line saying which packages to install) when Qt's X11 plugin cannot load."""
+    from app.gui.system_libs import qt_platform_problem
+
+    problem = qt_platform_problem()
+    if problem:
+        report(f"self-test FAILED: {problem}")
+    return problem is None
 
 
 def _reply_problem(reply: Finished | None) -> str | None:
