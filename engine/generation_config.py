@@ -15,6 +15,11 @@ from engine.errors import InvalidRequestError
 SPEC_MODES = ("none", "draft", "self", "substitute")
 ACCEPTANCE_RULES = ("lossless", "adaptive")
 PREFETCH_POLICIES = ("none", "next-layer", "hybrimoe", "spmoe")
+# "auto": the best setting for the model and machine, chosen when the decoder opens
+# (engine.speculative.auto): what every front-end asks for when the user chose nothing.
+AUTO = "auto"
+SPEC_CHOICES = (AUTO, *SPEC_MODES)
+PREFETCH_CHOICES = (AUTO, *PREFETCH_POLICIES)
 CPU_EXPERT_MODES = ("auto", "never", "always")
 # Seeds are signed 64-bit on every side (torch's generators, JSON clients): 0 <= seed < SEED_LIMIT
 SEED_LIMIT = 2**63
@@ -85,7 +90,7 @@ def derived_seed(seed: int | None, offset: int) -> int | None:
 class SpecConfig:
     """Speculative decoding settings (mode 'none' decodes one token per target forward)."""
 
-    mode: str = "none"  # none | draft | self | substitute
+    mode: str = "none"  # auto | none | draft | self | substitute
     draft_model: str | None = None  # folder of the draft model (mode 'draft')
     draft_len: int = 4  # γ: draft tokens per verify step (the start value when adapting)
     adapt_draft_len: bool = True  # adapt γ online from the acceptance seen
@@ -101,8 +106,10 @@ class SpecConfig:
     adaptive_tolerance: float = 0.1
 
     def validate(self) -> None:
-        if self.mode not in SPEC_MODES:
-            raise InvalidRequestError(f"Unknown --spec {self.mode!r}; choose one of {', '.join(SPEC_MODES)}.")
+        if self.mode not in SPEC_CHOICES:
+            raise InvalidRequestError(
+                f"Unknown --spec {self.mode!r}; choose one of {', '.join(SPEC_CHOICES)}."
+            )
         if self.mode == "draft" and not self.draft_model:
             raise InvalidRequestError(
                 "--spec draft needs --draft-model DIR (a small model with the same tokenizer)."
@@ -137,7 +144,7 @@ class GenerationConfig:
     prefill_chunk: int = 512
     ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
     spec: SpecConfig = field(default_factory=SpecConfig)
-    prefetch: str = "none"  # none | next-layer | hybrimoe | spmoe
+    prefetch: str = "none"  # auto | none | next-layer | hybrimoe | spmoe
     cutoff: int | None = None  # spmoe: last MoE layer (0-based, in order) prefetched; None: auto
     cpu_experts: str = "never"  # auto | never | always: compute missing experts on the CPU (hybrid)
     # a context window (prompt + reply, in tokens) below the model's; None: the model's own
@@ -160,9 +167,9 @@ class GenerationConfig:
                 "A stop string contains text that is not valid Unicode (a lone surrogate): "
                 "send it as UTF-8 or remove the broken character."
             )
-        if self.prefetch not in PREFETCH_POLICIES:
+        if self.prefetch not in PREFETCH_CHOICES:
             raise InvalidRequestError(
-                f"Unknown prefetch policy {self.prefetch!r}; choose one of {', '.join(PREFETCH_POLICIES)}."
+                f"Unknown prefetch policy {self.prefetch!r}; choose one of {', '.join(PREFETCH_CHOICES)}."
             )
         if self.cpu_experts not in CPU_EXPERT_MODES:
             raise InvalidRequestError(

@@ -41,6 +41,7 @@ from engine.offload.cpu_experts import HybridExecutor
 from engine.offload.expert_cache import STREAM_DEPTH
 from engine.sampling import Sampler
 from engine.speculative.acceptance import Verdict, adaptive_accept, greedy_accept, rejection_accept
+from engine.speculative.auto import resolve as resolve_auto
 from engine.speculative.cutoff import CutoffInputs, choose_cutoff
 from engine.speculative.draft_len import DraftLengthController, unique_experts
 from engine.speculative.drafters import Drafter, ModelDrafter, SelfDrafter, SubstituteDrafter, rewind_cache
@@ -240,8 +241,12 @@ def open_decoder(
     sampler: Sampler,
     cpu_experts: str = "never",
 ):
-    """The decoder for one run, with its drafter, prefetch policy and CPU execution installed on `model`."""
+    """The decoder for one run, with its drafter, prefetch policy and CPU execution installed on `model`.
+
+    `auto` speculation or prefetch is resolved for `model` first (`engine.speculative.auto`)."""
     spec.validate()
+    chosen = resolve_auto(model, spec, prefetch_policy, cutoff)
+    spec, prefetch_policy, cutoff = chosen.spec, chosen.prefetch, chosen.cutoff
     hybrid = HybridExecutor(model, cpu_experts) if cpu_experts != "never" else None  # validates the mode
     decoder = _build_decoder(model, spec, prefetch_policy, cutoff, sampler)
     decoder.installed.enter_context(model.control.installed(hybrid=hybrid))  # once nothing else can fail

@@ -37,6 +37,7 @@ from engine.generation import FinishedEvent, generate
 from engine.loader import load_model, resolve_device
 from engine.metrics import LiveGeneration
 from engine.resources import demo_draft_dir, demo_model_dir
+from engine.speculative.auto import resolve_config
 from engine.worker.protocol import (
     PROTOCOL_VERSION,
     Cancel,
@@ -60,6 +61,7 @@ from engine.worker.protocol import (
     loads,
 )
 from engine.worker.telemetry import Telemetry
+from engine.worker.tuned import stored_choice
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +238,8 @@ class Worker:
         config = request.config
         if config.spec.mode == "draft" and not config.spec.draft_model and self.model_is_demo:
             config = replace(config, spec=replace(config.spec, draft_model=str(demo_draft_dir())))
+        # `auto` (every front-end's default): the model's drafter and SP-MoE, at the tuned settings
+        config = resolve_config(self.model, config, stored_choice(self.model))
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
         self._generating_id = request.request_id
         try:

@@ -1,0 +1,113 @@
+"""What `auto` speculation and prefetch mean for one model: the engine's defaults.
+
+Every front-end asks for `auto` when the user chose nothing, and the decoder
+resolves it here, against the loaded model:
+
+- speculation: the draft model given, else the model's bundled draft (the demo's),
+  else the target itself with fewer experts per token (SS-MoE `self`), else none
+  (a model routing each token to one expert cannot draft with fewer);
+- prefetch: SP-MoE from that draft, or none when nothing drafts (SP-MoE predicts
+  from the draft's hidden states);
+- a stored auto-tune result (`TunedChoice`, looked up by the caller: the tune room
+  sits above this one) gives the draft length and the cutoff layer, or turns both
+  off where it measured plain decoding fastest.
+
+Each choice that falls back says why in one log line. Settings that are not
+`auto` pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from engine.generation_config import AUTO, GenerationConfig, SpecConfig
+from engine.resources import demo_draft_dir, demo_model_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TunedChoice:
+    """What a stored auto-tune result chose for this model, budget and machine."""
+
+    cutoff_layer: int  # last MoE layer SP-MoE prefetches; -1: none
+    draft_len: int  # 0: plain decoding measured fastest
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The concrete speculation, prefetch and cutoff, and why they differ from the first choice."""
+
+    spec: SpecConfig
+    prefetch: str
+    cutoff: int | None
+    reasons: tuple[str, ...] = ()
+
+
+def resolve(
+    model, spec: SpecConfig, prefetch: str, cutoff: int | None, tuned: TunedChoice | None = None
+) -> Resolved:
+    """`spec`, `prefetch` and `cutoff` with every `auto` replaced by what suits `model`."""
+    reasons: list[str] = []
+    if spec.mode == AUTO:
+        spec = _auto_spec(model, spec, tuned, reasons)
+    if prefetch == AUTO:
+        prefetch, cutoff = _auto_prefetch(spec, cutoff, tuned, reasons)
+    for reason in reasons:
+        log.info("auto: %s", reason)
+    return Resolved(spec, prefetch, cutoff, tuple(reasons))
+
+
+def resolve_config(model, config: GenerationConfig, tuned: TunedChoice | None = None) -> GenerationConfig:
+    """`config` with its `auto` speculation and prefetch resolved for `model`."""
+    chosen = resolve(model, config.spec, config.prefetch, config.cutoff, tuned)
+    return replace(config, spec=chosen.spec, prefetch=chosen.prefetch, cutoff=chosen.cutoff)
+
+
+def bundled_draft(model) -> str | None:
+    """The draft model shipped with `model` (the demo's), or None."""
+    try:
+        if Path(model.path).resolve() == demo_model_dir().resolve():
+            return str(demo_draft_dir())
+    except OSError:  # no resources folder: no bundled draft either
+        return None
+    return None
+
+
+def _auto_spec(model, spec: SpecConfig, tuned: TunedChoice | None, reasons: list[str]) -> SpecConfig:
+    if tuned is not None and tuned.draft_len <= 0:
+        reasons.append("the stored auto-tune result measured plain decoding fastest: no speculation")
+        return replace(spec, mode="none")
+    if tuned is not None:
+        spec = replace(spec, draft_len=min(tuned.draft_len, spec.max_draft_len))
+    draft = spec.draft_model or bundled_draft(model)
+    if draft:
+        return replace(spec, mode="draft", draft_model=draft)
+    top_k = getattr(model, "top_k", 1)
+    if 1 <= spec.top_r < top_k:
+        reasons.append(
+            f"no draft model for {Path(model.path).name}: drafting with the model itself, "
+            f"{spec.top_r} of its {top_k} experts per token (self)"
+        )
+        return replace(spec, mode="self")
+    reasons.append(
+        f"no draft model for {Path(model.path).name}, and self-drafting needs fewer experts per "
+        f"token than the model's {top_k}: no speculation"
+    )
+    return replace(spec, mode="none")
+
+
+def _auto_prefetch(
+    spec: SpecConfig, cutoff: int | None, tuned: TunedChoice | None, reasons: list[str]
+) -> tuple[str, int | None]:
+    if spec.mode in ("none", AUTO):
+        reasons.append("SP-MoE predicts experts from the draft and nothing drafts: no prefetch")
+        return "none", cutoff
+    if cutoff is None and tuned is not None:
+        if tuned.cutoff_layer < 0:
+            reasons.append("the stored auto-tune result measured no prefetch fastest")
+            return "none", None
+        cutoff = tuned.cutoff_layer
+    return "spmoe", cutoff

@@ -1,0 +1,72 @@
+"""`auto` speculation and prefetch: the model's drafter and SP-MoE, with clean fallbacks."""
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from engine.generation_config import GenerationConfig, SpecConfig
+from engine.resources import demo_draft_dir, demo_model_dir
+from engine.speculative.auto import TunedChoice, resolve, resolve_config
+
+AUTO = SpecConfig(mode="auto")
+
+
+def model(path, top_k: int = 2):
+    return SimpleNamespace(path=path, top_k=top_k)
+
+
+def test_the_demo_drafts_with_its_bundled_draft_and_prefetches_with_spmoe():
+    chosen = resolve(model(demo_model_dir()), AUTO, "auto", None)
+    assert chosen.spec.mode == "draft" and chosen.spec.draft_model == str(demo_draft_dir())
+    assert (chosen.prefetch, chosen.cutoff, chosen.reasons) == ("spmoe", None, ())
+
+
+def test_a_given_draft_model_is_used(tmp_path):
+    chosen = resolve(model(tmp_path), SpecConfig(mode="auto", draft_model="/drafts/small"), "auto", None)
+    assert (chosen.spec.mode, chosen.spec.draft_model, chosen.prefetch) == ("draft", "/drafts/small", "spmoe")
+
+
+def test_no_draft_model_falls_back_to_self_and_says_why(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="engine.speculative.auto"):
+        chosen = resolve(model(tmp_path / "qwen", top_k=8), AUTO, "auto", None)
+    assert (chosen.spec.mode, chosen.prefetch) == ("self", "spmoe")
+    assert "no draft model for qwen: drafting with the model itself, 1 of its 8 experts" in caplog.text
+
+
+def test_one_expert_per_token_cannot_self_draft_so_nothing_speculates(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="engine.speculative.auto"):
+        chosen = resolve(model(tmp_path / "switch", top_k=1), AUTO, "auto", None)
+    assert (chosen.spec.mode, chosen.prefetch) == ("none", "none")
+    assert "self-drafting needs fewer experts per token" in caplog.text
+    assert "nothing drafts: no prefetch" in caplog.text
+
+
+def test_a_stored_tune_result_sets_draft_length_and_cutoff():
+    chosen = resolve(model(demo_model_dir()), AUTO, "auto", None, TunedChoice(cutoff_layer=2, draft_len=6))
+    assert (chosen.spec.mode, chosen.spec.draft_len, chosen.prefetch, chosen.cutoff) == (
+        "draft",
+        6,
+        "spmoe",
+        2,
+    )
+
+
+@pytest.mark.parametrize(
+    ("tuned", "spec", "prefetch"),
+    [(TunedChoice(cutoff_layer=-1, draft_len=0), "none", "none"), (TunedChoice(-1, 4), "draft", "none")],
+)
+def test_a_tune_result_that_measured_less_turns_it_off(tuned, spec, prefetch):
+    chosen = resolve(model(demo_model_dir()), AUTO, "auto", None, tuned)
+    assert (chosen.spec.mode, chosen.prefetch) == (spec, prefetch)
+
+
+def test_explicit_settings_pass_through(tmp_path):
+    config = GenerationConfig(spec=SpecConfig(mode="self", top_r=1), prefetch="next-layer", cutoff=1)
+    tuned = TunedChoice(cutoff_layer=3, draft_len=0)
+    assert resolve_config(model(tmp_path), config, tuned) == config
+
+
+def test_a_chosen_cutoff_beats_the_tuned_one():
+    chosen = resolve(model(demo_model_dir()), AUTO, "auto", 0, TunedChoice(cutoff_layer=4, draft_len=3))
+    assert (chosen.prefetch, chosen.cutoff) == ("spmoe", 0)
