@@ -3,7 +3,9 @@
 `generate` loads a model folder with its experts offloaded and streams the
 reply to stdout; with `--json` it prints one JSON object instead:
 `{"text", "token_ids", "finish_reason", "stats": {tpot_ms, tokens_per_s,
-hit_rate, h2d_bytes, misses, hits, simulated_link, …}, "model": {…}}`.
+hit_rate, h2d_bytes, misses, hits, simulated_link, spec, prefetch, accept_len, …},
+"model": {…}}`. With no options it speculates with the model's drafter and
+prefetches with SP-MoE (`--spec auto --prefetch auto`, see `engine.options`).
 Bad input exits with status 2 and the error on stderr.
 """
 
@@ -14,16 +16,19 @@ import json
 import logging
 import multiprocessing
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
+from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import EngineError
 from engine.options import (
     add_offload_arguments,
     add_sampling_arguments,
+    add_sim_link_argument,
     add_spec_arguments,
     generation_config,
     model_folder,
     offload_config,
+    wants_calibrated_link,
 )
 
 log = logging.getLogger(__name__)
@@ -32,6 +37,7 @@ log = logging.getLogger(__name__)
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate a reply to one prompt")
     add_offload_arguments(p)
+    add_sim_link_argument(p)
     p.add_argument("--prompt", required=True, help="one user message (raw text if the model has no template)")
     add_sampling_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
@@ -52,7 +58,7 @@ def _make_tiny_parser(sub) -> None:
 def _tune_parser(sub) -> None:
     p = sub.add_parser("tune", help="measure this machine and model; choose cutoff, draft length and cache")
     add_offload_arguments(p)
-    p.add_argument("--sim-link", dest="sim_link_gbps", type=float, help="same as --sim-link-gbps")
+    add_sim_link_argument(p)
     p.add_argument(
         "--draft-model", default=None, help="draft model folder (default: the demo draft for the demo model)"
     )
@@ -61,9 +67,38 @@ def _tune_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def run_tune(args: argparse.Namespace) -> int:
+def checked_offload(args: argparse.Namespace) -> OffloadConfig:
+    """The offload options, validated, with a `--sim-link calibrated` link measured on this host."""
     offload = offload_config(args)
-    offload.validate()
+    offload.validate()  # before the heavy imports: a bad option fails at once
+    if not wants_calibrated_link(args):
+        return offload
+    from engine.loader import resolve_device
+
+    if resolve_device(offload.device).type == "cuda":
+        log.warning("--sim-link is ignored on a CUDA device: copies use the real link.")
+        return offload
+    return calibrated_link(model_folder(args), offload)
+
+
+def calibrated_link(folder: str, offload: OffloadConfig) -> OffloadConfig:
+    """`offload` on a simulated link where one expert's copy takes 3× one layer's decode here."""
+    from engine.bench.compare import calibrate_link
+    from engine.loader import load_model
+    from engine.prompts import PROMPTS, encode_prompts
+
+    probe = load_model(folder, replace(offload, expert_budget=ExpertBudget.parse("all")))
+    try:
+        prompt_ids = encode_prompts(probe, PROMPTS[:2])
+    finally:
+        probe.close()
+    gbps, layer_ms = calibrate_link(folder, offload, prompt_ids, 16)
+    print(f"calibrated link: {gbps:.3f} GB/s (one layer decodes in {layer_ms:.2f} ms)", file=sys.stderr)
+    return replace(offload, sim_link_gbps=gbps, sim_latency_us=0.0)
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    offload = checked_offload(args)
 
     from engine.loader import load_model
     from engine.tune.run import TuneConfig, tune
@@ -107,16 +142,18 @@ def _tune_progress(quiet: bool):
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    offload = offload_config(args)
-    offload.validate()  # before the heavy imports below: a bad option fails at once
+    gen_config = generation_config(args)
+    gen_config.validate()
+    offload = checked_offload(args)
 
     from engine.generation import FinishedEvent, generate
     from engine.loader import load_model
+    from engine.speculative.auto import resolve_config
+    from engine.worker.tuned import stored_choice
 
-    gen_config = generation_config(args)
-    gen_config.validate()
     model = load_model(model_folder(args), offload)
     try:
+        gen_config = resolve_config(model, gen_config, stored_choice(model))  # `auto`: drafter, SP-MoE
         for event in generate(model, args.prompt, gen_config):
             if isinstance(event, FinishedEvent):
                 finished = event
@@ -138,8 +175,11 @@ def run_generate(args: argparse.Namespace) -> int:
             tps = f"{s.tokens_per_s:.1f} tok/s" if s.tokens_per_s else "n/a tok/s"
             hit = f"{s.hit_rate:.0%}" if s.hit_rate is not None else "n/a"
             link = "simulated link" if s.simulated_link else "PCIe"
-            spec = f", accept_len {s.accept_len:.2f}" if s.accept_len else ""
-            print(f"\n[{finished.reason}; {s.generated_tokens} tokens, {tps}, hit rate {hit}{spec}, {link}]")
+            spec = f", spec {s.spec}" + (f", accept_len {s.accept_len:.2f}" if s.accept_len else "")
+            print(
+                f"\n[{finished.reason}; {s.generated_tokens} tokens, {tps}, hit rate {hit}{spec}, "
+                f"prefetch {s.prefetch}, {link}]"
+            )
     finally:
         model.close()
     return 0

@@ -3,13 +3,39 @@
 `python -m engine`, `python -m engine.bench`, the terminal chat and the server
 build their parsers from these and turn the parsed options into the engine's
 frozen configs. Imports no torch; may import only the engine's base modules.
+
+One name, one meaning, in every command:
+
+- `--spec` and `--prefetch` default to `auto`: the model's drafter (its bundled
+  draft, else `self`) with SP-MoE prefetch, at the stored auto-tune result's
+  settings where there is one (`engine.speculative.auto`); `none` turns each off.
+- `--sim-link LINK` (no GPU): the simulated host→device link, either a bandwidth
+  in GB/s (`16`) or `calibrated` (one expert's copy takes 3× one layer's decode,
+  measured on this host: `python -m engine` and `python -m engine.bench` measure
+  it, the terminal chat and the server refuse it). `--sim-link-gbps N` is the
+  older spelling of `--sim-link N`.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
+from engine.errors import InvalidRequestError
+from engine.generation_config import (
+    AUTO,
+    PREFETCH_CHOICES,
+    SPEC_CHOICES,
+    GenerationConfig,
+    SamplingConfig,
+    SpecConfig,
+)
+
+CALIBRATED = "calibrated"
+SIM_LINK_HELP = (
+    "without a GPU: simulate the host→device link, either a bandwidth in GB/s (16) or 'calibrated' "
+    "(one expert's copy takes 3× one layer's decode on this host, as Qwen3-30B-A3B on an RTX 4090); "
+    "figures measured so are labelled simulated"
+)
 
 
 def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,22 +58,53 @@ def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
         help="routed experts' precision in host memory: int8/int4 copy fewer bytes but change outputs",
     )
     parser.add_argument(
-        "--sim-link-gbps",
-        type=float,
-        default=None,
-        help="without a GPU: simulate a host→device link of this many GB/s",
+        "--sim-link-gbps", type=float, default=None, help="same as --sim-link GBPS (the older spelling)"
     )
     parser.add_argument("--sim-latency-us", type=float, default=10.0, help="simulated link latency per copy")
+
+
+def add_sim_link_argument(parser: argparse.ArgumentParser) -> None:
+    """`--sim-link calibrated|GBPS`, the one definition every command shares."""
+    parser.add_argument("--sim-link", type=parse_sim_link, default=None, metavar="LINK", help=SIM_LINK_HELP)
+
+
+def parse_sim_link(text: str) -> str | float:
+    """`calibrated`, or a bandwidth in GB/s (a number > 0)."""
+    if text.strip().lower() == CALIBRATED:
+        return CALIBRATED
+    try:
+        gbps = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"give a bandwidth in GB/s (16) or 'calibrated', not {text!r}"
+        ) from None
+    if not gbps > 0:  # `not >` also rejects NaN
+        raise argparse.ArgumentTypeError(f"the simulated link needs a bandwidth > 0 GB/s, got {text!r}")
+    return gbps
+
+
+def sim_link_gbps(args: argparse.Namespace) -> float | None:
+    """The simulated link's GB/s that --sim-link or --sim-link-gbps give (None: calibrated, or none)."""
+    link = getattr(args, "sim_link", None)
+    older = getattr(args, "sim_link_gbps", None)
+    if isinstance(link, float) and older is not None and older != link:
+        raise InvalidRequestError(f"--sim-link {link:g} and --sim-link-gbps {older:g} disagree: give one.")
+    return link if isinstance(link, float) else older
+
+
+def wants_calibrated_link(args: argparse.Namespace) -> bool:
+    return getattr(args, "sim_link", None) == CALIBRATED
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     """Speculative decoding and expert prefetch options."""
     parser.add_argument(
         "--spec",
-        default="none",
-        choices=("none", "draft", "self", "substitute"),
-        help="speculative decoding: a draft model, the target's own top-r experts (SS-MoE), "
-        "or resident low-bit substitute experts (SubSpec)",
+        default=AUTO,
+        choices=SPEC_CHOICES,
+        help="speculative decoding: auto (default: the model's draft model, else self), a draft model, "
+        "the target's own top-r experts (SS-MoE self), resident low-bit substitute experts (SubSpec), "
+        "or none",
     )
     parser.add_argument(
         "--draft-model", default=None, help="draft model folder (default: the demo draft for the demo model)"
@@ -71,7 +128,12 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="SS-MoE adaptive acceptance: faster, NOT lossless (outputs may differ from the model's)",
     )
-    parser.add_argument("--prefetch", default="none", choices=("none", "next-layer", "hybrimoe", "spmoe"))
+    parser.add_argument(
+        "--prefetch",
+        default=AUTO,
+        choices=PREFETCH_CHOICES,
+        help="expert prefetch: auto (default: spmoe when speculating, else none), or one policy",
+    )
     parser.add_argument(
         "--cutoff", type=int, default=None, help="spmoe: last MoE layer prefetched (default: auto)"
     )
@@ -120,9 +182,9 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
 
 
 def spec_config(args: argparse.Namespace) -> SpecConfig:
-    """The SpecConfig the options say; `--spec draft` on the demo model drafts with the demo draft."""
+    """The SpecConfig the options say; `--spec draft|auto` on the demo model drafts with the demo draft."""
     draft_model = args.draft_model
-    if args.spec == "draft" and draft_model is None and not args.model:
+    if args.spec in ("draft", AUTO) and draft_model is None and not args.model:
         from engine.resources import demo_draft_dir
 
         draft_model = str(demo_draft_dir())
@@ -158,7 +220,7 @@ def offload_config(args: argparse.Namespace, expert_budget: str | None = None):
         dtype=args.dtype,
         expert_budget=ExpertBudget.parse(expert_budget if expert_budget is not None else args.expert_budget),
         policy=args.policy,
-        sim_link_gbps=args.sim_link_gbps,
+        sim_link_gbps=sim_link_gbps(args),
         sim_latency_us=args.sim_latency_us,
         expert_dtype=args.expert_dtype,
     )

@@ -90,10 +90,13 @@ def llama_folder(chat_model, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runs(chat_model, raw_model, llama_folder, tmp_path_factory):
     """name -> the `Future` of a slow CLI run, all started at once."""
-    greedy = generate_args(chat_model, "--greedy", "--json", "--max-new-tokens", MAX_NEW)
+    # the reference runs decode one token at a time, as every run did before speculation and
+    # prefetch became the default (`auto`): they say so with --spec none --prefetch none
+    plain = ("--spec", "none", "--prefetch", "none")
+    greedy = generate_args(chat_model, "--greedy", "--json", "--max-new-tokens", MAX_NEW, *plain)
     seeded = generate_args(
         chat_model,
-        *("--json", "--seed", "7", "--temperature", "1.0", "--max-new-tokens", MAX_NEW),
+        *("--json", "--seed", "7", "--temperature", "1.0", "--max-new-tokens", MAX_NEW, *plain),
         *("--expert-budget", "4", "--policy", "mrs", "--sim-link-gbps", "5"),
     )
     commands = {
@@ -101,7 +104,8 @@ def runs(chat_model, raw_model, llama_folder, tmp_path_factory):
         "greedy again": greedy,
         "seeded": seeded,
         "seeded again": seeded,
-        "plain": generate_args(chat_model, "--greedy", "--max-new-tokens", MAX_NEW),
+        "plain": generate_args(chat_model, "--greedy", "--max-new-tokens", MAX_NEW, *plain),
+        "default": generate_args(chat_model, "--greedy", "--json", "--max-new-tokens", MAX_NEW),
         "raw": generate_args(raw_model, "--greedy", "--json", "--max-new-tokens", 2),
         "missing folder": generate_args(tmp_path_factory.mktemp("cli") / "nowhere"),
         "unsupported architecture": generate_args(llama_folder),
@@ -183,7 +187,7 @@ def test_plain_output_streams_the_text_then_a_summary(runs, greedy):
     summary = run.stdout[len(greedy["text"]) :]
     pattern = (
         rf"\n\[{greedy['finish_reason']}; {len(greedy['token_ids'])} tokens, [\d.]+ tok/s, "
-        r"hit rate \d+%, simulated link\]\n"
+        r"hit rate \d+%, spec none, prefetch none, simulated link\]\n"
     )
     assert re.fullmatch(pattern, summary), summary
 
@@ -193,6 +197,8 @@ QUICK_BAD_OPTIONS = {
     "bad budget": ["--expert-budget", "lots"],
     "bad policy": ["--policy", "fifo"],
     "bad link": ["--sim-link-gbps", "-1"],
+    "bad --sim-link": ["--sim-link", "fast"],
+    "links disagree": ["--sim-link", "4", "--sim-link-gbps", "8"],
 }
 
 
@@ -204,6 +210,8 @@ QUICK_BAD_OPTIONS = {
         ("bad budget", r"error: Cannot read expert budget 'lots'"),
         ("bad policy", r"argument --policy: invalid choice: 'fifo'"),
         ("bad link", r"error: --sim-link-gbps must be a positive bandwidth in GB/s, got -1\.0"),
+        ("bad --sim-link", r"argument --sim-link: give a bandwidth in GB/s \(16\) or 'calibrated', not 'fast'"),
+        ("links disagree", r"error: --sim-link 4 and --sim-link-gbps 8 disagree: give one\."),
     ],
 )
 def test_bad_input_exits_non_zero_with_the_message_on_stderr(case, message, runs, chat_model):
@@ -244,6 +252,18 @@ def test_speculative_options_give_the_same_text_and_report_speculation(runs, gre
     assert stats["accept_len"] >= 1 and stats["lossless"] is True
     for key in ("prefetch_precision", "prefetch_recall", "hit_rate_verify"):
         assert key in stats
+
+
+def test_with_no_options_it_speculates_and_prefetches(runs, greedy):
+    """The default (`auto`): a model without a draft model drafts with itself (self) and
+    prefetches with SP-MoE; the reply is the plain greedy one."""
+    run = result(runs, "default")
+    assert run.returncode == 0, run.stderr
+    reply = run.json()
+    assert reply["token_ids"] == greedy["token_ids"]
+    stats = reply["stats"]
+    assert stats["spec"] == "self" and stats["prefetch"].startswith("spmoe")
+    assert stats["accept_len"] >= 1
 
 
 def test_out_of_range_cutoff_is_a_clear_error(runs):
