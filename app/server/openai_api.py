@@ -11,7 +11,9 @@ or as text parts), `model`, `stream`, `stream_options.include_usage`,
 and `n` (1 only), checked by `app.server.schemas`. What a request leaves out comes
 from the server's command line (`--temperature`, `--max-new-tokens`, `--spec` …).
 Features the engine does not have (tools, logprobs, penalties …) are refused with a
-400, never silently ignored.
+400, never silently ignored. Each response (a streamed one in its last chunk, the one
+with the finish reason) carries `stats`: the drafter and prefetch policy that ran
+(`auto` by default: the model's drafter with SP-MoE) and the DESIGN.md metrics.
 
 The engine is supervised: when its worker dies (a crash, kill -9, a stall), the request
 that saw it gets a 503 and a new worker is started in the background with the same model
@@ -174,6 +176,7 @@ class ChatBackend:
                 }
             ],
             "usage": _usage(finished),
+            "stats": engine_stats(finished),
         }
 
     def stream(self, body: object) -> Iterator[dict[str, Any]]:
@@ -237,7 +240,7 @@ def _event_chunks(envelope: dict, event: Token | Finished, include_usage: bool) 
         return
     if event.tail:
         yield _chunk(envelope, {"content": event.tail})
-    yield _chunk(envelope, {}, FINISH_REASONS.get(event.reason, "stop"))
+    yield {**_chunk(envelope, {}, FINISH_REASONS.get(event.reason, "stop")), "stats": engine_stats(event)}
     if include_usage:
         yield {**envelope, "choices": [], "usage": _usage(event)}
 
@@ -256,6 +259,33 @@ def _chunk(envelope: dict, delta: dict, finish_reason: str | None = None) -> dic
     return {
         **envelope,
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+    }
+
+
+STATS_KEYS = (
+    "tpot_ms",
+    "tokens_per_s",
+    "prefill_tokens_per_s",
+    "accept_len",
+    "acceptance_rate",
+    "draft_len",
+    "hit_rate",
+    "h2d_gbps",
+    "prefetch_precision",
+    "prefetch_recall",
+    "lossless",
+    "simulated_link",
+)
+
+
+def engine_stats(finished: Finished) -> dict[str, Any]:
+    """MoE Chat's figures for the reply (beside OpenAI's `usage`, as llama.cpp adds `timings`):
+    which drafter and prefetch policy ran, and the DESIGN.md metrics."""
+    stats = finished.stats
+    return {
+        "drafter": stats.get("spec"),
+        "prefetch": stats.get("prefetch"),
+        **{key: stats.get(key) for key in STATS_KEYS},
     }
 
 

@@ -37,15 +37,16 @@ _OFFLOAD_WORDS = (("expert_dtype", "expert dtype"), ("policy", "policy"), ("sim_
 
 @dataclass(frozen=True)
 class AppSettings:
-    """What the user chose; the defaults are the engine's (demo model, lossless, no prefetch)."""
+    """What the user chose; the defaults show the product: the demo model, speculation with the
+    model's drafter and SP-MoE prefetch (`auto`, resolved by the engine for the model loaded)."""
 
     model_path: str | None = None  # None: the bundled demo model
     device: str = "auto"
     expert_budget: str = "auto"
-    spec_mode: str = "none"
+    spec_mode: str = "auto"
     draft_model: str | None = None
     draft_len: int = 4
-    prefetch: str = "none"
+    prefetch: str = "auto"
     cpu_experts: str = "never"
     expert_dtype: str = "native"
     policy: str = "lru"
@@ -133,8 +134,8 @@ class AppSettings:
             changes.update(spec_mode="none", prefetch="none")
         else:
             spec_mode = self.spec_mode
-            if spec_mode == "none" and (self.model_path is None or self.draft_model):
-                spec_mode = "draft"
+            if spec_mode in ("none", "auto"):  # the drafter the tuner measured
+                spec_mode = "draft" if self.model_path is None or self.draft_model else "self"
             changes.update(spec_mode=spec_mode, draft_len=max(1, draft_len))
             if cutoff_layer >= 0 and spec_mode != "none":
                 changes["prefetch"] = "spmoe"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import DEVICES, EXPERT_DTYPES
-from engine.generation_config import CPU_EXPERT_MODES, PREFETCH_POLICIES, SPEC_MODES, SpecConfig
+from engine.generation_config import CPU_EXPERT_MODES, PREFETCH_CHOICES, SPEC_CHOICES, SpecConfig
 from engine.offload.eviction import POLICIES
 
 MAX_DRAFT_LEN = SpecConfig().max_draft_len
@@ -89,11 +89,20 @@ FIELDS: dict[str, FieldInfo] = {
     "spec_mode": FieldInfo(
         "Speculative decoding",
         "Draft several tokens cheaply, verify them in one pass; replies stay the same.",
-        "off: one token per forward pass. draft: a small model with the same tokenizer drafts. self: the "
-        "model drafts with fewer experts per token (SS-MoE). substitute: low-bit copies of the experts, "
-        "resident on the GPU, draft (SubSpec). Verification is lossless in every mode.",
+        "auto: the model's own draft model where it has one (the demo does), else self. off: one token "
+        "per forward pass. draft: a small model with the same tokenizer drafts. self: the model drafts "
+        "with fewer experts per token (SS-MoE). substitute: low-bit copies of the experts, resident on "
+        "the GPU, draft (SubSpec). Verification is lossless in every mode.",
         "choice",
-        _choices(SPEC_MODES, {"none": "off", "self": "self (fewer experts)", "substitute": "substitute"}),
+        _choices(
+            SPEC_CHOICES,
+            {
+                "auto": "auto (the model's drafter)",
+                "none": "off",
+                "self": "self (fewer experts)",
+                "substitute": "substitute",
+            },
+        ),
     ),
     "draft_model": FieldInfo(
         "Draft model folder",
@@ -112,11 +121,16 @@ FIELDS: dict[str, FieldInfo] = {
     "prefetch": FieldInfo(
         "Expert prefetch",
         "Copy experts before they are needed; spmoe predicts them from the draft.",
-        "none: copy an expert when it is needed. next-layer: the next layer's router guesses ahead. "
+        "auto: spmoe while speculating, else none. none: copy an expert when it is needed. "
+        "next-layer: the next layer's router guesses ahead. "
         "hybrimoe: prefetch the next 3 layers by impact. spmoe: while the draft runs, predict the experts "
         "verification will need and copy them in the background, and during verification copy the next "
         "layer's likely experts while the current one finishes (SP-MoE; needs speculative decoding).",
-        "choice", _choices(PREFETCH_POLICIES, {"none": "none", "spmoe": "spmoe (from the draft)"}),
+        "choice",
+        _choices(
+            PREFETCH_CHOICES,
+            {"auto": "auto (spmoe when speculating)", "none": "none", "spmoe": "spmoe (from the draft)"},
+        ),
     ),
     "cutoff_layer": FieldInfo(
         "Prefetch cutoff layer",

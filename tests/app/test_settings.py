@@ -14,7 +14,7 @@ from app.settings.app_settings import needs_reload
 from app.settings.fields import FIELDS
 from app.settings.store import config_dir
 from engine.config import ExpertBudget
-from engine.generation_config import SPEC_MODES, SamplingConfig
+from engine.generation_config import SPEC_CHOICES, SamplingConfig
 from tests.screenshots import save_screenshot
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -25,7 +25,9 @@ def test_defaults_are_valid_and_match_the_engine():
     settings.validate()
     offload = settings.to_offload_config()
     assert offload.device == "auto" and offload.expert_budget.is_auto and offload.expert_dtype == "native"
-    assert settings.to_spec_config().mode == "none"
+    # the product's point is on by default: the engine resolves `auto` for the model loaded
+    assert settings.to_spec_config().mode == "auto" and settings.prefetch == "auto"
+    assert settings.generation_config(SamplingConfig(), 8).prefetch == "auto"
 
 
 @pytest.mark.parametrize(
@@ -63,9 +65,10 @@ def test_cross_field_rules_name_the_field_to_change(tmp_path):
         AppSettings(model_path=str(tmp_path), spec_mode="draft").validate()
     assert info.value.field == "draft_model"
     with pytest.raises(SettingsError) as info:
-        AppSettings(prefetch="spmoe").validate()
+        AppSettings(prefetch="spmoe", spec_mode="none").validate()
     assert info.value.field == "prefetch"
     AppSettings(prefetch="spmoe", spec_mode="self").validate()
+    AppSettings(prefetch="spmoe").validate()  # the default speculation (auto) drafts
 
 
 def test_folders_are_checked_only_when_asked(tmp_path):
@@ -144,7 +147,7 @@ def test_needs_reload_only_for_model_and_offload_fields():
 def test_fields_describe_every_setting_with_its_choices():
     assert list(FIELDS) == [f for f in FIELDS if hasattr(AppSettings(), f)]
     assert set(FIELDS) == set(AppSettings.__dataclass_fields__)
-    assert [v for v, _ in FIELDS["spec_mode"].choices] == list(SPEC_MODES)
+    assert [v for v, _ in FIELDS["spec_mode"].choices] == list(SPEC_CHOICES)
     assert all(info.title and info.summary and info.help for info in FIELDS.values())
 
 
@@ -201,7 +204,8 @@ def test_a_partial_file_keeps_what_is_valid(config_home, caplog, tmp_path):
     store = SettingsStore()
     with caplog.at_level(logging.WARNING, logger="app.settings"):
         settings = store.load()
-    assert settings == AppSettings(device="cpu", policy="mrs")  # draft_len and prefetch reset
+    # draft_len and prefetch reset; speculation stays off as stored (the default would be auto)
+    assert settings == AppSettings(device="cpu", policy="mrs", spec_mode="none")
     assert len(store.problems) == 3
     assert "'colour'" in caplog.text and "Draft length" in caplog.text and "Expert prefetch" in caplog.text
 
@@ -264,7 +268,8 @@ def test_invalid_input_is_shown_inline_and_the_dialog_stays_open(qtbot, tmp_path
 
 @pytest.mark.gui
 def test_dependent_fields_and_the_gpu_case(qtbot):
-    dialog = SettingsDialog(AppSettings(sim_link_gbps=8.0), gpu_available=True)
+    # speculation off (it is on by default), so the draft fields start disabled
+    dialog = SettingsDialog(AppSettings(sim_link_gbps=8.0, spec_mode="none"), gpu_available=True)
     qtbot.addWidget(dialog)
     editors = dialog._editors
     assert not editors["sim_link_gbps"].widget.isEnabled()
