@@ -15,6 +15,7 @@ Shift+Enter starts a new line) serves both the pane's input and a bubble's edito
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from PySide6.QtCore import QSize, Qt, QTimer, Signal
@@ -37,6 +38,20 @@ from app.storage import StoredMessage
 USER_INDENT_PX = 80  # user bubbles sit right, at least this far from the left edge
 REPLY_MARGIN_PX = 4
 _ENDINGS = {"cancelled": "stopped", "length": "token limit reached", "interrupted": "interrupted"}
+_LONG_RUN = re.compile(r"\S{25,}")  # a "word" this long (a URL, a hash) would widen the whole page
+BREAK_EVERY = 16
+ZWSP = "\u200b"  # a zero-width space: where Qt may break a line
+
+
+def breakable(text: str) -> str:
+    """`text` with a line-break chance every `BREAK_EVERY` characters of a very long word, so a
+    label wraps it in a narrow column instead of growing past it (QLabel wraps at spaces only)."""
+
+    def split(match: re.Match) -> str:
+        run = match.group(0)
+        return ZWSP.join(run[i : i + BREAK_EVERY] for i in range(0, len(run), BREAK_EVERY))
+
+    return _LONG_RUN.sub(split, text)
 
 
 def stats_line(stats: dict | None) -> str:
@@ -105,7 +120,20 @@ def dim(label: QLabel, scale: float = 1.0) -> QLabel:
 
 
 class _PlainLabel(QLabel):
-    """Word-wrapped plain text that asks for its natural width (QLabel's own guess is narrow)."""
+    """Word-wrapped plain text that asks for its natural width (QLabel's own guess is narrow) and
+    wraps a very long word too (`breakable`); `text()` is the text as given."""
+
+    def __init__(self, text: str, **kwargs):
+        super().__init__(**kwargs)
+        self._plain = ""
+        self.setText(text)
+
+    def setText(self, text: str) -> None:
+        self._plain = text
+        super().setText(breakable(text))
+
+    def text(self) -> str:
+        return self._plain
 
     def sizeHint(self) -> QSize:
         hint = super().sizeHint()
@@ -166,14 +194,14 @@ class ReplyBubble(QFrame):
         self.body = QVBoxLayout()
         self.body.setSpacing(8)  # about what Qt puts between paragraphs within one label
         self.error: QLabel | None = None  # made by fail(): most replies never need one
-        self.stats = dim(QLabel(objectName="statsLine"), 0.85)
+        self.stats = dim(QLabel(objectName="statsLine", wordWrap=True), 0.85)  # wraps in a narrow column
         self.stats.setText(stats_line(message.stats if message else None))
         self.copy_button = _tool_button("Copy", "copyButton", self.copy)
         self.regenerate_button = _tool_button("Regenerate", "regenerateButton", on_regenerate)
         footer = QHBoxLayout()
-        for widget in (self.stats, self.copy_button, self.regenerate_button):
-            footer.addWidget(widget)
-        footer.insertStretch(1)
+        footer.addWidget(self.stats, 1)  # takes the width the buttons leave, wrapping only past it
+        footer.addWidget(self.copy_button, 0, Qt.AlignmentFlag.AlignTop)
+        footer.addWidget(self.regenerate_button, 0, Qt.AlignmentFlag.AlignTop)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(REPLY_MARGIN_PX, 4, REPLY_MARGIN_PX, 0)
         layout.setSpacing(2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from PySide6.QtCore import QSize
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -28,6 +29,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.gui.window_state import available_geometry, fit_to_screen
 from engine.errors import InvalidRequestError
 from engine.generation_config import SamplingConfig
 
@@ -149,7 +151,7 @@ class ChatSettingsDialog(QDialog):
         layout.addLayout(grid)
         layout.addWidget(self.error)
         layout.addWidget(self.buttons)
-        self.resize(640, self.sizeHint().height())
+        fit_to_screen(self, QSize(640, self.sizeHint().height()), available_geometry(self.parentWidget()))
 
     def _load(self, settings: dict) -> None:
         defaults = default_settings()

@@ -162,6 +162,8 @@ class ConversationList(QWidget):
         self.delete_button.clicked.connect(lambda: self.delete(self._current))
         buttons = QHBoxLayout()
         for button in (self.new_button, self.rename_button, self.delete_button):
+            # As narrow as the text allows (a style's usual ~80 px minimum would widen a narrow list).
+            button.setMinimumWidth(button.fontMetrics().horizontalAdvance(button.text()) + 20)
             buttons.addWidget(button)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)

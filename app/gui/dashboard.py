@@ -1,231 +1,141 @@
 """The live dashboard: the worker's telemetry as numbers and one-minute sparklines.
 
-`Dashboard.update_stats(stats)` takes each `engine.worker.protocol.Stats` event (about
-4 Hz while generating, 1 Hz idle) and `set_model(info)` the `Loaded` event's
-model dict (None: no model). A figure the worker does not know (no GPU, no
-NVML, no model, no speculation) is None in `Stats` and reads "n/a" here; the
-dashboard never makes a number up. Whenever the worker reports a simulated
-host→device link, a label says so plainly, because every transfer figure is
-then a simulation.
+Inputs, all from the window: `set_state(state, line)` (the `EngineState` and the
+same line the status bar shows), `set_model(info)` (the `Loaded` event's dict,
+None: no model), `set_decoding(spec, prefetch)` (the modes the next reply runs
+with), `update_stats(stats)` (each `Stats` event, ~4 Hz generating, 1 Hz idle)
+and `reply_ended(stats)` (the `Finished` event's stats; None when the reply did
+not finish).
 
-Repaints are cheap and never re-layout: every text that changes with the data
-is a `StatText` (a painted line whose size does not depend on its text), the
-cache occupancy is a painted bar, and the sparklines coalesce their repaints.
-Only the simulated-link label is shown or hidden, and only when that changes.
-Metric names and meanings follow DESIGN.md "Metric definitions".
+Between replies the reply's figures stay, greyed and labelled "last reply",
+instead of blanking to n/a the moment a reply ends; memory and the cache stay
+live. A figure that does not apply says why ("speculation off", "prefetch off",
+"no cutoff") rather than 0 % or -1; a figure the worker does not know is "n/a";
+the dashboard never makes a number up. Whenever the link is simulated, a note
+says so in the words every other place uses (`engine_state.SIMULATED_LINK_NOTE`).
+
+Repaints are cheap and never re-layout (see `dashboard_parts`); the tiles
+re-flow into fewer columns only when the dashboard gets narrow.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QRectF, QSize, Qt
-from PySide6.QtGui import QPainter, QPaintEvent, QPalette
-from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtGui import QResizeEvent
+from PySide6.QtWidgets import QGridLayout, QLabel, QVBoxLayout, QWidget
 
-from app.gui.sparkline import Sparkline
+from app.gui.dashboard_parts import (
+    GIB,
+    NA,
+    TILES,
+    MetricTile,
+    OccupancyBar,
+    StatText,
+    fmt_gbps,
+    fmt_gib,
+    fmt_number,
+    fmt_percent,
+    fmt_used_total,
+    model_summary,
+)
+from app.gui.engine_state import SIMULATED_LINK_NOTE, EngineState
 from engine.config import format_bytes
 from engine.worker.protocol import Stats
 
+__all__ = [
+    "NA",
+    "SIMULATED_TEXT",
+    "Dashboard",
+    "fmt_gbps",
+    "fmt_used_total",
+    "model_summary",
+    "reply_figures",
+]
+
 log = logging.getLogger(__name__)
 
-NA = "n/a"
-GIB = 1024**3
-SIMULATED_TEXT = "SIMULATED LINK — no GPU: transfer figures are simulated"
+SIMULATED_TEXT = SIMULATED_LINK_NOTE
+TILE_MIN_WIDTH = 135  # below this per column the tiles re-flow into fewer columns
+REPLY_TILES = ("link", "hit_rate", "tokens_per_s", "tpot", "accept_len", "prefetch", "cutoff")
+_NOTES = {  # the line under the title when no model is loaded, by state
+    EngineState.STARTING: "Figures appear once a model is loaded.",
+    EngineState.LOADING: "Figures appear once the model is loaded.",
+    EngineState.NO_MODEL: "Load a model to see live figures.",
+    EngineState.CRASHED: "The engine process ended; the figures below are the last seen.",
+    EngineState.RESTARTING: "A new engine process starts; the model is loaded again.",
+}
+_TITLES = {  # the dashboard's title when no model is loaded, by state
+    EngineState.STARTING: "Starting the engine…",
+    EngineState.LOADING: "Loading a model…",
+    EngineState.NO_MODEL: "No model loaded",
+    EngineState.CRASHED: "The engine stopped",
+    EngineState.RESTARTING: "Restarting the engine…",
+}
 
 
-# ---- formatting (pure) ---------------------------------------------------------------------------
+def reply_figures(f: dict[str, Any], live: bool, moe_layers: int | None = None) -> dict[str, tuple[str, str]]:
+    """The reply tiles' (value, detail) from a reply's figures: a live `Stats` as a dict, or the
+    last reply's `GenerationStats` dict (then every detail starts "last reply"). `spec` /
+    `prefetch` None: the mode is not known, so the figures are shown as they are."""
+
+    def tag(*parts: str) -> str:
+        return " · ".join(p for p in (() if live else ("last reply",)) + parts if p)
+
+    link = []
+    if f.get("pcie_rx_gbps") is not None:
+        link.append(f"NVML PCIe rx {fmt_gbps(f['pcie_rx_gbps'])}")
+    elif f.get("simulated_link"):
+        link.append("counted on the simulated link")
+    if f.get("h2d_bytes") is not None:
+        link.append(f"{format_bytes(f['h2d_bytes'])} copied")
+    hits = f"{f['hits']:,} hits / {f['misses']:,} misses" if f.get("hits") or f.get("misses") else ""
+    cumulative = f"cumulative {fmt_percent(f.get('hit_rate_total'))}" if live else ""
+    tokens = f"{'generating' if live else 'last reply'} · {f.get('generated_tokens') or 0:,} tokens"
+    out = {
+        "link": (fmt_gbps(f.get("h2d_gbps")), tag(*link)),
+        "hit_rate": (fmt_percent(f.get("hit_rate")), tag(cumulative, hits)),
+        "tokens_per_s": (fmt_number(f.get("tokens_per_s"), "tok/s"), tokens),
+        "tpot": (fmt_number(f.get("tpot_ms"), "ms"), tag("decode time per token")),
+    }
+    spec, prefetch = f.get("spec"), f.get("prefetch")
+    if spec == "none":
+        out["accept_len"] = ("off", "speculation off")
+    else:
+        accept = fmt_number(f.get("accept_len"), "tokens", 2)
+        out["accept_len"] = (accept, tag("per verify step, bonus included"))
+    if prefetch == "none":
+        out["prefetch"] = ("off", "prefetch off")
+    else:
+        recall = f"{fmt_percent(f.get('prefetch_precision'))} / {fmt_percent(f.get('prefetch_recall'))}"
+        out["prefetch"] = (recall, tag("precision / recall"))
+    out["cutoff"] = _cutoff(f.get("cutoff_layer"), prefetch, moe_layers, tag)
+    return out
 
 
-def fmt_gib(nbytes: int | None) -> str:
-    return NA if nbytes is None else f"{nbytes / GIB:.1f} GiB"
+def _cutoff(cutoff: int | None, prefetch: str | None, moe_layers: int | None, tag) -> tuple[str, str]:
+    if prefetch == "none":
+        return "no cutoff", "prefetch off"
+    if prefetch is not None and prefetch != "spmoe":
+        return "no cutoff", f"spmoe prefetch only ({prefetch} now)"
+    if cutoff is None or cutoff < 0:
+        return "no cutoff", "nothing prefetched from the draft"
+    of = f" of 0–{moe_layers - 1}" if isinstance(moe_layers, int) and moe_layers > 0 else ""
+    return str(cutoff), tag(f"last MoE layer prefetched{of}")
 
 
-def fmt_used_total(used: int | None, total: int | None) -> str:
-    """'12.3 / 24.0 GiB'; 'n/a' when the used figure is unknown."""
-    if used is None:
-        return NA
-    if total is None:
-        return fmt_gib(used)
-    return f"{used / GIB:.1f} / {total / GIB:.1f} GiB"
-
-
-def fmt_gbps(gbps: float | None) -> str:
-    if gbps is None:
-        return NA
-    return f"{gbps:.2f} GB/s" if gbps < 10 else f"{gbps:.1f} GB/s"
-
-
-def fmt_percent(fraction: float | None) -> str:
-    return NA if fraction is None else f"{fraction * 100:.1f} %"
-
-
-def fmt_number(value: float | None, unit: str = "", digits: int = 1) -> str:
-    if value is None:
-        return NA
-    return f"{value:.{digits}f}{' ' + unit if unit else ''}"
-
-
-def model_summary(info: dict[str, Any]) -> str:
-    """One line about the loaded model from the Loaded event's dict; parts it lacks are left out."""
-    parts = []
-    if info.get("model_type"):
-        parts.append(str(info["model_type"]))
-    if info.get("moe_layers") is not None and info.get("num_experts") is not None:
-        top_k = f" (top-{info['top_k']})" if info.get("top_k") is not None else ""
-        parts.append(f"{info['moe_layers']} MoE layers × {info['num_experts']} experts{top_k}")
-    if info.get("cache_slots") is not None:
-        parts.append(f"{info['cache_slots']} cache slots")
-    if info.get("device"):
-        parts.append(str(info["device"]))
-    if info.get("expert_dtype"):
-        parts.append(f"experts {info['expert_dtype']}")
-    return " · ".join(parts)
-
-
-# ---- painted pieces --------------------------------------------------------------------------------
-
-
-class StatText(QWidget):
-    """One line of text, elided to fit; setting it repaints but never changes the widget's size."""
-
-    def __init__(
-        self, parent: QWidget | None = None, scale: float = 1.0, bold: bool = False, muted: bool = False
-    ):
-        super().__init__(parent)
-        font = self.font()
-        font.setPointSizeF(font.pointSizeF() * scale)
-        font.setBold(bold)
-        self.setFont(font)
-        self._text = ""
-        self._muted = muted
-        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
-        self.setFixedHeight(self.fontMetrics().height() + 2)
-
-    def sizeHint(self) -> QSize:
-        return QSize(self.fontMetrics().horizontalAdvance("0" * 16), self.height())
-
-    def minimumSizeHint(self) -> QSize:
-        return QSize(self.fontMetrics().horizontalAdvance("0" * 6), self.height())
-
-    def text(self) -> str:
-        return self._text
-
-    def setText(self, text: str) -> None:
-        if text != self._text:
-            self._text = text
-            self.update()
-
-    def paintEvent(self, event: QPaintEvent) -> None:
-        painter = QPainter(self)
-        role = QPalette.ColorRole.PlaceholderText if self._muted else QPalette.ColorRole.WindowText
-        painter.setPen(self.palette().color(role))
-        shown = self.fontMetrics().elidedText(self._text, Qt.TextElideMode.ElideRight, self.width())
-        painter.drawText(self.rect(), int(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter), shown)
-        painter.end()
-
-
-class OccupancyBar(QWidget):
-    """Expert cache slots used out of the total, as a filled bar with the figures on it."""
-
-    def __init__(self, parent: QWidget | None = None):
-        super().__init__(parent)
-        self._used: int | None = None
-        self._total: int | None = None
-        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
-        self.setFixedHeight(self.fontMetrics().height() + 8)
-
-    def sizeHint(self) -> QSize:
-        return QSize(200, self.height())
-
-    def set_slots(self, used: int | None, total: int | None) -> None:
-        if (used, total) != (self._used, self._total):
-            self._used, self._total = used, total
-            self.update()
-
-    def text(self) -> str:
-        if self._used is None or not self._total:
-            return NA
-        return f"{self._used} / {self._total} slots · {self._used / self._total * 100:.0f} %"
-
-    def paintEvent(self, event: QPaintEvent) -> None:
-        painter = QPainter(self)
-        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
-        palette = self.palette()
-        outline = QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5)
-        painter.setPen(palette.color(QPalette.ColorRole.Mid))
-        painter.setBrush(palette.color(QPalette.ColorRole.Base))
-        painter.drawRoundedRect(outline, 3, 3)
-        if self._used is not None and self._total:
-            fill = QRectF(outline)
-            fill.setWidth(outline.width() * min(self._used / self._total, 1.0))
-            painter.setPen(Qt.PenStyle.NoPen)
-            color = palette.color(QPalette.ColorRole.Highlight)
-            color.setAlpha(110)
-            painter.setBrush(color)
-            painter.drawRoundedRect(fill, 3, 3)
-        painter.setPen(palette.color(QPalette.ColorRole.Text))
-        painter.drawText(self.rect(), int(Qt.AlignmentFlag.AlignCenter), self.text())
-        painter.end()
-
-
-class MetricTile(QFrame):
-    """A titled figure: the value, a detail line under it and, optionally, its sparkline."""
-
-    def __init__(self, title: str, tooltip: str, fixed_max: float | None = None, plot: bool = True):
-        super().__init__()
-        self.setFrameShape(QFrame.Shape.StyledPanel)
-        self.setToolTip(tooltip)
-        self.title = StatText(self, scale=0.9, muted=True)
-        self.title.setText(title)
-        self.value = StatText(self, scale=1.35, bold=True)
-        self.detail = StatText(self, scale=0.9, muted=True)
-        self.sparkline = Sparkline(self, fixed_max=fixed_max) if plot else None
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(8, 6, 8, 6)
-        layout.setSpacing(2)
-        for widget in (self.title, self.value, self.detail, self.sparkline):
-            if widget is not None:
-                layout.addWidget(widget)
-        layout.addStretch(1)  # a tile without a plot keeps its lines together at the top
-
-    def show_figures(self, value: str, detail: str = "") -> None:
-        self.value.setText(value)
-        self.detail.setText(detail)
-
-
-@dataclass(frozen=True)
-class _TileSpec:
-    key: str
-    title: str
-    tooltip: str
-    fixed_max: float | None = None
-    plot: bool = True
-
-
-TILES = (
-    _TileSpec("vram", "VRAM", "Device memory used / total: NVML for the whole GPU; torch's allocator "
-              "(this app's engine) beside it. n/a without a GPU or NVML."),
-    _TileSpec("link", "Host → device", "h2d_gbps: bytes the engine copied host→device / wall time over the "
-              "last interval (counted exactly). NVML's sampled PCIe receive rate beside it when known."),
-    _TileSpec("hit_rate", "Expert hit rate", "Expert uses served from the device cache / all expert uses, "
-              "over the last interval; cumulative since the model was loaded below.", fixed_max=1.0),
-    _TileSpec("tokens_per_s", "Tokens/s", "1000 / TPOT over the last interval (decode only)."),
-    _TileSpec("tpot", "Time per output token", "tpot_ms: decode wall time / generated tokens of the "
-              "current reply (prefill excluded)."),
-    _TileSpec("accept_len", "Acceptance length", "accept_len: mean tokens emitted per verify step, "
-              "including the bonus token. Speculative decoding only."),
-    _TileSpec("prefetch", "Prefetch precision / recall", "precision: prefetched experts used before "
-              "eviction / prefetched. recall: verify-phase uses that were prefetched / verify-phase uses. "
-              "The plot shows recall.", fixed_max=1.0),
-    _TileSpec("cutoff", "Cutoff layer", "SP-MoE: the last MoE layer (0-based) whose experts are "
-              "prefetched while the draft runs.", plot=False),
-    _TileSpec("host_ram", "Host RAM", "This machine's RAM used / total; the engine process's resident "
-              "size below."),
-)  # fmt: skip
+def _live_figures(s: Stats, mode: dict[str, str | None]) -> dict[str, Any]:
+    return {
+        "h2d_gbps": s.h2d_gbps, "h2d_bytes": s.h2d_bytes, "pcie_rx_gbps": s.pcie_rx_gbps,
+        "hit_rate": s.hit_rate, "hit_rate_total": s.hit_rate_total, "hits": s.hits, "misses": s.misses,
+        "tokens_per_s": s.tokens_per_s, "tpot_ms": s.tpot_ms, "generated_tokens": s.generated_tokens,
+        "accept_len": s.accept_len, "prefetch_precision": s.prefetch_precision,
+        "prefetch_recall": s.prefetch_recall, "cutoff_layer": s.cutoff_layer,
+        "simulated_link": s.simulated_link,
+        "spec": s.extra.get("spec", mode["spec"]), "prefetch": s.extra.get("prefetch", mode["prefetch"]),
+    }  # fmt: skip
 
 
 class Dashboard(QWidget):
@@ -233,8 +143,15 @@ class Dashboard(QWidget):
 
     def __init__(self, parent: QWidget | None = None, columns: int = 3):
         super().__init__(parent)
+        self.state = EngineState.STARTING
         self._model: dict[str, Any] | None = None
+        self._mode: dict[str, str | None] = {"spec": None, "prefetch": None}  # None: not known
+        self._live: dict[str, Any] | None = None  # the reply streaming now, as last seen
+        self._last_reply: dict[str, Any] | None = None
+        self._reply_model: str | None = None  # the path of the model the last reply came from
         self._last_time: float | None = None
+        self._max_columns = columns
+        self._columns = 0
         self.title = StatText(self, scale=1.1, bold=True)
         self.summary = StatText(self, muted=True)
         self.status = StatText(self, muted=True)
@@ -265,18 +182,46 @@ class Dashboard(QWidget):
         layout.setSpacing(6)
         for widget in (self.title, self.summary, self.status, self.simulated_label):
             layout.addWidget(widget)
-        grid = QGridLayout()
-        grid.setSpacing(6)
-        for index, tile in enumerate(self.tiles.values()):
-            grid.addWidget(tile, index // columns, index % columns)
-        for column in range(columns):
-            grid.setColumnStretch(column, 1)
-        layout.addLayout(grid)
+        self._grid = QGridLayout()
+        self._grid.setSpacing(6)
+        self._reflow(columns)
+        layout.addLayout(self._grid)
         layout.addWidget(self.cache_title)
         layout.addWidget(self.cache_bar)
         layout.addStretch(1)
 
+    def _reflow(self, columns: int) -> None:
+        """Lay the tiles out in `columns` columns (only when that number changes)."""
+        if columns == self._columns:
+            return
+        for tile in self.tiles.values():
+            self._grid.removeWidget(tile)
+        for index, tile in enumerate(self.tiles.values()):
+            self._grid.addWidget(tile, index // columns, index % columns)
+        for column in range(max(columns, self._columns)):
+            self._grid.setColumnStretch(column, 1 if column < columns else 0)
+        self._columns = columns
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        fit = max(1, (event.size().width() - 16) // TILE_MIN_WIDTH)
+        self._reflow(min(self._max_columns, fit))
+        super().resizeEvent(event)
+
     # -- inputs ---------------------------------------------------------------------------------
+
+    def set_state(self, state: EngineState, line: str) -> None:
+        """The engine's state and the line the status bar shows for it."""
+        self.state = state
+        self.status.setText(line)
+        self.status.setToolTip(line)
+        self._show_title()
+        stopped = state in (EngineState.CRASHED, EngineState.RESTARTING)
+        for key in ("vram", "host_ram"):
+            self.tiles[key].value.set_muted(stopped)
+        if not state.has_model and self._live is not None:
+            self.reply_ended(None)  # the engine stopped mid-reply: what was seen of it stays
+        else:
+            self._show_reply()
 
     def set_model(self, info: dict[str, Any] | None) -> None:
         """The loaded model (the `Loaded` event's dict), or None when no model is loaded."""
@@ -284,16 +229,35 @@ class Dashboard(QWidget):
         for tile in self.tiles.values():
             if tile.sparkline is not None:
                 tile.sparkline.clear()
+        if info is not None and info.get("path") != self._reply_model:
+            self._last_reply = None  # another model: the last reply's figures were not its
+            self._reply_model = info.get("path")
+        if info is not None and not self.state.has_model:
+            self.state = EngineState.IDLE
+        self._show_title()
+        self._set_simulated(bool(info and info.get("simulated_link")))
         if info is None:
-            self.title.setText("No model loaded")
-            self.summary.setText("Load a model to see live figures.")
-            self.status.setText("idle")
-            self._set_simulated(False)
             self._show_empty()
-            return
-        self.title.setText(info.get("name") or Path(str(info.get("path") or "model")).name)
-        self.summary.setText(model_summary(info))
-        self._set_simulated(bool(info.get("simulated_link")))
+        self._show_reply()  # the last reply's figures stay while another model (or the same) loads
+
+    def set_decoding(self, spec: str | None, prefetch: str | None) -> None:
+        """The speculation and prefetch modes replies run with now (None or "auto": not known)."""
+        known = {"spec": spec, "prefetch": prefetch}
+        # "auto": the engine picks per model; the reply's own figures will say what it chose
+        self._mode = {key: None if value == "auto" else value for key, value in known.items()}
+        if self._live is None:
+            self._show_reply()
+
+    def reply_ended(self, stats: dict[str, Any] | None) -> None:
+        """A reply ended: its figures (a `GenerationStats` dict) stay as "last reply"; None (no
+        `Finished`, e.g. a crash) keeps what was last seen of it."""
+        seen, self._live = self._live, None
+        if stats is not None:
+            self._last_reply = {"cutoff_layer": (seen or {}).get("cutoff_layer"), **stats}
+        elif seen is not None:  # its interval rates stand; the counts since the load were not its own
+            cumulative = ("h2d_bytes", "hits", "misses", "hit_rate_total")
+            self._last_reply = {key: value for key, value in seen.items() if key not in cumulative}
+        self._show_reply()
 
     def update_stats(self, stats: Stats) -> None:
         """Show one telemetry sample; cheap enough for every `Stats` event (no re-layout)."""
@@ -302,17 +266,62 @@ class Dashboard(QWidget):
                 if tile.sparkline is not None:
                     tile.sparkline.clear()
         self._last_time = stats.time_s
-        self._set_simulated(stats.simulated_link is True)
-        if self._model is not None:
-            self.status.setText("generating" if stats.generating else "idle")
+        if stats.simulated_link is not None:
+            self._set_simulated(stats.simulated_link)
         self._show_memory(stats)
-        self._show_link(stats)
-        self._show_hits(stats)
-        self._show_speed(stats)
-        self._show_speculation(stats)
         self.cache_bar.set_slots(stats.cache_slots_used, stats.cache_slots_total)
+        self.tiles["link"].title.setText(
+            "Host → device (simulated)" if stats.simulated_link else "Host → device"
+        )
+        if stats.generating and self._model is not None and self.state.has_model:
+            self._live = _live_figures(stats, self._mode)
+            self._show_reply()
+            self._plot_reply(stats)
+        elif self._live is not None and not stats.generating:
+            self.reply_ended(None)  # the engine is idle although no reply end was heard
 
-    # -- one group of figures each ----------------------------------------------------------------
+    # -- showing --------------------------------------------------------------------------------
+
+    def _show_title(self) -> None:
+        """The title and the line under it: the model, or what the engine is doing without one."""
+        if self._model is not None and self.state.has_model:
+            self.title.setText(self._model.get("name") or Path(str(self._model.get("path") or "model")).name)
+            self.summary.setText(model_summary(self._model))
+        else:
+            self.title.setText(_TITLES.get(self.state, "No model loaded"))
+            self.summary.setText(_NOTES.get(self.state, "Load a model to see live figures."))
+        self.summary.setToolTip(self.summary.text())
+
+    def _show_reply(self) -> None:
+        """The reply tiles: live while a reply streams, else the last reply's, greyed."""
+        if self._model is None and self._last_reply is None:
+            return
+        live = self._live is not None
+        figures = self._live if live else self._last_reply
+        moe_layers = (self._model or {}).get("moe_layers")
+        merged = {**self._mode, **(figures or {})}
+        applies = {  # a tile that does not apply says why even before the first reply
+            "accept_len": merged["spec"] != "none",
+            "prefetch": merged["prefetch"] != "none",
+            "cutoff": merged["prefetch"] in (None, "spmoe"),
+        }
+        for key, (value, detail) in reply_figures(merged, live, moe_layers).items():
+            if figures is None and applies.get(key, True):
+                value, detail = NA, "no reply yet"
+            self.tiles[key].show_figures(value, detail, muted=not live)
+
+    def _plot_reply(self, s: Stats) -> None:
+        spec_off = self._live["spec"] == "none"
+        prefetch_off = self._live["prefetch"] == "none"
+        for key, value in (
+            ("link", s.h2d_gbps),
+            ("hit_rate", s.hit_rate),
+            ("tokens_per_s", s.tokens_per_s),
+            ("tpot", s.tpot_ms),
+            ("accept_len", None if spec_off else s.accept_len),
+            ("prefetch", None if prefetch_off else s.prefetch_recall),
+        ):  # fmt: skip  (a mode that is off plots nothing, not a line at 0)
+            self.tiles[key].sparkline.add(s.time_s, value)
 
     def _show_memory(self, s: Stats) -> None:
         torch_part = f"torch allocator {fmt_gib(s.torch_allocated_bytes)}"
@@ -330,53 +339,9 @@ class Dashboard(QWidget):
         ram.sparkline.fixed_max = s.host_ram_total_bytes / GIB if s.host_ram_total_bytes else None
         ram.sparkline.add(s.time_s, _gib_or_none(s.host_ram_used_bytes))
 
-    def _show_link(self, s: Stats) -> None:
-        link = self.tiles["link"]
-        link.title.setText("Host → device (simulated)" if s.simulated_link else "Host → device")
-        parts = []
-        if s.pcie_rx_gbps is not None:
-            parts.append(f"NVML PCIe rx {fmt_gbps(s.pcie_rx_gbps)}")
-        elif s.simulated_link:
-            parts.append("counted on the simulated link")
-        if s.simulated_link is not None:
-            parts.append(f"{format_bytes(s.h2d_bytes)} copied")
-        link.show_figures(fmt_gbps(s.h2d_gbps), " · ".join(parts))
-        link.sparkline.add(s.time_s, s.h2d_gbps)
-
-    def _show_hits(self, s: Stats) -> None:
-        tile = self.tiles["hit_rate"]
-        detail = f"cumulative {fmt_percent(s.hit_rate_total)}"
-        if s.hits or s.misses:
-            detail += f" · {s.hits:,} hits / {s.misses:,} misses"
-        tile.show_figures(fmt_percent(s.hit_rate), detail)
-        tile.sparkline.add(s.time_s, s.hit_rate)
-
-    def _show_speed(self, s: Stats) -> None:
-        state = "generating" if s.generating else "idle"
-        tokens = self.tiles["tokens_per_s"]
-        tokens.show_figures(fmt_number(s.tokens_per_s, "tok/s"), f"{state} · {s.generated_tokens:,} tokens")
-        tokens.sparkline.add(s.time_s, s.tokens_per_s)
-        tpot = self.tiles["tpot"]
-        tpot.show_figures(fmt_number(s.tpot_ms, "ms"), "decode time per token")
-        tpot.sparkline.add(s.time_s, s.tpot_ms)
-
-    def _show_speculation(self, s: Stats) -> None:
-        accept = self.tiles["accept_len"]
-        accept.show_figures(fmt_number(s.accept_len, "tokens", 2), "per verify step, bonus included")
-        accept.sparkline.add(s.time_s, s.accept_len)
-        prefetch = self.tiles["prefetch"]
-        prefetch.show_figures(
-            f"{fmt_percent(s.prefetch_precision)} / {fmt_percent(s.prefetch_recall)}", "precision / recall"
-        )
-        prefetch.sparkline.add(s.time_s, s.prefetch_recall)
-        moe_layers = (self._model or {}).get("moe_layers")
-        of = f" of 0–{moe_layers - 1}" if isinstance(moe_layers, int) and moe_layers > 0 else ""
-        detail = f"last MoE layer prefetched{of}" if s.cutoff_layer is not None else "no SP-MoE prefetch"
-        self.tiles["cutoff"].show_figures(fmt_number(s.cutoff_layer, digits=0), detail)
-
     def _show_empty(self) -> None:
-        for tile in self.tiles.values():
-            tile.show_figures(NA)
+        for key, tile in self.tiles.items():
+            tile.show_figures(NA, "no model loaded" if key in REPLY_TILES else "", muted=key in REPLY_TILES)
         self.tiles["link"].title.setText("Host → device")
         self.cache_bar.set_slots(None, None)
 

@@ -15,9 +15,9 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QSize, Qt, QTimer
 from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import QDockWidget, QLabel, QMainWindow, QSplitter, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QDockWidget, QLabel, QMainWindow, QScrollArea, QSplitter, QVBoxLayout, QWidget
 
 from app.gui.banner import BannerArea
 from app.gui.chat_session import ChatSession, FinishReason, Reply
@@ -26,12 +26,16 @@ from app.gui.chat_view import ChatView
 from app.gui.conversation_list import ConversationList
 from app.gui.dashboard import Dashboard
 from app.gui.engine_client import ConnectionState, EngineClient
+from app.gui.engine_state import SIMULATED_LINK, EngineState, state_line
 from app.gui.settings_dialog import SettingsDialog
+from app.gui.window_state import WindowMemory, available_geometry, fit_to_screen
 from app.settings import AppSettings, SettingsStore
-from app.storage import ConversationStore
+from app.storage import ConversationStore, title_from
 from engine.worker.protocol import Stats
 
 log = logging.getLogger(__name__)
+
+FIRST_SIZE = QSize(1280, 800)  # the window's size on a first start, shrunk to fit a smaller screen
 
 
 class MainWindow(QMainWindow):
@@ -43,7 +47,6 @@ class MainWindow(QMainWindow):
     ):
         super().__init__()
         self.setWindowTitle("MoE Chat")
-        self.resize(1280, 800)
         self.store = store or ConversationStore()
         self.settings_store = settings_store or SettingsStore()
         self.settings: AppSettings = self.settings_store.load()
@@ -52,18 +55,25 @@ class MainWindow(QMainWindow):
         self._load_id: str | None = None
         self.downloads = None  # app.gui.downloads.DownloadManager, made when the model picker first opens
         self.latest_stats: Stats | None = None
+        self.state = EngineState.STARTING
 
         self.banners = BannerArea(self)
         self.conversations = ConversationList(self.store, self)
         self.chat_view = ChatView(self)
         self.dashboard = Dashboard(self, columns=2)
+        # Before the session's own slot: the first message must still be stored to retitle the chat.
+        self.chat_view.sig_edit_resend.connect(self._retitle_on_edit)
         self.session = ChatSession(self.store, self.client, self.chat_view, lambda: self.settings)
         self._build_layout()
         self._build_menus()
         self._connect()
         self.conversations.refresh()
         self._open_latest_conversation()
-        self._show_engine_state("Starting the engine…")
+        self.memory = WindowMemory(self.settings_store.path.parent)
+        if not self.memory.restore(self, {"main": self.splitter}, available_geometry(self)):
+            self._first_start_geometry()
+        self._set_state(EngineState.STARTING)
+        self.dashboard.set_decoding(self.settings.spec_mode, self.settings.prefetch)
         if self.settings_store.problems:  # a damaged settings file: what fell back to defaults
             text = "Some settings were reset: " + " ".join(self.settings_store.problems)
             self.banners.show_banner(text, "warning", [("Settings…", self.open_settings)], key="settings")
@@ -80,16 +90,27 @@ class MainWindow(QMainWindow):
         splitter.addWidget(self.conversations)
         splitter.addWidget(center)
         splitter.setStretchFactor(1, 1)
-        splitter.setSizes([260, 1020])
+        splitter.setChildrenCollapsible(False)
         self.setCentralWidget(splitter)
+        self.splitter = splitter
+        scroll = QScrollArea(self, widgetResizable=True, frameShape=QScrollArea.Shape.NoFrame)
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        scroll.setWidget(self.dashboard)  # scrolls rather than making the window taller than the screen
         dock = QDockWidget("Dashboard", self)
         dock.setObjectName("dashboard")
-        dock.setWidget(self.dashboard)
+        dock.setWidget(scroll)
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
-        self.resizeDocks([dock], [420], Qt.Orientation.Horizontal)
         self.dashboard_dock = dock
         self.engine_label = QLabel(self)
         self.statusBar().addPermanentWidget(self.engine_label)
+
+    def _first_start_geometry(self) -> None:
+        """1280×800, or the screen's free area where that is smaller; narrower side panes there."""
+        fit_to_screen(self, FIRST_SIZE, available_geometry(self))
+        width = self.width()
+        self.splitter.setSizes([min(260, width // 5), width])
+        dock_width = max(280, min(420, width * 3 // 10))
+        self.resizeDocks([self.dashboard_dock], [dock_width], Qt.Orientation.Horizontal)
 
     def _build_menus(self) -> None:
         file_menu = self.menuBar().addMenu("&File")
@@ -124,6 +145,12 @@ class MainWindow(QMainWindow):
         c.sig_error.connect(self._on_error)
         c.sig_worker_died.connect(self._on_worker_died)
         self.session.sig_reply_ended.connect(self._on_reply_ended)
+        for started in (
+            self.chat_view.sig_send,
+            self.chat_view.sig_regenerate,
+            self.chat_view.sig_edit_resend,
+        ):
+            started.connect(self._on_reply_started)  # after the session's slots: it is busy by now
         self.conversations.sig_selected.connect(self._on_conversation_selected)
         self.conversations.sig_new_requested.connect(self.new_conversation)
         self.conversations.sig_deleted.connect(self._on_conversation_deleted)
@@ -138,21 +165,28 @@ class MainWindow(QMainWindow):
 
     def load_model(self) -> None:
         self.model_info = None
+        self.dashboard.set_model(None)  # never the old model's name while another one loads
+        self.dashboard.set_decoding(self.settings.spec_mode, self.settings.prefetch)
         self.chat_view.set_input_enabled(False, "Loading the model…")
         self._load_id = self.client.load_model(self.settings.model_path, self.settings.to_offload_config())
+        if self.state not in (EngineState.STARTING, EngineState.RESTARTING):  # those wait for Ready
+            self._set_state(EngineState.LOADING)
 
     def restart_engine(self) -> None:
         self.session.abandon_reply("The engine was restarted.")
+        self._set_state(EngineState.RESTARTING)
         self.client.restart()
         self.load_model()
 
     def _on_ready(self, ready) -> None:
         device = ready.device
-        self._show_engine_state(f"Engine ready on {device.kind.upper()} ({device.name})")
+        log.info("Engine ready on %s (%s)", device.kind.upper(), device.name)
+        if self.state in (EngineState.STARTING, EngineState.RESTARTING) and self._load_id is not None:
+            self._set_state(EngineState.LOADING, f"on {device.kind.upper()}")
 
     def _on_load_progress(self, request_id: str, stage: str, done: int, total: int) -> None:
         if request_id == self._load_id and total:
-            self._show_engine_state(f"Loading the model: {stage} {done}/{total}")
+            self._set_state(EngineState.LOADING, f"{stage} {done}/{total}")
 
     def _on_loaded(self, request_id: str, model: dict) -> None:
         if request_id != self._load_id:
@@ -162,15 +196,22 @@ class MainWindow(QMainWindow):
         self.dashboard.set_model(model)
         self.chat_view.set_input_enabled(True)
         self.banners.clear("load")
-        name = _model_name(model)
-        link = "simulated link" if model.get("simulated_link") else model.get("device", "")
-        self._show_engine_state(f"{name} · {model.get('cache_slots')} cached experts · {link}")
+        self._set_state(EngineState.GENERATING if self.session.busy else EngineState.IDLE)
 
     def _on_stats(self, stats: Stats) -> None:
         self.latest_stats = stats
+        if self.state is EngineState.IDLE and stats.generating:  # e.g. a banner's Retry started one
+            self._set_state(EngineState.GENERATING)
         self.dashboard.update_stats(stats)
 
+    def _on_reply_started(self, *_args) -> None:
+        if self.session.busy and self.state is EngineState.IDLE:
+            self._set_state(EngineState.GENERATING)
+
     def _on_reply_ended(self, reply: Reply) -> None:
+        self.dashboard.reply_ended(reply.finished.stats if reply.finished is not None else None)
+        if self.state is EngineState.GENERATING:
+            self._set_state(EngineState.IDLE)
         if reply.message is not None:  # the conversation gained a reply: its preview and order change
             self.conversations.refresh()
         if reply.reason is FinishReason.ERROR:
@@ -181,7 +222,7 @@ class MainWindow(QMainWindow):
         """A request other than a reply failed: the model's load, or something else."""
         if request_id == self._load_id:
             self.chat_view.set_input_enabled(False, "No model is loaded.")
-            self._show_engine_state("No model loaded")
+            self._set_state(EngineState.NO_MODEL)
             actions = [("Retry", self.load_model), ("Settings…", self.open_settings)]
             actions.append(("Models…", self.open_model_picker))
             self.banners.show_banner(
@@ -192,18 +233,39 @@ class MainWindow(QMainWindow):
 
     def _on_worker_died(self, message: str) -> None:
         """Any reply in flight has ended already (`WorkerCrashed`); start a new worker and load again."""
-        self._show_engine_state("Engine stopped — restarting")
+        self.model_info = None  # gone with the worker
+        self._set_state(EngineState.CRASHED)
         self.banners.show_banner(
-            f"{message} It was restarted; your conversations are safe.",
+            f"{message} It is being restarted; your conversations are safe.",
             "error",
             actions=[("Restart again", self.restart_engine), ("Settings…", self.open_settings)],
             key="engine",
         )
-        self.client.restart()
-        self.load_model()
+        QTimer.singleShot(0, self, self._restart_after_crash)  # "crashed" is shown before "restarting"
 
-    def _show_engine_state(self, text: str) -> None:
-        self.engine_label.setText(text)
+    def _restart_after_crash(self) -> None:
+        if self.state is EngineState.CRASHED:  # not restarted by the user meanwhile
+            self._set_state(EngineState.RESTARTING)
+            self.client.restart()
+            self.load_model()
+
+    def _set_state(self, state: EngineState, detail: str = "") -> None:
+        """The one place the engine's state changes: the status bar and the dashboard say the same."""
+        self.state = state
+        if state.has_model and self.model_info is not None and not detail:
+            link = SIMULATED_LINK if self.model_info.get("simulated_link") else self.model_info.get("device")
+            detail = " · ".join(
+                p for p in (f"{self.model_info.get('cache_slots')} cached experts", link) if p
+            )
+        name = self.model_info["name"] if self.model_info else _model_name({"path": self._model_path()})
+        line = state_line(state, name, detail)
+        self.engine_label.setText(line)
+        self.dashboard.set_state(state, line)
+
+    def _model_path(self) -> str:
+        from engine.resources import demo_model_dir
+
+        return str(self.settings.model_path or demo_model_dir())
 
     # -- conversations -----------------------------------------------------------------------------
 
@@ -225,6 +287,15 @@ class MainWindow(QMainWindow):
     def _on_conversation_deleted(self, conversation_id: int) -> None:
         if conversation_id == self.session.conversation_id:
             self.session.close_conversation()
+
+    def _retitle_on_edit(self, message_id: int, text: str) -> None:
+        """Editing the first message retitles a chat whose title came from it (a chosen title stays)."""
+        conversation = self.session.conversation()
+        if conversation is None or self.session.busy or not text.strip():
+            return
+        first = next((m for m in conversation.messages if m.role == "user"), None)
+        if first is not None and first.id == message_id and conversation.title == title_from(first.content):
+            self.store.rename(conversation.id, title_from(text))
 
     def _on_conversation_changed(self, conversation_id: int) -> None:
         self.conversations.refresh()
@@ -265,6 +336,7 @@ class MainWindow(QMainWindow):
     def apply_settings(self, settings: AppSettings) -> None:
         old, self.settings = self.settings, settings
         self.settings_store.save(settings)
+        self.dashboard.set_decoding(settings.spec_mode, settings.prefetch)
         if AppSettings.needs_reload(old, settings) and self.client.state is ConnectionState.READY:
             self.load_model()
 
@@ -297,6 +369,7 @@ class MainWindow(QMainWindow):
         self.activateWindow()
 
     def closeEvent(self, event) -> None:
+        self.memory.save(self, {"main": self.splitter})
         self.session.abandon_reply("The app was closed.")
         self.client.shutdown()
         if self.downloads is not None:

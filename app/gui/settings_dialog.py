@@ -8,6 +8,10 @@ help line and under the form, and the dialog stays open. Valid settings go out
 through `sig_applied`; the owner decides what to do with them (reload the
 model when `needs_reload` says so, save them).
 
+The form scrolls inside a dialog sized to its screen. The simulated link is
+named as everywhere else (`engine_state`): without a GPU the link is simulated
+whatever its speed, so its "no limit" value reads "unlimited", never "off".
+
 "Re-tune for this GPU…" emits `sig_tune_requested`. It starts disabled, with a
 tooltip saying why, until the owner wires a tuning wizard and calls
 `set_tune_available(True)`.
@@ -32,11 +36,14 @@ from PySide6.QtWidgets import (
     QLabel,
     QLineEdit,
     QPushButton,
+    QScrollArea,
     QSpinBox,
     QVBoxLayout,
     QWidget,
 )
 
+from app.gui.engine_state import SIMULATED_LINK_SETTING, SIMULATED_LINK_UNLIMITED
+from app.gui.window_state import available_geometry, frame_margins
 from app.settings import AppSettings, SettingsError
 from app.settings.app_settings import needs_reload
 from app.settings.fields import FIELDS, RELOAD_FIELDS, FieldInfo
@@ -148,21 +155,33 @@ class SettingsDialog(QDialog):
     def __init__(self, settings: AppSettings, parent: QWidget | None = None, gpu_available: bool = False):
         super().__init__(parent)
         self.setWindowTitle("Settings")
-        self.setMinimumWidth(680)
+        self.setMinimumWidth(min(680, available_geometry(parent).width() - 40))
         self._applied = settings
         self._gpu_available = gpu_available
         self._editors: dict[str, _Editor] = {}
         self._help: dict[str, QLabel] = {}
         self._error: SettingsError | None = None
+        self.page = QWidget(self)
+        groups = QVBoxLayout(self.page)
+        groups.setContentsMargins(0, 0, 0, 0)
+        groups.addWidget(self._group("Model  (changing these loads the model again)", RELOAD_FIELDS))
+        groups.addWidget(self._group("Replies", [n for n in FIELDS if n not in RELOAD_FIELDS]))
+        self.scroll = QScrollArea(self, widgetResizable=True, frameShape=QScrollArea.Shape.NoFrame)
+        self.scroll.setWidget(self.page)
         layout = QVBoxLayout(self)
-        layout.addWidget(self._group("Model  (changing these loads the model again)", RELOAD_FIELDS))
-        layout.addWidget(self._group("Replies", [n for n in FIELDS if n not in RELOAD_FIELDS]))
+        layout.addWidget(self.scroll, 1)
         self.error_label = QLabel(self)
         self.error_label.setWordWrap(True)
         self.error_label.setStyleSheet(f"color: {ERROR_COLOR}; font-weight: bold;")
         self.error_label.hide()
         layout.addWidget(self.error_label)
+        self.reload_note = QLabel("", self)
+        self.reload_note.setWordWrap(True)
+        self.reload_note.setEnabled(False)  # greyed: a note, not a control; a line of its own
+        layout.addWidget(self.reload_note)
         layout.addLayout(self._buttons())
+        # Without a GPU the link is simulated whatever its speed: its "no limit" is not "off".
+        self._editors["sim_link_gbps"].spin.setSpecialValueText(SIMULATED_LINK_UNLIMITED)
         self._set_editors(settings)
         for editor in self._editors.values():
             editor.sig_changed.connect(self._on_changed)
@@ -200,9 +219,7 @@ class SettingsDialog(QDialog):
         self.tune_button.clicked.connect(self.sig_tune_requested)
         self.set_tune_available(False)
         row.addWidget(self.tune_button)
-        self.reload_note = QLabel("", self)
-        self.reload_note.setEnabled(False)  # greyed: a note, not a control
-        row.addWidget(self.reload_note, 1)
+        row.addStretch(1)
         self.button_box = QDialogButtonBox(
             QDialogButtonBox.StandardButton.RestoreDefaults
             | QDialogButtonBox.StandardButton.Apply
@@ -252,13 +269,24 @@ class SettingsDialog(QDialog):
         self._fit_height()
 
     def _fit_height(self) -> None:
-        """Grow to show every wrapped help line: a window's minimum size ignores height-for-width."""
+        """Grow to show every wrapped help line (a window's minimum size ignores height-for-width),
+        up to the screen's height; past it the form scrolls."""
         for group in self.findChildren(QGroupBox):  # a changed help line left their sizes stale
             group.layout().activate()
+        self.page.layout().activate()
         self.layout().activate()
-        needed = self.layout().totalHeightForWidth(self.width())
-        if needed > self.height():
-            self.resize(self.width(), needed)
+        page_height = self.page.layout().totalHeightForWidth(self.scroll.viewport().width())
+        needed = self.height() - self.scroll.viewport().height() + page_height
+        available = available_geometry(self)
+        margins = frame_margins(self)
+        room = available.height() - margins.top() - margins.bottom()
+        height = min(max(needed, self.height()), room)
+        if height != self.height():
+            self.resize(min(self.width(), available.width() - margins.left() - margins.right()), height)
+        frame_height = height + margins.top() + margins.bottom()
+        top = max(available.top(), min(self.y(), available.bottom() + 1 - frame_height))
+        if top != self.y():  # a window's y() is its frame's
+            self.move(self.x(), top)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -295,8 +323,8 @@ class SettingsDialog(QDialog):
             invalid = self._error is not None and self._error.field == name
             if invalid:
                 text = self._error.reason
-            elif name == "sim_link_gbps" and self._gpu_available:
-                text = SIM_LINK_WITH_GPU
+            elif name == "sim_link_gbps":
+                text = SIM_LINK_WITH_GPU if self._gpu_available else SIMULATED_LINK_SETTING
             else:
                 text = FIELDS[name].summary
             label.setText(text)

@@ -93,6 +93,7 @@ class Sparkline(QWidget):
         self.window_s = window_s
         self._color = QColor(color) if color is not None else None
         self._samples: deque[Sample] = deque()
+        self._muted = False  # greyed: the samples are not live (the last reply's)
         self._repaint = QTimer(self)
         self._repaint.setSingleShot(True)
         self._repaint.setInterval(1000 // MAX_REPAINT_HZ)
@@ -122,6 +123,12 @@ class Sparkline(QWidget):
         self._samples.clear()
         self.update()
 
+    def set_muted(self, muted: bool) -> None:
+        """Draw the line grey: its samples are not live (the last reply's, a stopped engine's)."""
+        if muted != self._muted:
+            self._muted = muted
+            self.update()
+
     def samples(self) -> list[Sample]:
         """The samples in the window, oldest first."""
         return list(self._samples)
@@ -130,6 +137,8 @@ class Sparkline(QWidget):
         painter = QPainter(self)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
         color = self._color or self.palette().highlight().color()
+        if self._muted:
+            color = self.palette().placeholderText().color()
         baseline = self.palette().windowText().color()
         baseline.setAlpha(50)
         bottom = self.height() - DOT_RADIUS - 1

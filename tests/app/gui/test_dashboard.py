@@ -7,6 +7,7 @@ import pytest
 from PySide6.QtCore import QEvent, QObject
 
 from app.gui.dashboard import NA, SIMULATED_TEXT, Dashboard, fmt_gbps, fmt_used_total, model_summary
+from app.gui.engine_state import EngineState, state_line
 from app.gui.sparkline import Sparkline, to_pixels, trim_window, y_scale
 from engine.worker.protocol import Stats
 from tests.screenshots import screenshot_path
@@ -62,6 +63,27 @@ def make_stats(**changes) -> Stats:
     return replace(base, **changes)
 
 
+IDLE_NO_MODEL = make_stats(
+    generating=False,
+    simulated_link=None,
+    h2d_bytes=0,
+    h2d_gbps=None,
+    hits=0,
+    misses=0,
+    hit_rate=None,
+    hit_rate_total=None,
+    generated_tokens=0,
+    tokens_per_s=None,
+    tpot_ms=None,
+    accept_len=None,
+    prefetch_precision=None,
+    prefetch_recall=None,
+    cutoff_layer=None,
+    cache_slots_used=None,
+    cache_slots_total=None,
+)
+
+
 # ---- sparkline helpers (no painting) --------------------------------------------------------------
 
 
@@ -108,36 +130,19 @@ def _text(dashboard: Dashboard, key: str) -> tuple[str, str]:
 
 
 @pytest.mark.gui
-def test_idle_without_a_model_reads_sensibly(qtbot):
+def test_without_a_model_it_says_so_and_never_invents_a_figure(qtbot):
     dash = Dashboard()
     qtbot.addWidget(dash)
+    assert dash.title.text() == "Starting the engine…"
+    dash.set_state(EngineState.NO_MODEL, state_line(EngineState.NO_MODEL))
     assert dash.title.text() == "No model loaded"
+    assert dash.status.text() == "No model loaded: the last load failed"
     assert all(tile.value.text() == NA for tile in dash.tiles.values())
     assert dash.cache_bar.text() == NA and not dash.is_simulated_shown()
-    idle = make_stats(
-        generating=False,
-        simulated_link=None,
-        h2d_bytes=0,
-        h2d_gbps=None,
-        hits=0,
-        misses=0,
-        hit_rate=None,
-        hit_rate_total=None,
-        generated_tokens=0,
-        tokens_per_s=None,
-        tpot_ms=None,
-        accept_len=None,
-        prefetch_precision=None,
-        prefetch_recall=None,
-        cutoff_layer=None,
-        cache_slots_used=None,
-        cache_slots_total=None,
-    )
-    dash.update_stats(idle)
+    dash.update_stats(IDLE_NO_MODEL)
     assert _text(dash, "host_ram") == ("21.5 / 64.0 GiB", "engine process 17.2 GiB")
-    assert _text(dash, "link") == (NA, "")
-    assert _text(dash, "tokens_per_s") == (NA, "idle · 0 tokens")
-    assert _text(dash, "cutoff") == (NA, "no SP-MoE prefetch")
+    assert _text(dash, "link") == (NA, "no model loaded")
+    assert _text(dash, "tokens_per_s") == (NA, "no model loaded")
     assert not dash.is_simulated_shown()
 
 
