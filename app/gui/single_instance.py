@@ -1,14 +1,20 @@
-"""One running MoE Chat per user: a second start asks the first to come to the front, then exits.
+"""One running MoE Chat per user and data folder: a second start asks the first to come to the
+front, then exits.
 
-The first instance listens on a local socket (a named pipe on Windows) named
-after the user; a later start connects, sends "activate" and quits.
+The first instance listens on a local socket (a named pipe on Windows) named after the user and
+its data folder (MOE_CHAT_DATA_DIR, else the per-user one); a later start with the same folder
+connects, sends "activate" and quits, saying so in one line. A start with another data folder
+has another name, so it runs on its own: two data folders are two separate libraries and chat
+lists, and one instance must never stand in for the other.
 """
 
 from __future__ import annotations
 
 import getpass
+import hashlib
 import logging
 import re
+from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtNetwork import QLocalServer, QLocalSocket
@@ -18,9 +24,13 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_MS = 500
 
 
-def server_name(app_id: str = "moe-chat") -> str:
+def server_name(app_id: str = "moe-chat", data_folder: str | Path | None = None) -> str:
+    """The socket's name: the app, the user and, when given, a short hash of the data folder."""
     user = re.sub(r"[^A-Za-z0-9_.-]", "_", getpass.getuser())
-    return f"{app_id}-{user}"
+    if data_folder is None:
+        return f"{app_id}-{user}"
+    folder = str(Path(data_folder).expanduser().resolve())
+    return f"{app_id}-{user}-{hashlib.sha256(folder.encode()).hexdigest()[:12]}"
 
 
 class SingleInstance(QObject):
