@@ -2,7 +2,8 @@
 
 Opens the main window at once (no torch in this process) and starts the engine
 worker in the background; a second start brings the running window to the
-front instead of opening another. `--self-test` checks the installation instead
+front instead of opening another (one with another data folder, MOE_CHAT_DATA_DIR, runs on its
+own). `--self-test` checks the installation instead
 (see `app.gui.self_test`); `moe-chat cli [...]` is `moe-chat-cli [...]` (the terminal
 chat, and `cli serve` the local server), for the bundle, which has one executable.
 """
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         return self_test.engine_self_test(args.device)
     if args.window or args.screenshot:
         parser.error("--window and --screenshot go with --self-test")
+    from app.gui.log_setup import setup_logging
+
+    setup_logging(args.verbose)  # one line per warning on the console, the details in the log file
 
     from app.gui.system_libs import qt_platform_problem
 
@@ -68,18 +72,19 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         sys.stderr.write(problem + "\n")
         return 1
-    from app.gui.application import FirstGpuTuneOffer, application
+    from app.gui.application import application
     from app.gui.main_window import MainWindow
-    from app.gui.single_instance import SingleInstance
+    from app.gui.single_instance import SingleInstance, server_name
+    from app.model_library import data_dir
 
     app = application(qt_args)
-    instance = SingleInstance()
+    folder = data_dir()
+    instance = SingleInstance(server_name(data_folder=folder))  # another data folder runs on its own
     if instance.ask_running_instance():
-        logging.getLogger(__name__).info("MoE Chat is already running: brought it to the front.")
+        sys.stdout.write(f"MoE Chat already runs with the data folder {folder}: its window is in front.\n")
         return 0
     instance.listen()
     window = MainWindow()
-    FirstGpuTuneOffer(window)  # the first start on a GPU offers the auto-tune wizard
     instance.sig_activate.connect(window.bring_to_front)
     window.show()
     window.start_engine()
