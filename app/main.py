@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         sys.stderr.write(problem + "\n")
         return 1
-    from app.gui.application import application
+    from app.gui.application import FirstGpuTuneOffer, application
     from app.gui.main_window import MainWindow
     from app.gui.single_instance import SingleInstance, server_name
     from app.model_library import data_dir
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     instance.listen()
     window = MainWindow()
+    FirstGpuTuneOffer(window)  # the first start on a GPU offers the auto-tune wizard
     instance.sig_activate.connect(window.bring_to_front)
     window.show()
     window.start_engine()
