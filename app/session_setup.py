@@ -13,16 +13,18 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Protocol, TextIO
 
 from engine.errors import InvalidRequestError
 from engine.generation_config import GenerationConfig
 from engine.options import (
     add_offload_arguments,
     add_sampling_arguments,
+    add_sim_link_argument,
     add_spec_arguments,
     generation_config,
     offload_config,
+    wants_calibrated_link,
 )
 from engine.worker.client import EngineSession
 from engine.worker.protocol import Loaded, LoadProgress
@@ -36,6 +38,7 @@ BAR_WIDTH = 30
 def add_session_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     """--model, the offload, sampling and speculation options, and --verbose."""
     add_offload_arguments(parser)
+    add_sim_link_argument(parser)
     add_sampling_arguments(parser, max_new_tokens=max_new_tokens)
     add_spec_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
@@ -50,6 +53,13 @@ def model_id(model_dir: str | None) -> str:
     if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
         return folder.parent.parent.name.removeprefix("models--").replace("--", "/")
     return folder.name
+
+
+class LoadProgressView(Protocol):
+    """Shows `LoadProgress` events; `close` ends the display."""
+
+    def __call__(self, progress: LoadProgress) -> None: ...
+    def close(self) -> None: ...
 
 
 class ProgressBar:
@@ -81,17 +91,23 @@ class ProgressBar:
 
 
 def open_session(
-    args: argparse.Namespace, stream: TextIO = sys.stderr
+    args: argparse.Namespace, stream: TextIO = sys.stderr, progress: LoadProgressView | None = None
 ) -> tuple[EngineSession, Loaded, GenerationConfig]:
-    """Start the worker and load `--model`; the session is closed again when this fails.
+    """Start the worker and load `--model`, showing the load on `progress` (a text bar on
+    `stream` by default); the session is closed again when this fails.
 
     Raises `EngineError` (a bad option, a model that does not load, a worker that dies)."""
+    if wants_calibrated_link(args):
+        raise InvalidRequestError(
+            "--sim-link calibrated is measured by `python -m engine` and `python -m engine.bench`; "
+            "here give the link's bandwidth in GB/s (e.g. --sim-link 16)."
+        )
     offload = offload_config(args)
     offload.validate()
     config = generation_config(args)
     config.validate()
     session = EngineSession()
-    bar = ProgressBar(stream)
+    bar = progress if progress is not None else ProgressBar(stream)
     try:
         started = time.perf_counter()
         stream.write("Starting the engine…\n")

@@ -1,9 +1,13 @@
 """Terminal chat: `moe-chat-cli [--model DIR] [options]`; `moe-chat-cli serve …` runs the local server.
 
-A REPL over an `EngineSession`: each line is a user message, the reply streams
-to stdout as it arrives, and the conversation is kept (with `--system` first).
-Commands: /stats, /reset, /help, /quit (or Ctrl-D). Progress, notices and
-errors go to stderr, so stdout holds only replies and what commands print.
+A REPL over an `EngineSession`: each line is a user message (a block between
+two `\"\"\"` lines spans several), the reply streams to stdout as it arrives,
+and the conversation is kept (with `--system` first). On a terminal the line editor keeps a history and
+Alt+Enter starts a new line, replies render as markdown and loading shows
+progress bars (`app.terminal.console`). Commands: /stats, /reset, /help, /quit
+(or Ctrl-D). Progress, notices and errors go to stderr, so stdout holds only
+replies and what commands print. With no options it speculates with the
+model's drafter and prefetches with SP-MoE; /stats says which were used.
 
 Ctrl-C while a reply streams cancels it and returns to the prompt; the question
 and its partial reply are left out of the history, so the conversation stays as
@@ -15,7 +19,6 @@ the chat goes on; a dead engine ends it with status 1.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import multiprocessing
 import signal
@@ -24,6 +27,7 @@ from collections.abc import Iterator
 from typing import TextIO
 
 from app.session_setup import add_session_arguments, open_session, report_start_failure
+from app.terminal.console import RichLoadProgress, make_console
 from engine.config import format_bytes
 from engine.errors import EngineError
 from engine.generation_config import GenerationConfig
@@ -32,7 +36,6 @@ from engine.worker.protocol import ChatMessage, Finished, Stats, Token
 
 log = logging.getLogger(__name__)
 
-PROMPT = "you> "
 COMMANDS = {
     "/stats": "show the engine's latest telemetry",
     "/reset": "start a new conversation",
@@ -56,9 +59,9 @@ class TerminalChat:
         self.session, self.config, self.system = session, config, system
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.interactive = stdin.isatty() and stdout.isatty()
+        self._read_message, self.render = make_console(stdin, stdout, self.interactive)
         self.history: list[ChatMessage] = []
         self.last_reply: Finished | None = None
-        self._line_open = False  # part of a reply is on stdout, without its newline
         self.reset()
 
     def reset(self) -> None:
@@ -67,12 +70,13 @@ class TerminalChat:
     def run(self) -> int:
         """Chat until /quit, EOF or Ctrl-C at the prompt (0), or until the engine dies (1)."""
         if self.interactive:
-            with contextlib.suppress(ImportError):  # not on Windows
-                import readline  # noqa: F401  (input() then edits lines and keeps their history)
-            self._say("Type a message, or /help. Ctrl-C stops a reply; Ctrl-D or /quit leaves.")
+            self._say(
+                'Type a message, or /help. Alt+Enter or a """ block for several lines; '
+                "Ctrl-C stops a reply; Ctrl-D or /quit leaves."
+            )
         while True:
             try:
-                line = self._read_line().strip()
+                line = self._read_message().strip()
             except (EOFError, KeyboardInterrupt):
                 if self.interactive:
                     self._say("")  # end the prompt's line
@@ -115,42 +119,25 @@ class TerminalChat:
             finished = self._stream(stream)
         except KeyboardInterrupt:
             _cancel(stream)
-            self._end_line()
+            self.render.cut()
             self._say("[reply cancelled; it is left out of the conversation]")
             return
         except RequestFailed as err:
-            self._end_line()
+            self.render.cut()
             self._say(f"error: {err}")
             return
-        self._print(finished.tail)
+        self.render.finish(finished.tail)
         self.history += [question, ChatMessage("assistant", finished.text)]
         self.last_reply = finished
         if finished.reason == "length":
             self._say(f"[the reply reached the limit of {self.config.max_new_tokens} tokens]")
 
     def _stream(self, stream: Iterator[Token | Finished]) -> Finished:
-        self._line_open = False
         for event in stream:
             if isinstance(event, Finished):
                 return event
-            if event.text:
-                self.stdout.write(event.text)
-                self.stdout.flush()
-                self._line_open = True
+            self.render.add(event.text)
         raise AssertionError("unreachable: a generation ends with Finished or an exception")
-
-    def _read_line(self) -> str:
-        if self.interactive:
-            return input(PROMPT)  # line editing and history through readline
-        line = self.stdin.readline()
-        if not line:
-            raise EOFError
-        return line
-
-    def _end_line(self) -> None:
-        """End a reply cut short, if any of it was written."""
-        if self._line_open:
-            self._print("")
 
     def _print(self, text: str) -> None:
         self.stdout.write(text + "\n")
@@ -183,9 +170,12 @@ def format_stats(stats: Stats, reply: Finished | None) -> str:
         last = (
             f"{reply.completion_tokens} tokens, {_fmt(s.get('tokens_per_s'), '.1f')} tok/s, "
             f"tpot {_fmt(s.get('tpot_ms'), '.1f')} ms, hit rate {_pct(s.get('hit_rate'))}, "
-            f"accept_len {_fmt(s.get('accept_len'), '.2f')}, h2d {_fmt(s.get('h2d_gbps'), '.2f')} GB/s"
+            f"accept_len {_fmt(s.get('accept_len'), '.2f')}, h2d {_fmt(s.get('h2d_gbps'), '.2f')} GB/s; "
+            f"speculation {s.get('spec', 'n/a')}, prefetch {s.get('prefetch', 'n/a')}"
         )
     link = {True: "simulated link", False: "PCIe", None: "no model"}[stats.simulated_link]
+    if stats.simulated_link is False and stats.vram_total_bytes is None:
+        link = "CPU, no link"  # experts computed where they are kept: nothing is copied
     if stats.vram_used_bytes is not None and stats.vram_total_bytes is not None:
         vram = f"{format_bytes(stats.vram_used_bytes)} / {format_bytes(stats.vram_total_bytes)}"
     elif stats.torch_allocated_bytes is not None:
@@ -236,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     # A shell starts background jobs with SIGINT ignored; in this REPL Ctrl-C has a meaning.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        session, _, config = open_session(args)
+        progress = RichLoadProgress(sys.stderr) if sys.stderr.isatty() else None
+        session, _, config = open_session(args, progress=progress)
     except (EngineError, KeyboardInterrupt) as err:
         return report_start_failure(err)
     try:

@@ -198,7 +198,10 @@ def test_chat_stats_reset_quit():
     out, err = proc.stdout.decode(), proc.stderr.decode()
     assert proc.returncode == 0, err
     assert out.startswith("A cow says moo.\n")
-    assert "tok/s" in out and "cache slots" in out and "simulated link" in out
+    assert "tok/s" in out and "cache slots" in out
+    assert "engine: simulated link" in out or "engine: CPU, no link" in out
+    # with no options the demo speculates with its bundled draft and prefetches with SP-MoE
+    assert "speculation draft, prefetch spmoe" in out
     assert "Loaded moe-chat-demo" in err and "[new conversation]" in err
 
 
@@ -228,3 +231,42 @@ def test_moe_chat_cli_subcommand_is_the_terminal_chat(capsys):
         main(["cli", "serve", "--help"])
     assert exited.value.code == 0
     assert capsys.readouterr().out.startswith("usage: moe-chat-cli serve")
+
+
+def test_a_triple_quote_block_is_one_message():
+    session = ScriptedSession(answer("Two lines."), answer("One."))
+    code, out, _ = chat(session, '"""\nfirst line\nsecond line\n"""\n"""inline"""\n')
+    assert code == 0 and out == "Two lines.\nOne.\n"
+    assert session.asked[0][-1] == ChatMessage("user", "first line\nsecond line")
+    assert session.asked[1][-1] == ChatMessage("user", "inline")
+
+
+def test_replies_render_as_markdown_on_a_terminal():
+    from app.terminal.console import MarkdownReply
+
+    out = io.StringIO()
+    reply = MarkdownReply(out)
+    reply.add("# Cows\n\nA cow says **moo**")
+    reply.finish(".")
+    text = out.getvalue()
+    assert "Cows" in text and "moo." in text and "**" not in text and "# " not in text
+
+
+def test_the_load_shows_a_progress_bar_per_stage():
+    from app.terminal.console import RichLoadProgress
+    from engine.worker.protocol import LoadProgress
+
+    err = io.StringIO()
+    progress = RichLoadProgress(err)
+    for done in range(4):
+        progress(LoadProgress("l", "experts", done, 3))
+    progress(LoadProgress("l", "weights", 1, 1))
+    progress.close()
+    assert "experts" in err.getvalue() and "3/3" in err.getvalue() and "weights" in err.getvalue()
+
+
+def test_the_history_file_is_in_the_data_folder(tmp_path, monkeypatch):
+    from app.terminal.console import history_path
+
+    monkeypatch.setenv("MOE_CHAT_DATA_DIR", str(tmp_path))
+    assert history_path() == tmp_path / "cli-history"
