@@ -2,54 +2,57 @@
 
 `load_catalog()` reads `resources/catalog.json` and checks every entry (a bad one raises
 `CatalogError` naming it). An entry is one release as the user downloads it: its `format`
-(safetensors-bf16, gguf, mxfp4, fp8), its `quant` (Q4_K_M, Q8_0, …) and, for GGUF, the `file`
-(or the `files` of a split set) to fetch from the repo, never the repo's other quants. An entry
-with `"status": "coming"` is shown with its `status_reason` and cannot be downloaded: MoE Chat
-cannot load it yet.
+(safetensors-bf16, gguf, mxfp4, fp8), its `quant` (Q4_K_M, Q8_0, …), for GGUF the `file` (or
+the `files` of a split set) to fetch, never the repo's other quants, and its KV cache's shape. A
+`"status": "coming"` entry is shown with its `status_reason` and cannot be downloaded.
 
-`estimate_fit(entry, ram_bytes, vram_bytes)` says how the engine would place the model: routed
-experts in host RAM, everything else on the GPU (or, without a GPU, everything in RAM), and what
-share of the experts the GPU's remaining memory could cache. It counts the entry's own precision:
-the experts stay as stored (a GGUF's quantized blocks: download size × expert_share; MXFP4's:
-the download less its BF16 rest), while the other weights are computed in BF16 (the loader
-dequantizes a GGUF's at load), with the same headroom rule as the loader.
-
-RAM comes from psutil (`system_ram_bytes`); VRAM is passed in: the GUI learns it from the
-worker's Ready/Stats events and never touches torch.cuda itself.
+`estimate_fit(entry, ram_bytes, vram_bytes, context_tokens)` says how the engine would place the
+model: routed experts in host RAM in their stored precision, the rest (dequantized to BF16) and the
+KV cache for the context on the GPU, or everything in RAM without one, and what share of the
+experts the GPU's remaining memory could cache; tests/engine/test_fit_estimate.py holds it within
+10% of what the loader allocates. RAM comes from psutil; VRAM is passed in (the GUI learns it from
+the worker's Ready/Stats events and never touches torch.cuda itself).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-from app.model_library import QUANT_NAME, ModelSource
+from app.catalog_checks import BF16, FORMATS, check_release, check_status, check_values
+from app.model_library import ModelSource
 from engine.config import format_bytes
-from engine.model.adapters import SUPPORTED_MODEL_TYPES
-from engine.model.check import GGUF_MODEL_TYPES
+from engine.model.kv_size import KvShape
 from engine.resources import demo_model_dir, resources_dir
 
 log = logging.getLogger(__name__)
 
 CATALOG_FILE = "catalog.json"
 GIB = 2**30
-RAM_OVERHEAD = 2 * GIB  # the worker process: Python, torch, tokenizer, KV cache, activations
+RAM_OVERHEAD = 2 * GIB  # the worker process: Python, torch, tokenizer, activations
+CONTEXT_TOKENS = 8192  # the context the fit counts a KV cache for (LM Studio's and Ollama's usual)
 RAM_USABLE = 0.85  # the share of RAM the OS and other programs leave to us
 TIGHT_RAM = 0.6  # above this share of usable RAM the fit is "tight"
 # BF16 experts the loader converts when they do not fit (engine.offload.quant, groups of 64 with a
 # bf16 scale and offset each): int8 is 1 + 4/64 bytes a weight, int4 1/2 + 4/64, of BF16's 2
 HOST_STORE_FACTORS = {"int8": 17 / 32, "int4": 9 / 32}
-_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-BF16 = "safetensors-bf16"
-FORMATS = {BF16: "BF16", "gguf": "GGUF", "mxfp4": "MXFP4", "fp8": "FP8"}  # format → what the picker says
-STATUSES = ("available", "coming")
-REASON_CHARS = 80  # a "coming" reason fits the picker's status column (three lines at most)
-_SPLIT = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp's gguf-split
+# Bits a routed-expert weight takes in a GGUF of this quant, as llama.cpp's quantize writes them:
+# Q4_K_M keeps gate/up in Q4_K (4.5) and down in Q6_K (6.5625) in half the layers (its
+# use_more_bits rule), Q4_K in the rest; Q5_K_M likewise with Q5_K (5.5). Blocks carry their scales.
+GGUF_EXPERT_BITS = {
+    "Q4_0": 4.5,
+    "IQ4_XS": 4.25,
+    "Q4_K_S": 4.5,
+    "Q4_K_M": (2 * 4.5 + (6.5625 + 4.5) / 2) / 3,
+    "Q5_K_M": (2 * 5.5 + (6.5625 + 5.5) / 2) / 3,
+    "Q6_K": 6.5625,
+    "Q8_0": 8.5,
+    "BF16": 16.0,
+}
 
 
 class CatalogError(ValueError):
@@ -80,6 +83,7 @@ class CatalogEntry:
     notes: str = ""
     bundled: bool = False
     local_path: str | None = None  # the bundled model's folder
+    kv: KvShape | None = None  # the KV cache's shape (the config's layers, KV heads, head size)
 
     @property
     def quantized(self) -> bool:
@@ -107,6 +111,9 @@ class CatalogEntry:
         """The routed experts as the download stores them (quantized for GGUF, MXFP4, FP8)."""
         if self.format == "mxfp4":  # only the experts are MXFP4: the file keeps the rest in BF16
             return self.download_bytes - self.resident_bytes
+        bits = GGUF_EXPERT_BITS.get(self.quant) if self.format == "gguf" else None
+        if bits is not None:  # a GGUF's other tensors are in other types: count the experts' own
+            return int(self.total_params * self.expert_share * bits / 8)
         return int(self.download_bytes * self.expert_share)
 
     @property
@@ -149,7 +156,11 @@ _OPTIONAL: dict[str, type] = {
     "status": str,
     "status_reason": str,
     "notes": str,
+    "kv": dict,
 }
+
+
+_KINDS = {str: "string", list: "list", dict: "object"}
 
 
 def catalog_path() -> Path:
@@ -199,13 +210,13 @@ def _parse_entry(item: object) -> CatalogEntry:
             raise TypeError(f"{key!r} is missing or not a {getattr(kind, '__name__', 'number')}")
     for key, kind in _OPTIONAL.items():
         if item.get(key) is not None and not isinstance(item[key], kind):
-            raise TypeError(f"{key!r} must be a {'list' if kind is list else 'string'}")
+            raise TypeError(f"{key!r} must be a {_KINDS[kind]}")
     bundled = bool(item.get("bundled", False))
     repo_id, draft = item.get("repo_id"), item.get("draft_repo")
-    _check_values(item, bundled, repo_id, draft)
-    files = _check_release(item)
+    check_values(item, bundled, repo_id, draft)
+    files = check_release(item)
     status = item.get("status") or "available"
-    _check_status(status, item.get("status_reason") or "")
+    check_status(status, item.get("status_reason") or "")
     return CatalogEntry(
         **{key: item[key] for key in _FIELDS},
         repo_id=repo_id,
@@ -217,76 +228,8 @@ def _parse_entry(item: object) -> CatalogEntry:
         notes=item.get("notes") or "",
         bundled=bundled,
         local_path=str(demo_model_dir()) if bundled else None,
+        kv=KvShape(**item["kv"]) if item.get("kv") is not None else None,
     )
-
-
-def _check_values(item: dict, bundled: bool, repo_id: object, draft: object) -> None:
-    if item["architecture"] not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"architecture {item['architecture']!r} is not one MoE Chat supports "
-            f"({', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
-    if bundled == (repo_id is not None):
-        raise ValueError("needs a repo_id, or bundled: true, but not both")
-    for key, value in (("repo_id", repo_id), ("draft_repo", draft)):
-        if value is not None and (not isinstance(value, str) or not _REPO_ID.match(value) or "--" in value):
-            raise ValueError(f"{key} {value!r} is not an 'org/name' Hub id")
-    if not 0 < item["active_params"] <= item["total_params"]:
-        raise ValueError("active_params must be positive and at most total_params")
-    if not 0 < item["top_k"] <= item["num_experts"]:
-        raise ValueError("top_k must be positive and at most num_experts")
-    if not 0 < item["expert_share"] < 1:
-        raise ValueError("expert_share must lie between 0 and 1")
-    if item["download_bytes"] <= 0:
-        raise ValueError("download_bytes must be positive")
-
-
-def _check_release(item: dict) -> tuple[str, ...]:
-    """The format, quant and GGUF file(s) of one release; the files to fetch."""
-    form, quant = item["format"], item.get("quant")
-    if form not in FORMATS:
-        raise ValueError(f"format {form!r} is not one of {', '.join(FORMATS)}")
-    if (form == BF16) != (quant is None):
-        raise ValueError("a quant (Q4_K_M, MXFP4, FP8…) is needed for a quantized format, and only then")
-    if quant is not None and not QUANT_NAME.match(quant):
-        raise ValueError(f"quant {quant!r} is not a quant name such as Q4_K_M")
-    file, files = item.get("file"), item.get("files")
-    if form != "gguf":
-        if file is not None or files is not None:
-            raise ValueError("'file'/'files' choose what to fetch from a GGUF repo: only for format gguf")
-        return ()
-    if item["architecture"] not in GGUF_MODEL_TYPES.values():
-        readable = ", ".join(sorted(GGUF_MODEL_TYPES.values()))
-        raise ValueError(f"MoE Chat reads GGUF files of {readable}, not {item['architecture']!r}")
-    if (file is None) == (files is None):
-        raise ValueError("a gguf entry names its 'file', or the 'files' of a split set (one of them)")
-    names = (file,) if file is not None else tuple(files)
-    for name in names:
-        parts = name.split("/") if isinstance(name, str) else [""]
-        if not isinstance(name, str) or not name.endswith(".gguf") or "" in parts or ".." in parts:
-            raise ValueError(f"{name!r} is not the path of a .gguf file in the repo")
-    if files is not None:
-        _check_split_set(names)
-    return names
-
-
-def _check_split_set(names: tuple[str, ...]) -> None:
-    """`files` are every part of one `-0000k-of-0000N.gguf` set, in order."""
-    folder, _, name = names[0].rpartition("/")
-    first = _SPLIT.match(name)
-    count = int(first["count"]) if first else 0
-    stem = f"{folder}/{first['stem']}" if folder and first else first["stem"] if first else ""
-    if not first or names != tuple(f"{stem}-{k:05d}-of-{count:05d}.gguf" for k in range(1, count + 1)):
-        raise ValueError("'files' must list every part of one split set, -00001-of-0000N.gguf first")
-
-
-def _check_status(status: str, reason: str) -> None:
-    if status not in STATUSES:
-        raise ValueError(f"status {status!r} is not one of {', '.join(STATUSES)}")
-    if (status == "coming") != bool(reason):
-        raise ValueError("a 'coming' entry says why in status_reason, and only a 'coming' one")
-    if len(reason) > REASON_CHARS:
-        raise ValueError(f"status_reason must be at most {REASON_CHARS} characters (the notes say more)")
 
 
 # -- fit ---------------------------------------------------------------------------------------
@@ -320,26 +263,38 @@ def vram_headroom(vram_bytes: int) -> int:
     return max(GIB, vram_bytes // 10)
 
 
-def estimate_fit(entry: CatalogEntry, ram_bytes: int, vram_bytes: int | None) -> Fit:
-    """Where the model would live on a computer with `ram_bytes` RAM and `vram_bytes` GPU memory.
+def kv_bytes(entry: CatalogEntry, context_tokens: int = CONTEXT_TOKENS) -> int:
+    """The KV cache at `context_tokens` tokens, in BF16 (0 when the entry does not say its shape)."""
+    return entry.kv.nbytes(context_tokens) if entry.kv is not None else 0
+
+
+def estimate_fit(
+    entry: CatalogEntry, ram_bytes: int, vram_bytes: int | None, context_tokens: int = CONTEXT_TOKENS
+) -> Fit:
+    """Where the model would live on a computer with `ram_bytes` RAM and `vram_bytes` GPU memory,
+    with a KV cache for `context_tokens` tokens (on the GPU beside the resident weights, else in RAM).
 
     A BF16 release whose experts do not fit is counted as the loader will keep it: its experts
     converted to int8, or int4 (engine.loader.host_store_quant), said in the summary."""
-    spare_vram = None if vram_bytes is None else vram_bytes - entry.resident_bytes - vram_headroom(vram_bytes)
+    kv = kv_bytes(entry, context_tokens)
+    resident = entry.resident_bytes + kv
+    spare_vram = None if vram_bytes is None else vram_bytes - resident - vram_headroom(vram_bytes)
     on_gpu = spare_vram is not None and spare_vram >= 0
     usable_ram = int(ram_bytes * RAM_USABLE)
     stored_as, expert_bytes = "", entry.expert_bytes
     for name, factor in (("", 1.0), *(HOST_STORE_FACTORS.items() if not entry.quantized else ())):
         stored_as, expert_bytes = name, int(entry.expert_bytes * factor)
         # On the GPU only the routed experts stay in RAM; on the CPU the rest of the model does too.
-        ram_needed = expert_bytes + (0 if on_gpu else entry.resident_bytes) + RAM_OVERHEAD
+        ram_needed = expert_bytes + (0 if on_gpu else resident) + RAM_OVERHEAD
         if ram_needed <= usable_ram:
             break
     fits = ram_needed <= usable_ram
     fraction = None  # of the experts the GPU can cache
     if spare_vram is not None:
         fraction = min(1.0, spare_vram / max(expert_bytes, 1)) if on_gpu else 0.0
-    summary = _fit_summary(entry, fits, ram_needed, ram_bytes, vram_bytes, on_gpu, fraction)
+    summary = _fit_summary(resident, fits, ram_needed, ram_bytes, vram_bytes, on_gpu, fraction)
+    if not on_gpu and vram_bytes is not None:
+        summary = summary.replace("{context}", f"{context_tokens // 1024}k-token")
     if stored_as and fits:
         summary = f"{summary} (experts kept as {stored_as}: outputs differ slightly)"
     if not fits:
@@ -351,7 +306,7 @@ def estimate_fit(entry: CatalogEntry, ram_bytes: int, vram_bytes: int | None) ->
     return Fit(fits, ram_needed, fraction, summary, level)
 
 
-def _fit_summary(entry, fits, ram_needed, ram_bytes, vram_bytes, on_gpu, fraction) -> str:
+def _fit_summary(resident, fits, ram_needed, ram_bytes, vram_bytes, on_gpu, fraction) -> str:
     ram = f"~{format_bytes(ram_needed)} of {format_bytes(ram_bytes)} RAM"
     if not fits:
         return f"Too big: needs ~{format_bytes(ram_needed)} RAM, this computer has {format_bytes(ram_bytes)}"
@@ -359,7 +314,7 @@ def _fit_summary(entry, fits, ram_needed, ram_bytes, vram_bytes, on_gpu, fractio
         return f"Fits (CPU only): {ram}"
     if not on_gpu:
         return (
-            f"CPU only: the non-expert weights (~{format_bytes(entry.resident_bytes)}) "
+            f"CPU only: the non-expert weights and an {{context}} KV cache (~{format_bytes(resident)}) "
             f"exceed the GPU's {format_bytes(vram_bytes)}; {ram}"
         )
     return f"Fits: {ram}; the GPU caches {fraction:.0%} of the experts"

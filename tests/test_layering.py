@@ -78,6 +78,7 @@ APP_ROOMS: tuple[tuple[str, ...], ...] = (
         "app.settings",
         "app.storage",
         "app.catalog",
+        "app.catalog_checks",
         "app.model_library",
         "app.download_child",
         "app.session_setup",

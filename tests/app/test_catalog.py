@@ -9,6 +9,7 @@ import json
 import pytest
 
 from app.catalog import (
+    GGUF_EXPERT_BITS,
     GIB,
     HOST_STORE_FACTORS,
     RAM_OVERHEAD,
@@ -16,6 +17,7 @@ from app.catalog import (
     estimate_fit,
     format_duration,
     format_params,
+    kv_bytes,
     load_catalog,
     vram_headroom,
 )
@@ -230,12 +232,12 @@ def test_without_a_gpu_the_whole_model_must_fit_in_ram(catalog):
     olmoe = catalog["olmoe-1b-7b-0924-instruct"]
     roomy = estimate_fit(olmoe, 64 * GIB, None)
     assert roomy.fits_in_ram and roomy.level == "good" and roomy.gpu_cacheable_fraction is None
-    assert roomy.ram_needed_bytes == olmoe.download_bytes + RAM_OVERHEAD
+    assert roomy.ram_needed_bytes == olmoe.download_bytes + kv_bytes(olmoe) + RAM_OVERHEAD  # KV in RAM too
     assert roomy.summary.startswith("Fits (CPU only): ~")
     small = estimate_fit(olmoe, 16 * GIB, None)  # the loader keeps the experts as int8 then
     assert small.fits_in_ram and small.level == "tight"
     expert_bytes = int(olmoe.expert_bytes * HOST_STORE_FACTORS["int8"])
-    assert small.ram_needed_bytes == expert_bytes + olmoe.resident_bytes + RAM_OVERHEAD
+    assert small.ram_needed_bytes == expert_bytes + olmoe.resident_bytes + kv_bytes(olmoe) + RAM_OVERHEAD
     assert small.summary.endswith("(experts kept as int8: outputs differ slightly)")
     tiny = estimate_fit(olmoe, 4 * GIB, None)  # not even as int4
     assert not tiny.fits_in_ram and tiny.level == "no"
@@ -247,7 +249,7 @@ def test_with_a_gpu_only_the_experts_stay_in_ram_and_the_rest_caches_experts(cat
     vram = 24 * GIB
     fit = estimate_fit(qwen, 128 * GIB, vram)
     assert fit.ram_needed_bytes == qwen.expert_bytes + RAM_OVERHEAD
-    spare = vram - qwen.resident_bytes - vram_headroom(vram)
+    spare = vram - qwen.resident_bytes - kv_bytes(qwen) - vram_headroom(vram)  # the KV cache is on the GPU
     assert fit.gpu_cacheable_fraction == pytest.approx(spare / qwen.expert_bytes)
     assert fit.summary.endswith(f"the GPU caches {fit.gpu_cacheable_fraction:.0%} of the experts")
     assert fit.level == "good"
@@ -266,14 +268,16 @@ def test_a_split_gguf_set_is_every_part_in_order(tmp_path):
 
 def test_a_gguf_keeps_its_quantized_experts_in_ram_and_the_rest_in_bf16(catalog):
     q4, bf16 = catalog[Q4], catalog["qwen3-30b-a3b"]
-    assert q4.expert_bytes == int(18_600_000_000 * 0.95)  # the Q4_K_M blocks, not a BF16 copy
+    # the Q4_K_M blocks, not a BF16 copy: 4.84 bits a weight (engine/model/tiny_gguf's Q4_K_M rule)
+    assert q4.expert_bytes == int(30_500_000_000 * 0.95 * GGUF_EXPERT_BITS["Q4_K_M"] / 8)
+    assert q4.expert_bytes == pytest.approx(18_600_000_000 * 0.95, rel=0.02)  # ~ the file's share
     assert q4.resident_bytes == int(2 * 30_500_000_000 * 0.05)  # dequantized to BF16 at load
     assert q4.resident_bytes == pytest.approx(bf16.resident_bytes, rel=0.01)
     vram = 8 * GIB
     fit = estimate_fit(q4, 32 * GIB, vram)
     assert fit.ram_needed_bytes == q4.expert_bytes + RAM_OVERHEAD
     assert fit.gpu_cacheable_fraction == pytest.approx(
-        (vram - q4.resident_bytes - vram_headroom(vram)) / q4.expert_bytes
+        (vram - q4.resident_bytes - kv_bytes(q4) - vram_headroom(vram)) / q4.expert_bytes
     )
     assert fit.fits_in_ram and fit.level == "tight"  # 18.5 GiB is over 60% of what 32 GiB leaves us
     assert estimate_fit(q4, 64 * GIB, vram).level == "good"
@@ -281,7 +285,7 @@ def test_a_gguf_keeps_its_quantized_experts_in_ram_and_the_rest_in_bf16(catalog)
     assert as_bf16.fits_in_ram and "kept as int4" in as_bf16.summary and as_bf16.level == "tight"
     assert as_bf16.ram_needed_bytes == int(bf16.expert_bytes * HOST_STORE_FACTORS["int4"]) + RAM_OVERHEAD
     cpu = estimate_fit(q4, 32 * GIB, None)  # on the CPU the BF16 resident weights are in RAM too
-    assert cpu.ram_needed_bytes == q4.expert_bytes + q4.resident_bytes + RAM_OVERHEAD
+    assert cpu.ram_needed_bytes == q4.expert_bytes + q4.resident_bytes + kv_bytes(q4) + RAM_OVERHEAD
     q8 = estimate_fit(catalog["qwen3-30b-a3b-gguf-q8_0"], 32 * GIB, vram)
     assert q8.ram_needed_bytes > fit.ram_needed_bytes and not q8.fits_in_ram
 
@@ -300,8 +304,9 @@ def test_a_gpu_too_small_for_the_non_expert_weights_means_cpu_only(catalog):
     mixtral = catalog["mixtral-8x7b-instruct-v0.1"]
     fit = estimate_fit(mixtral, 256 * GIB, 2 * GIB)
     assert fit.gpu_cacheable_fraction == 0.0
-    assert fit.ram_needed_bytes == mixtral.download_bytes + RAM_OVERHEAD
-    assert fit.summary.startswith("CPU only: the non-expert weights") and fit.level == "tight"
+    assert fit.ram_needed_bytes == mixtral.download_bytes + kv_bytes(mixtral) + RAM_OVERHEAD
+    assert fit.summary.startswith("CPU only: the non-expert weights and an 8k-token KV cache (~4.5 GiB)")
+    assert fit.level == "tight"
 
 
 def test_formatting():
@@ -311,3 +316,23 @@ def test_formatting():
     assert format_duration(42.4) == "42 s"
     assert format_duration(75) == "1 min 15 s"
     assert format_duration(3 * 3600 + 5 * 60) == "3 h 05 min"
+
+
+def test_every_release_says_its_kv_cache_shape_and_the_fit_counts_it(catalog):
+    assert all(entry.kv is not None for entry in catalog.values())
+    qwen = catalog["qwen3-30b-a3b"]  # 48 layers × 4 KV heads × 128 × (key, value) × BF16: 96 KiB a token
+    assert kv_bytes(qwen, 1) == 96 * 1024 and kv_bytes(qwen) == 8192 * 96 * 1024
+    gpt_oss = catalog["gpt-oss-20b"]  # half its layers keep a 128-token window
+    assert kv_bytes(gpt_oss, 8192) == 2 * 8 * 64 * 2 * (12 * 8192 + 12 * 127)
+    short, long = (estimate_fit(qwen, 64 * GIB, None, context_tokens=n) for n in (4096, 32768))
+    assert long.ram_needed_bytes - short.ram_needed_bytes == kv_bytes(qwen, 32768) - kv_bytes(qwen, 4096)
+
+
+def test_a_kv_shape_that_makes_no_sense_is_a_clear_catalog_error(tmp_path):
+    for bad in ({"layers": 0, "kv_heads": 16, "head_dim": 128}, {"layers": 16, "heads": 16}):
+
+        def change(models, bad=bad):
+            next(m for m in models if m["id"] == "olmoe-1b-7b-0924-instruct")["kv"] = bad
+
+        with pytest.raises(CatalogError, match="olmoe-1b-7b-0924-instruct"):
+            load_catalog(write_catalog(tmp_path, change))
