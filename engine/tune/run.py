@@ -5,7 +5,9 @@ same (GPU, model, budget, precision) is returned as it is (`reused=True`) unless
 `config.retune`; otherwise it probes the machine, profiles the model, applies the
 papers' models (`engine.tune.analytic`) and measures TPOT on a short calibration
 set at the cutoffs and draft lengths around the analytic choice
-(`engine.tune.search`), keeps the fastest and stores it. Progress is reported as
+(`engine.tune.search`) for each drafter that applies (the model's draft model, and
+self-speculation), twice per point and again where the best two are within noise,
+keeps the fastest median, says how sure that is, and stores it. Progress is reported as
 (stage, done, total); `cancel` stops between measurements.
 """
 
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import statistics
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -25,7 +26,7 @@ from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfi
 from engine.tune.analytic import predict
 from engine.tune.probe import probe
 from engine.tune.profile import profile_model
-from engine.tune.search import candidate_points, choose, search
+from engine.tune.search import candidate_points, certainty, choose, search
 from engine.tune.store import TuneStore, model_fingerprint, tune_key
 from engine.tune.types import TuneChoice, TuneResult
 
@@ -46,6 +47,7 @@ class TuneConfig:
 
     draft_model: str | None = None  # None: self-speculation (SS-MoE), no separate drafter
     new_tokens: int = 32  # generated per calibration prompt and point
+    passes: int = 2  # runs over the calibration prompts per point (more where the best two overlap)
     context_tokens: int = 4096  # the context the memory plan must hold
     retune: bool = False
     sim_link_gbps: float | None = None  # the probe's link without a GPU (the model's own, when simulated)
@@ -82,32 +84,55 @@ def tune(
     with _resident_experts_on_cpu(model):
         profile = profile_model(model, config.draft_model, config.context_tokens, progress, cancel)
     prediction = predict(profile, hardware, budget + profile.peak_non_expert_bytes)
-    points = candidate_points(prediction, profile.moe_layers)
+    points = candidate_points(
+        prediction, profile.moe_layers, drafters=drafters_for(model, config.draft_model)
+    )
     prompts = [encode_prompt(model, text) for text in CALIBRATION_PROMPTS]
 
-    def measure(cutoff: int, draft_len: int) -> float:
-        return _measure_tpot(model, prompts, config, cutoff, draft_len)
+    def measure(cutoff: int, draft_len: int, drafter: str) -> list[float]:
+        return _measure_tpot(model, prompts, config, cutoff, draft_len, drafter)
 
     def on_point(done: int, total: int, point) -> None:
         report("search", done, total)
 
     measured = search(points, measure, on_point, cancel)
     best = choose(measured)
-    choice = TuneChoice(best.cutoff_layer, best.draft_len, model.cache.n_slots, 1e3 / best.tpot_ms)
+    choice = TuneChoice(
+        best.cutoff_layer,
+        best.draft_len,
+        model.cache.n_slots,
+        1e3 / best.tpot_ms,
+        best.drafter,
+        certainty(measured),
+    )
     result = TuneResult(hardware, profile, prediction, measured, choice, key, reused=False)
     store.put(result)
     return result
 
 
-def _measure_tpot(model, prompts, config: TuneConfig, cutoff: int, draft_len: int) -> float:
-    """Median TPOT over the calibration prompts, speculative with a fixed draft length."""
+def drafters_for(model, draft_model: str | None) -> tuple[str, ...]:
+    """The drafters that apply: the model's draft model when it has one, and self-speculation
+    (SS-MoE: the target with fewer experts per token) where the router picks two or more."""
+    return (("draft",) if draft_model else ()) + (("self",) if model.top_k >= 2 else ())
+
+
+def _measure_tpot(
+    model, prompts, config: TuneConfig, cutoff: int, draft_len: int, drafter: str
+) -> list[float]:
+    """One TPOT per pass over the calibration prompts (decode time / tokens, all prompts),
+    speculative with a fixed draft length."""
     base = GenerationConfig(
         max_new_tokens=config.new_tokens, sampling=SamplingConfig(greedy=True), ignore_eos=True
     )
-    gen = choice_config(base, cutoff, draft_len, config.draft_model, adapt_draft_len=False)
+    draft_model = config.draft_model if drafter == "draft" else None
+    gen = choice_config(base, cutoff, draft_len, draft_model, adapt_draft_len=False)
     generate_text(model, prompts[0], replace(gen, max_new_tokens=4))  # warm-up: drafter, caches
-    tpots = [generate_text(model, ids, gen).stats.tpot_ms for ids in prompts]
-    return statistics.median(t for t in tpots if t is not None)
+    runs = []
+    for _ in range(config.passes):
+        stats = [generate_text(model, ids, gen).stats for ids in prompts]
+        tokens = sum(s.generated_tokens for s in stats if s.tpot_ms is not None)
+        runs.append(sum(s.tpot_ms * s.generated_tokens for s in stats if s.tpot_ms is not None) / tokens)
+    return runs
 
 
 def choice_config(

@@ -1,18 +1,21 @@
 """The short measured search around the analytic choice: which points, measure them, pick one.
 
-Contract: pure control flow. The caller's `measure(cutoff_layer, draft_len)` runs the
-calibration prompts and returns the measured TPOT in ms; this module chooses the points,
-calls it once per point in order, reports progress after each, stops between points when
-cancelled (`GenerationCancelled`) and picks the fastest point. Cutoff −1 means no prefetch;
-draft length 0 means plain decoding (the cutoff is then irrelevant and always −1).
+Contract: pure control flow. The caller's `measure(cutoff_layer, draft_len, drafter)` runs
+the calibration prompts and returns the TPOT of each run in ms; this module chooses the
+points, measures each once in order, then measures the two best again while their spreads
+overlap (noise could swap them), reports progress after each, stops between measurements
+when cancelled (`GenerationCancelled`), picks the fastest median and says how sure that is.
+Cutoff −1 means no prefetch; draft length 0 means plain decoding (the cutoff is then
+irrelevant and always −1, the drafter "").
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from engine.errors import GenerationCancelled
 from engine.tune.types import CurvePoint, Prediction
@@ -25,14 +28,16 @@ def candidate_points(
     moe_layers: int,
     cutoff_span: int = 2,
     draft_lens: Iterable[int] | None = None,
-) -> list[tuple[int, int]]:
-    """(cutoff, draft_len) pairs to measure, ordered by draft length then cutoff.
+    drafters: Sequence[str] = ("draft",),
+) -> list[tuple[int, int, str]]:
+    """(cutoff, draft_len, drafter) to measure, by drafter, then draft length, then cutoff.
 
     Cutoffs: the predicted one ± `cutoff_span` within −1..moe_layers−1, plus both ends (−1, no
     prefetch, and the last layer), so a monotone curve's end is always measured. Draft
     lengths: `draft_lens` when given, else the predicted one and its neighbours among the
     lengths the prediction's curve considered (two or three; ±2 when the curve has no
-    others). Draft length 0 (plain decoding) is measured once, at cutoff −1.
+    others). Each drafter gets every speculative point; draft length 0 (plain decoding) is
+    measured once, at cutoff −1, with no drafter.
     """
     if moe_layers < 1 or cutoff_span < 0:
         raise ValueError(f"need moe_layers >= 1 and cutoff_span >= 0, got {moe_layers}, {cutoff_span}")
@@ -42,49 +47,116 @@ def candidate_points(
     last = moe_layers - 1
     near = range(prediction.cutoff_layer - cutoff_span, prediction.cutoff_layer + cutoff_span + 1)
     cutoffs = sorted({-1, last, *(cutoff for cutoff in near if -1 <= cutoff <= last)})
-    points = []
-    for draft_len in lens:
-        points.extend([(-1, 0)] if draft_len == 0 else [(cutoff, draft_len) for cutoff in cutoffs])
+    points = [(-1, 0, "")] if 0 in lens else []
+    for drafter in drafters:
+        points += [(cutoff, draft_len, drafter) for draft_len in lens if draft_len for cutoff in cutoffs]
     return points
 
 
+Measure = Callable[[int, int, str], Sequence[float]]  # (cutoff, draft_len, drafter) -> TPOTs of runs
+
+
+def summarize(cutoff_layer: int, draft_len: int, drafter: str, runs: Sequence[float]) -> CurvePoint:
+    """A point from its runs: the median, and as its spread the middle half of the runs
+    (quartiles; the fastest and slowest run while there are fewer than four), so more runs
+    narrow it and one outlier does not hold it open."""
+    bad = [t for t in runs if not (math.isfinite(t) and t > 0)]
+    if not runs or bad:
+        raise ValueError(
+            f"measured TPOT must be a positive finite number of ms, got {list(runs)} "
+            f"for cutoff {cutoff_layer}, draft length {draft_len}"
+        )
+    low, high = (min(runs), max(runs)) if len(runs) < 4 else _quartiles(runs)
+    return CurvePoint(cutoff_layer, draft_len, statistics.median(runs), drafter, low, high, len(runs))
+
+
+def _quartiles(runs: Sequence[float]) -> tuple[float, float]:
+    q1, _, q3 = statistics.quantiles(runs, n=4, method="inclusive")
+    return q1, q3
+
+
 def search(
-    points: Iterable[tuple[int, int]],
-    measure: Callable[[int, int], float],
+    points: Iterable[tuple[int, int, str]],
+    measure: Measure,
     progress: Callable[[int, int, CurvePoint], None] | None = None,
     cancel: threading.Event | None = None,
+    max_rounds: int = 2,
 ) -> tuple[CurvePoint, ...]:
-    """Measure every point in order; `progress(done, total, point)` after each.
+    """Measure every (cutoff, draft_len, drafter) in order, then measure the best two again while
+    their spreads overlap (at most `max_rounds` more times); `progress(done, total, point)` after each.
 
-    Raises `GenerationCancelled` before the next point once `cancel` is set, and `ValueError`
-    when `measure` returns something that is not a positive finite time.
+    Raises `GenerationCancelled` before the next measurement once `cancel` is set, and `ValueError`
+    when `measure` returns something that is not positive finite times.
     """
     points = list(points)
-    measured: list[CurvePoint] = []
-    for cutoff_layer, draft_len in points:
-        if cancel is not None and cancel.is_set():
-            done = f"{len(measured)} of {len(points)}"
-            raise GenerationCancelled(f"Tuning cancelled after {done} measurements.")
-        tpot_ms = measure(cutoff_layer, draft_len)
-        if not (math.isfinite(tpot_ms) and tpot_ms > 0):
-            raise ValueError(
-                f"measured TPOT must be a positive finite number of ms, got {tpot_ms} "
-                f"for cutoff {cutoff_layer}, draft length {draft_len}"
-            )
-        point = CurvePoint(cutoff_layer, draft_len, tpot_ms)
-        measured.append(point)
-        log.info("tune: cutoff %d, draft length %d: %.2f ms/token", cutoff_layer, draft_len, tpot_ms)
+    runs: dict[tuple[int, int, str], list[float]] = {}
+    total = len(points) + 2 * max_rounds
+    for key in points:
+        _check_cancel(cancel, len(runs), len(points))
+        runs[key] = list(measure(*key))
+        point = summarize(*key, runs[key])
+        log.info(
+            "tune: %s: %.2f ms/token (%.2f-%.2f)", key, point.tpot_ms, point.tpot_low_ms, point.tpot_high_ms
+        )
         if progress is not None:
-            progress(len(measured), len(points), point)
-    return tuple(measured)
+            progress(len(runs), total, point)
+    for round_ in range(max_rounds):
+        ranked = sorted((summarize(*key, times) for key, times in runs.items()), key=_rank)
+        if len(ranked) < 2 or not overlap(ranked[0], ranked[1]):
+            break
+        for rank, point in enumerate(ranked[:2]):  # a close call: both again, so the medians settle
+            _check_cancel(cancel, len(points), len(points))
+            key = (point.cutoff_layer, point.draft_len, point.drafter)
+            runs[key] += measure(*key)
+            if progress is not None:
+                progress(len(points) + 2 * round_ + rank + 1, total, summarize(*key, runs[key]))
+    return tuple(summarize(*key, times) for key, times in runs.items())
+
+
+def _check_cancel(cancel: threading.Event | None, done: int, total: int) -> None:
+    if cancel is not None and cancel.is_set():
+        raise GenerationCancelled(f"Tuning cancelled after {done} of {total} measurements.")
+
+
+def overlap(a: CurvePoint, b: CurvePoint) -> bool:
+    """Whether two points' spreads overlap: noise could swap them."""
+    return a.tpot_low_ms <= b.tpot_high_ms and b.tpot_low_ms <= a.tpot_high_ms
+
+
+def _rank(point: CurvePoint) -> tuple:
+    return (point.tpot_ms, point.cutoff_layer, point.draft_len, point.drafter)
 
 
 def choose(measured: Iterable[CurvePoint]) -> CurvePoint:
-    """The fastest point; ties go to the smaller cutoff, then the shorter draft."""
+    """The fastest median; ties go to the smaller cutoff, then the shorter draft."""
     points = list(measured)
     if not points:
         raise ValueError("nothing was measured to choose from")
-    return min(points, key=lambda point: (point.tpot_ms, point.cutoff_layer, point.draft_len))
+    return min(points, key=_rank)
+
+
+def describe(point: CurvePoint) -> str:
+    if point.draft_len == 0:
+        return "plain decoding"
+    drafter = "the draft model" if point.drafter == "draft" else "self-speculation"
+    prefetch = "no prefetch" if point.cutoff_layer < 0 else f"prefetch to layer {point.cutoff_layer}"
+    return f"{drafter}, draft length {point.draft_len}, {prefetch}"
+
+
+def certainty(measured: Iterable[CurvePoint]) -> str:
+    """How sure the choice is, in words: the best against the runner-up, given their spreads."""
+    ranked = sorted(measured, key=_rank)
+    if len(ranked) < 2:
+        return "Only one configuration was measured."
+    best, second = ranked[0], ranked[1]
+    gain = 100.0 * (second.tpot_ms - best.tpot_ms) / second.tpot_ms
+    versus = f"{best.tpot_ms:.1f} ms/token against {second.tpot_ms:.1f} for {describe(second)}"
+    if not overlap(best, second):
+        return f"Sure: {gain:.0f}% faster than the runner-up, beyond the spread of the runs ({versus})."
+    return (
+        f"Close call: within the noise of the runner-up after {best.runs} runs ({versus}); "
+        "either runs about as fast."
+    )
 
 
 def _draft_lens_around(prediction: Prediction) -> list[int]:

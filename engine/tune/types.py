@@ -60,9 +60,15 @@ class Profile:
 
 @dataclass(frozen=True)
 class CurvePoint:
+    """One configuration's TPOT: the median of its runs and their spread (low..high), when measured."""
+
     cutoff_layer: int  # -1: no prefetch
     draft_len: int
     tpot_ms: float
+    drafter: str = ""  # "draft" (the model's draft model), "self" (SS-MoE); "" for plain decoding
+    tpot_low_ms: float | None = None  # the fastest and slowest run: the error bar
+    tpot_high_ms: float | None = None
+    runs: int = 1
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,8 @@ class TuneChoice:
     draft_len: int
     cache_experts: int
     expected_tokens_per_s: float
+    drafter: str = ""  # "draft", "self", or "" (plain decoding)
+    certainty: str = ""  # how sure the choice is, in words: against the runner-up and the spread
 
 
 @dataclass(frozen=True)

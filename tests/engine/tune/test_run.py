@@ -33,10 +33,15 @@ def test_the_cli_prints_probe_profile_prediction_measured_and_choice(tmp_path, m
     assert report["probe"]["simulated_link"] and report["probe"]["h2d_gbps"] == 0.1
     assert len(report["profile"]["verify_ms"]) == 16
     points = report["measured"]
-    assert points and all({"cutoff_layer", "draft_len", "tpot_ms"} == set(p) for p in points)
+    fields = {"cutoff_layer", "draft_len", "tpot_ms", "drafter", "tpot_low_ms", "tpot_high_ms", "runs"}
+    assert points and all(fields == set(p) for p in points)
+    assert all(p["tpot_low_ms"] <= p["tpot_ms"] <= p["tpot_high_ms"] and p["runs"] >= 2 for p in points)
+    assert {p["drafter"] for p in points if p["draft_len"]} == {"draft", "self"}, "the demo's draft and self"
     best = min(points, key=lambda p: p["tpot_ms"])
     choice = report["choice"]
-    assert (choice["cutoff_layer"], choice["draft_len"]) == (best["cutoff_layer"], best["draft_len"])
+    chosen = (choice["cutoff_layer"], choice["draft_len"], choice["drafter"])
+    assert chosen == (best["cutoff_layer"], best["draft_len"], best["drafter"])
+    assert choice["certainty"].startswith(("Sure", "Close call"))
     assert choice["cache_experts"] == 24
     assert choice["expected_tokens_per_s"] == pytest.approx(1000 / best["tpot_ms"])
     assert report["reused"] is False
