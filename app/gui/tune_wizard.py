@@ -35,6 +35,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.gui.tune_plot import TuneCurvePlot
+from app.gui.tune_text import describe_choice, describe_probe, gib
 from app.settings import AppSettings
 from engine.config import ExpertBudget
 from engine.errors import EngineError
@@ -57,10 +58,6 @@ STAGE_TEXT = {
     "search": "Searching for the best settings",
 }
 MIN_NEW_TOKENS, MAX_NEW_TOKENS = 8, 128
-
-
-def _gib(nbytes: int | None) -> str:
-    return "unknown" if nbytes is None else f"{nbytes / 2**30:.1f} GiB"
 
 
 # ---- the pages ------------------------------------------------------------------------------------
@@ -98,9 +95,9 @@ class HardwarePage(QWizardPage):
         elif device.kind == "cpu":
             self.device_label.setText(f"Device: CPU ({device.name})")
         else:
-            self.device_label.setText(f"GPU: {device.name}, {_gib(device.total_memory_bytes)} of memory")
+            self.device_label.setText(f"GPU: {device.name}, {gib(device.total_memory_bytes)} of memory")
         host_ram = getattr(stats, "host_ram_total_bytes", None)
-        self.memory_label.setText(f"Host memory: {_gib(host_ram)}")
+        self.memory_label.setText(f"Host memory: {gib(host_ram)}")
         self.note_label.setText(NO_GPU_TEXT if device is not None and device.kind == "cpu" else "")
         self.note_label.setVisible(device is not None and device.kind == "cpu")
 
@@ -294,47 +291,24 @@ class ResultPage(QWizardPage):
 
     def initializePage(self) -> None:
         result = self._profiling_page.result or {}
-        self.show_result(result)
+        self.show_result(result, self.wizard().tuned_settings() if self.wizard() else None)
 
-    def show_result(self, result: dict[str, Any]) -> None:
-        """Fill the page from a TuneResult dict."""
+    def show_result(self, result: dict[str, Any], applied: AppSettings | None = None) -> None:
+        """Fill the page from a TuneResult dict; the summary says what Apply sets (`applied`)."""
         self.plot.set_data(
             list(result.get("measured", [])), list(result.get("prediction", {}).get("curve", []))
         )
         choice = result.get("choice", {})
-        self.choice_label.setText(describe_choice(choice))
+        self.choice_label.setText(describe_choice(choice, applied))
         reasons = result.get("prediction", {}).get("reasons", [])
-        self.reasons_label.setText("\n".join(f"• {reason}" for reason in reasons))
+        predicted = "Before measuring, the papers' models predicted (the measured runs decided):"
+        self.reasons_label.setText("\n".join([predicted, *(f"• {reason}" for reason in reasons)]))
         self.probe_label.setText(describe_probe(result.get("probe", {})))
         self.reused_label.setText(
             "Reused a stored result from an earlier run (tick “measure again” on page 2 to re-measure)."
             if result.get("reused")
             else "Measured just now."
         )
-
-
-def describe_choice(choice: dict[str, Any]) -> str:
-    """The chosen settings as one rich-text line."""
-    cutoff = int(choice.get("cutoff_layer", -1))
-    draft_len = int(choice.get("draft_len", 0))
-    cutoff_text = "none (no prefetch)" if cutoff < 0 else str(cutoff)
-    draft_text = "0 (plain decoding, no speculation)" if draft_len == 0 else str(draft_len)
-    return (
-        f"<b>Chosen:</b> cutoff layer {cutoff_text} · draft length {draft_text} · "
-        f"{choice.get('cache_experts', '?')} cached experts · "
-        f"<b>expected {float(choice.get('expected_tokens_per_s', 0.0)):.1f} tokens/s</b>"
-    )
-
-
-def describe_probe(probe: dict[str, Any]) -> str:
-    """The probe in one line: the GPU and its PCIe link, or the simulated link."""
-    link = f"{probe.get('h2d_gbps', 0.0):.3g} GB/s host→device"
-    if probe.get("simulated_link") or probe.get("device_kind") == "cpu":
-        return f"Machine: CPU, simulated link of {link}. {probe.get('note', '')}".strip()
-    pcie = ""
-    if probe.get("pcie_gen_current") is not None:
-        pcie = f", PCIe {probe['pcie_gen_current']}.0 x{probe.get('pcie_width_current') or '?'}"
-    return f"Machine: {probe.get('gpu_name') or 'GPU'}, {_gib(probe.get('vram_total_bytes'))}{pcie}, {link}."
 
 
 # ---- the wizard -----------------------------------------------------------------------------------
@@ -365,7 +339,16 @@ class TuneWizard(QWizard):
         result = self.profiling_page.result
         if result is None:
             return None
-        tuned = self._settings.with_tune(result["choice"])
+        choice = result["choice"]
+        tuned = self._settings.with_tune(choice)
+        if choice.get("drafter") == "self" and tuned.spec_mode != "none":  # the drafter that was measured
+            tuned = replace(tuned, spec_mode="self")
+        elif (
+            choice.get("drafter") == "draft"
+            and tuned.spec_mode == "self"
+            and self._settings.model_path is None
+        ):
+            tuned = replace(tuned, spec_mode="draft")  # the demo's draft model
         if self.budget_page.budget_changed():  # the user's new budget wins; it applies after a reload
             tuned = replace(tuned, expert_budget=self.budget_page.budget())
         return tuned
