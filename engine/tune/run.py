@@ -6,7 +6,7 @@ same (GPU, model, budget, precision) is returned as it is (`reused=True`) unless
 papers' models (`engine.tune.analytic`) and measures TPOT on a short calibration
 set at the cutoffs and draft lengths around the analytic choice
 (`engine.tune.search`) for each drafter that applies (the model's draft model, and
-self-speculation), twice per point and again where the best two are within noise,
+self-speculation), twice per point and again where the best is within the noise of others,
 keeps the fastest median, says how sure that is, and stores it. Progress is reported as
 (stage, done, total); `cancel` stops between measurements.
 """
@@ -47,7 +47,7 @@ class TuneConfig:
 
     draft_model: str | None = None  # None: self-speculation (SS-MoE), no separate drafter
     new_tokens: int = 32  # generated per calibration prompt and point
-    passes: int = 2  # runs over the calibration prompts per point (more where the best two overlap)
+    passes: int = 2  # runs over the calibration prompts per point (more where the best overlaps others)
     context_tokens: int = 4096  # the context the memory plan must hold
     retune: bool = False
     sim_link_gbps: float | None = None  # the probe's link without a GPU (the model's own, when simulated)

@@ -2,8 +2,8 @@
 
 Contract: pure control flow. The caller's `measure(cutoff_layer, draft_len, drafter)` runs
 the calibration prompts and returns the TPOT of each run in ms; this module chooses the
-points, measures each once in order, then measures the two best again while their spreads
-overlap (noise could swap them), reports progress after each, stops between measurements
+points, measures each once in order, then measures the best again with the points whose
+spreads overlap its own (noise could swap them), reports progress after each, stops between measurements
 when cancelled (`GenerationCancelled`), picks the fastest median and says how sure that is.
 Cutoff −1 means no prefetch; draft length 0 means plain decoding (the cutoff is then
 irrelevant and always −1, the drafter "").
@@ -53,6 +53,7 @@ def candidate_points(
     return points
 
 
+RIVALS = 2  # per round, the best is measured again with at most this many points its spread overlaps
 Measure = Callable[[int, int, str], Sequence[float]]  # (cutoff, draft_len, drafter) -> TPOTs of runs
 
 
@@ -82,15 +83,16 @@ def search(
     cancel: threading.Event | None = None,
     max_rounds: int = 2,
 ) -> tuple[CurvePoint, ...]:
-    """Measure every (cutoff, draft_len, drafter) in order, then measure the best two again while
-    their spreads overlap (at most `max_rounds` more times); `progress(done, total, point)` after each.
+    """Measure every (cutoff, draft_len, drafter) in order, then measure the best again with the
+    points whose spreads overlap its own (at most `RIVALS`, `max_rounds` more times) until it stands
+    out; `progress(done, total, point)` after each.
 
     Raises `GenerationCancelled` before the next measurement once `cancel` is set, and `ValueError`
     when `measure` returns something that is not positive finite times.
     """
     points = list(points)
     runs: dict[tuple[int, int, str], list[float]] = {}
-    total = len(points) + 2 * max_rounds
+    total = len(points) + (RIVALS + 1) * max_rounds  # at most: the rounds stop once the best stands out
     for key in points:
         _check_cancel(cancel, len(runs), len(points))
         runs[key] = list(measure(*key))
@@ -102,14 +104,15 @@ def search(
             progress(len(runs), total, point)
     for round_ in range(max_rounds):
         ranked = sorted((summarize(*key, times) for key, times in runs.items()), key=_rank)
-        if len(ranked) < 2 or not overlap(ranked[0], ranked[1]):
+        rivals = [point for point in ranked[1:] if overlap(ranked[0], point)][:RIVALS]
+        if not rivals:
             break
-        for rank, point in enumerate(ranked[:2]):  # a close call: both again, so the medians settle
+        for rank, point in enumerate([ranked[0], *rivals]):  # a close call: again, so the medians settle
             _check_cancel(cancel, len(points), len(points))
             key = (point.cutoff_layer, point.draft_len, point.drafter)
             runs[key] += measure(*key)
             if progress is not None:
-                progress(len(points) + 2 * round_ + rank + 1, total, summarize(*key, runs[key]))
+                progress(len(points) + (RIVALS + 1) * round_ + rank + 1, total, summarize(*key, runs[key]))
     return tuple(summarize(*key, times) for key, times in runs.items())
 
 
@@ -148,7 +151,8 @@ def certainty(measured: Iterable[CurvePoint]) -> str:
     ranked = sorted(measured, key=_rank)
     if len(ranked) < 2:
         return "Only one configuration was measured."
-    best, second = ranked[0], ranked[1]
+    best = ranked[0]
+    second = next((point for point in ranked[1:] if overlap(best, point)), ranked[1])
     gain = 100.0 * (second.tpot_ms - best.tpot_ms) / second.tpot_ms
     versus = f"{best.tpot_ms:.1f} ms/token against {second.tpot_ms:.1f} for {describe(second)}"
     if not overlap(best, second):
