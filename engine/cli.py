@@ -174,7 +174,8 @@ def run_generate(args: argparse.Namespace) -> int:
             s = finished.stats
             tps = f"{s.tokens_per_s:.1f} tok/s" if s.tokens_per_s else "n/a tok/s"
             hit = f"{s.hit_rate:.0%}" if s.hit_rate is not None else "n/a"
-            link = "simulated link" if s.simulated_link else "PCIe"
+            link = "CPU, no link" if model.cache.in_place else "PCIe"
+            link = "simulated link" if s.simulated_link else link
             spec = f", spec {s.spec}" + (f", accept_len {s.accept_len:.2f}" if s.accept_len else "")
             print(
                 f"\n[{finished.reason}; {s.generated_tokens} tokens, {tps}, hit rate {hit}{spec}, "

@@ -22,9 +22,17 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from engine.bench.memory import current_rss_bytes, kv_cache_bytes, memory_line, peak_rss_bytes
+from engine.bench.side_by_side import bench_other, ratio_line, ratios
 from engine.config import OffloadConfig, format_bytes
 from engine.errors import EngineError
-from engine.options import add_offload_arguments, add_spec_arguments, model_folder, offload_config
+from engine.options import (
+    add_offload_arguments,
+    add_sim_link_argument,
+    add_spec_arguments,
+    model_folder,
+    offload_config,
+)
 from engine.prompts import PROMPTS, encode_prompts, greedy
 
 log = logging.getLogger(__name__)
@@ -46,6 +54,10 @@ class BenchRow:
     peak_rss_bytes: int | None = None  # this process's peak resident memory so far (run one model a process)
     pinned_bytes: int | None = None  # host memory pinned for the link (the expert store on CUDA)
     store_bytes: int | None = None  # the routed experts in host memory, in their stored precision
+    baseline_rss_bytes: int | None = None  # this process before the model loaded (Python, torch)
+    resident_bytes: int | None = None  # the model's weights besides the routed experts
+    kv_bytes: int | None = None  # the KV cache of the longest sequence run
+    in_place: bool = False  # CPU, no link simulated: the experts are used where the store holds them
 
 
 def engine_pass(model, prompt_ids: list[list[int]], new_tokens: int) -> dict:
@@ -67,8 +79,8 @@ def engine_pass(model, prompt_ids: list[list[int]], new_tokens: int) -> dict:
     }
 
 
-def engine_row(model, passes: list[dict]) -> BenchRow:
-    """The pass with the median tpot."""
+def engine_row(model, passes: list[dict], baseline_rss: int | None = None, tokens: int = 0) -> BenchRow:
+    """The pass with the median tpot; `tokens`: the longest sequence run (for the KV cache)."""
     median = sorted(passes, key=lambda p: p["tpot_ms"])[len(passes) // 2]
     return BenchRow(
         engine="moe-chat",
@@ -85,20 +97,19 @@ def engine_row(model, passes: list[dict]) -> BenchRow:
         peak_rss_bytes=peak_rss_bytes(),
         pinned_bytes=model.store.nbytes if model.store.pinned else 0,
         store_bytes=model.store.nbytes,
+        baseline_rss_bytes=baseline_rss,
+        resident_bytes=model.info().resident_nbytes,
+        kv_bytes=kv_cache_bytes(model, tokens),
+        in_place=model.cache.in_place,
     )
 
 
-def peak_rss_bytes() -> int:
-    """The peak resident set of this process (Linux and macOS report it in different units)."""
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
-def bench_engine(model, prompt_ids: list[list[int]], new_tokens: int, repeats: int) -> BenchRow:
+def bench_engine(
+    model, prompt_ids: list[list[int]], new_tokens: int, repeats: int, baseline_rss: int | None = None
+) -> BenchRow:
     engine_pass(model, [prompt_ids[0][:8]], 4)  # warm-up
-    return engine_row(model, [engine_pass(model, prompt_ids, new_tokens) for _ in range(repeats)])
+    passes = [engine_pass(model, prompt_ids, new_tokens) for _ in range(repeats)]
+    return engine_row(model, passes, baseline_rss, max(map(len, prompt_ids)) + new_tokens)
 
 
 class TransformersRunner:
@@ -176,6 +187,7 @@ def _format_table(rows: list[BenchRow]) -> str:
     lines = [header]
     for r in rows:
         link = "simulated" if r.simulated_link else ("real" if r.engine == "moe-chat" else "none")
+        link = "none (in place)" if r.in_place else link
         lines.append(
             f"{r.engine:<13}{r.budget:<16}{num(r.cache_slots, 'd'):>6}{r.tpot_ms:>10.2f}"
             f"{r.tokens_per_s:>9.1f}{num(r.prefill_tokens_per_s, '.0f'):>11}{num(r.hit_rate, '.1%'):>10}"
@@ -197,10 +209,11 @@ def run(args: argparse.Namespace) -> dict:
     prompts = PROMPTS[: args.prompts]
     rows: list[BenchRow] = []
     for budget in budgets:
+        baseline = current_rss_bytes()
         model = load_model(model_folder(args), offload_config(args, budget))
         try:
             prompt_ids = encode_prompts(model, prompts)
-            rows.append(bench_engine(model, prompt_ids, args.new_tokens, args.repeats))
+            rows.append(bench_engine(model, prompt_ids, args.new_tokens, args.repeats, baseline))
             info = model.info()
         finally:
             model.close()
@@ -270,17 +283,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare", action="store_true", help="every speculation × prefetch configuration side by side"
     )
     parser.add_argument("--configs", nargs="*", default=None, help="--compare: only these configurations")
-    parser.add_argument(
-        "--sim-link",
-        default=None,
-        choices=("calibrated",),
-        help="calibrated: a simulated link where one expert's copy takes 3× one layer's decode",
-    )
+    add_sim_link_argument(parser)  # calibrated, or GB/s: the same option in every command
     parser.add_argument(
         "--tuned", action="store_true", help="auto-tune, then time the tuned settings against the defaults"
     )
     parser.add_argument("--retune", action="store_true", help="--tuned: ignore a stored tuning result")
     add_spec_arguments(parser)
+    parser.add_argument(
+        "--and-model",
+        metavar="DIR",
+        default=None,
+        help="also bench this model (e.g. the same weights as BF16 safetensors) in a child process, "
+        "side by side: link bytes per token, memory and speed as ratios",
+    )
     parser.add_argument(
         "--vs-llama-cpp",
         metavar="FILE.gguf",
@@ -308,10 +323,35 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.and_model:
+        try:
+            result["and_model"] = bench_other(sys.argv[1:] if argv is None else argv, args.and_model)
+            result["and_model_ratios"] = ratios(result["rows"][0], result["and_model"]["rows"][0])
+        except EngineError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    _print_result(result)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _print_result(result: dict) -> None:
     rows = [BenchRow(**r) for r in result["rows"]]
     info = result["model"]
     print(f"{info['path']} ({info['model_type']}, {info['dtype']}, device {info['device']})")
     print(_format_table(rows))
+    for line in filter(None, map(memory_line, rows)):
+        print(line)
+    if "and_model" in result:
+        other = result["and_model"]
+        other_rows = [BenchRow(**r) for r in other["rows"]]
+        print(f"\n{other['model']['path']} ({other['model']['dtype']}), the same bench in its own process")
+        print(_format_table(other_rows))
+        for line in filter(None, map(memory_line, other_rows)):
+            print(line)
+        found = result["and_model_ratios"]
+        print(ratio_line(Path(info["path"]).name, Path(other["model"]["path"]).name, found))
     if "llama_cpp" in result:
         vs = result["llama_cpp"]
         print(
@@ -324,9 +364,6 @@ def main(argv: list[str] | None = None) -> int:
             f"decode speed with {result['compared_budget']} cached: "
             f"{result['speed_vs_transformers']:.1%} of transformers' generate"
         )
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2))
-    return 0
 
 
 def _main_tuned(args: argparse.Namespace) -> int:

@@ -140,7 +140,8 @@ def test_json_output(greedy):
         assert greedy["finish_reason"] == "length" and len(ids) == MAX_NEW
     stats = greedy["stats"]
     assert stats.keys() >= STATS_KEYS
-    assert stats["simulated_link"] is True  # on the CPU device the link is always simulated
+    # on the CPU with no --sim-link the experts are used in place: nothing crosses a link
+    assert stats["simulated_link"] is False and stats["h2d_bytes"] == 0 and stats["misses"] == 0
     assert stats["generated_tokens"] == len(ids)
     assert stats["hits"] + stats["misses"] > 0
     assert stats["hit_rate"] == pytest.approx(stats["hits"] / (stats["hits"] + stats["misses"]))
@@ -187,7 +188,7 @@ def test_plain_output_streams_the_text_then_a_summary(runs, greedy):
     summary = run.stdout[len(greedy["text"]) :]
     pattern = (
         rf"\n\[{greedy['finish_reason']}; {len(greedy['token_ids'])} tokens, [\d.]+ tok/s, "
-        r"hit rate \d+%, spec none, prefetch none, simulated link\]\n"
+        r"hit rate 100%, spec none, prefetch none, CPU, no link\]\n"
     )
     assert re.fullmatch(pattern, summary), summary
 
@@ -210,7 +211,10 @@ QUICK_BAD_OPTIONS = {
         ("bad budget", r"error: Cannot read expert budget 'lots'"),
         ("bad policy", r"argument --policy: invalid choice: 'fifo'"),
         ("bad link", r"error: --sim-link-gbps must be a positive bandwidth in GB/s, got -1\.0"),
-        ("bad --sim-link", r"argument --sim-link: give a bandwidth in GB/s \(16\) or 'calibrated', not 'fast'"),
+        (
+            "bad --sim-link",
+            r"argument --sim-link: give a bandwidth in GB/s \(16\) or 'calibrated', not 'fast'",
+        ),
         ("links disagree", r"error: --sim-link 4 and --sim-link-gbps 8 disagree: give one\."),
     ],
 )
