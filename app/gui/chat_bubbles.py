@@ -55,7 +55,8 @@ def breakable(text: str) -> str:
 
 
 def stats_line(stats: dict | None) -> str:
-    """The small line under a reply: tokens, tok/s, acceptance length (speculative), how it ended."""
+    """The small line under a reply: tokens, tok/s, acceptance length (speculative), how it ended
+    (an interrupted reply with why: "interrupted: The engine stopped.")."""
     stats = stats or {}
     parts = []
     if stats.get("generated_tokens") is not None:
@@ -66,8 +67,9 @@ def stats_line(stats: dict | None) -> str:
         parts.append(f"accept len {stats['accept_len']:.2f}")
     if stats.get("simulated_link"):
         parts.append("simulated link")
-    if stats.get("finish_reason") in _ENDINGS:
-        parts.append(_ENDINGS[stats["finish_reason"]])
+    ending = _ENDINGS.get(stats.get("finish_reason"))
+    if ending is not None:
+        parts.append(f"{ending}: {stats['error']}" if stats.get("error") else ending)
     return " · ".join(parts)
 
 

@@ -196,7 +196,8 @@ def test_a_crashed_reply_stays_its_own_entry_apart_from_the_regenerated_one(
     ]
     assert _shown(session.view) == [
         ("user", "What sound does a cow make?", ""),
-        ("reply", streamed, "interrupted"),  # its own bubble, its own line saying so
+        # its own bubble, its own line saying so and why
+        ("reply", streamed, "interrupted: The engine process stopped unexpectedly (signal 9)."),
         ("reply", "A cow says moo.", "2 tokens"),
     ]
     session.view.set_input_enabled(True)

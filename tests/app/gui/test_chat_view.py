@@ -149,6 +149,22 @@ def test_stats_line_leaves_out_what_is_unknown():
     )
 
 
+def test_an_interrupted_reply_says_why_in_its_line(qtbot, view):
+    crashed = {"finish_reason": "interrupted", "error": "The engine stopped unexpectedly."}
+    assert stats_line(crashed) == "interrupted: The engine stopped unexpectedly."
+    assert stats_line({"finish_reason": "interrupted"}) == "interrupted"
+    view.set_conversation(_conversation(_msg(1, "user", "q"), _msg(2, "assistant", "Partial", crashed)))
+    reply = _bubbles(view, "replyBubble")[-1]
+    assert reply.stats.isVisibleTo(view)
+    assert reply.stats.text() == "interrupted: The engine stopped unexpectedly."
+
+    view.begin_reply()  # live, the crash reason is the red line under the reply
+    view.fail_reply("The engine stopped unexpectedly.")
+    error = _bubbles(view, "replyBubble")[-1].findChild(QLabel, "replyError")
+    assert error.isVisibleTo(view)
+    assert error.palette().color(QPalette.ColorRole.WindowText) == QColor("#d32f2f")
+
+
 def test_copy_puts_the_markdown_source_on_the_clipboard(qtbot, view):
     view.set_conversation(_conversation(_msg(1, "user", "q"), _msg(2, "assistant", CODE_REPLY)))
     QGuiApplication.clipboard().setText("something else")
