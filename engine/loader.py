@@ -58,6 +58,7 @@ from engine.offload.moe_layer import (
 from engine.offload.mxfp4_store import build_mxfp4_store, is_mxfp4
 from engine.offload.prequantized import first_experts, refuse_requantization
 from engine.offload.quant import QuantSpec
+from engine.offload.staging import pinned_if_small
 from engine.offload.store_cache import StoreKey, load_or_build
 from engine.offload.transfer import make_transfer
 
@@ -88,7 +89,7 @@ def load_model(
         n_slots = cache_slots(
             config.expert_budget, store.expert_nbytes, store.total_experts, top_k, auto_nbytes
         )
-        transfer = make_transfer(device, config.sim_link_gbps, config.sim_latency_us)
+        transfer = make_transfer(device, config.sim_link_gbps, config.sim_latency_us, store)
         policy = make_policy(config.policy, top_k=top_k, alpha=config.mrs_alpha)
         cache = ExpertCache(store, n_slots, device, transfer, policy, in_place=config.sim_link_gbps is None)
         trace, control = _offload_experts(blocks, arch, cache)
@@ -129,23 +130,28 @@ def load_model(
 
 
 def _expert_store(folder, checkpoint, hf_model, arch, blocks, dtype, device, config, progress):
-    """The host store of the routed experts, and the safetensors disk layout (None for GGUF)."""
+    """The host store of the routed experts, and the safetensors disk layout (None for GGUF).
+
+    Built in pageable memory; on CUDA a small store is then pinned whole, a big one stays pageable
+    and its copies are staged (engine.offload.staging)."""
+    store, disk_layout = _build_store(folder, checkpoint, hf_model, arch, blocks, dtype, config, progress)
+    return (pinned_if_small(store) if device.type == "cuda" else store), disk_layout
+
+
+def _build_store(folder, checkpoint, hf_model, arch, blocks, dtype, config, progress):
     if not isinstance(checkpoint, GgufCheckpoint) and is_mxfp4(hf_model.config):
-        pin = device.type == "cuda"
-        return build_mxfp4_store(checkpoint, arch, blocks, dtype, pin, config.expert_dtype, progress)
+        return build_mxfp4_store(checkpoint, arch, blocks, dtype, False, config.expert_dtype, progress)
     if isinstance(checkpoint, Fp8Checkpoint | Int4Checkpoint):  # experts kept in the checkpoint's format
         build = build_fp8_store if isinstance(checkpoint, Fp8Checkpoint) else build_int4_store
-        return build(checkpoint, arch, blocks, device.type == "cuda", config.expert_dtype, progress)
+        return build(checkpoint, arch, blocks, False, config.expert_dtype, progress)
     if not isinstance(checkpoint, GgufCheckpoint):
         disk_layout = find_layout(checkpoint, arch.layouts, next(iter(blocks.values()))[0] + ".")
-        return _load_store(
-            folder, checkpoint, disk_layout, blocks, dtype, device, config, progress
-        ), disk_layout
+        return _load_store(folder, checkpoint, disk_layout, blocks, dtype, config, progress), disk_layout
     refuse_requantization(checkpoint.parts[0].name, "in the file's own types", config.expert_dtype)
     checkpoint.bind(hf_model)
     _, shapes, num_experts = first_experts(blocks)
     report = (lambda done, total: progress("experts", done, total)) if progress else None
-    store = build_gguf_store(checkpoint, sorted(blocks), num_experts, shapes, device.type == "cuda", report)
+    store = build_gguf_store(checkpoint, sorted(blocks), num_experts, shapes, False, report)
     return store, None
 
 
@@ -179,7 +185,6 @@ def _load_store(
     disk_layout: DiskLayout,
     blocks: dict,
     dtype: torch.dtype,
-    device: torch.device,
     config: OffloadConfig,
     progress: Progress | None,
 ) -> ExpertStore:
@@ -194,7 +199,7 @@ def _load_store(
     quant = QuantSpec.from_dtype(config.expert_dtype)
     if quant is None:
         quant = host_store_quant(ExpertLayout.from_shapes(shapes, dtype), len(moe_layers) * num_experts)
-    pin = device.type == "cuda"
+    pin = False  # pinned afterwards only if small (_expert_store)
     build = partial(
         build_store, checkpoint, disk_layout, moe_layers, shapes, num_experts, dtype, pin, report, quant
     )

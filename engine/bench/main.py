@@ -95,13 +95,18 @@ def engine_row(model, passes: list[dict], baseline_rss: int | None = None, token
         decode_tokens=median["decode_tokens"],
         simulated_link=model.simulated_link,
         peak_rss_bytes=peak_rss_bytes(),
-        pinned_bytes=model.store.nbytes if model.store.pinned else 0,
+        pinned_bytes=pinned_bytes(model),
         store_bytes=model.store.nbytes,
         baseline_rss_bytes=baseline_rss,
         resident_bytes=model.info().resident_nbytes,
         kv_bytes=kv_cache_bytes(model, tokens),
         in_place=model.cache.in_place,
     )
+
+
+def pinned_bytes(model) -> int:
+    """Host memory pinned for the link: the whole store, or the staging ring's buffers."""
+    return model.store.nbytes if model.store.pinned else getattr(model.transfer, "staging_nbytes", 0)
 
 
 def bench_engine(

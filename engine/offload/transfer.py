@@ -4,7 +4,8 @@
 side calls `handle.wait()` before reading `dst`. Two implementations share
 that contract:
 
-- `CudaTransfer`: a dedicated copy stream; each copy first waits for `after`
+- `CudaTransfer`: a dedicated copy stream; a store too big to pin passes each copy through a
+  pinned `StagingRing` (engine.offload.staging) first. Each copy first waits for `after`
   (the event recorded when the slot's previous user finished on the compute
   stream), then records its own CUDA event. `wait()` makes the *compute
   stream* wait on that event: the host does not block. `synchronize()` blocks
@@ -26,6 +27,9 @@ import time
 from abc import ABC, abstractmethod
 
 import torch
+
+from engine.offload.expert_store import ExpertStore
+from engine.offload.staging import STAGING_SLOTS, StagingRing
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +95,21 @@ class _CudaCopy(CopyHandle):
 class CudaTransfer(TransferEngine):
     simulated = False
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, staging: StagingRing | None = None):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        self.staging = staging  # pageable sources pass through it; None: the store is pinned
+
+    @property
+    def staging_nbytes(self) -> int:
+        return self.staging.nbytes if self.staging is not None else 0
 
     def copy(self, dst, src, after=None) -> CopyHandle:
+        if self.staging is not None:
+            return self.staging.stage(src, lambda pinned: self._start(dst, pinned, after))
+        return self._start(dst, src, after)
+
+    def _start(self, dst, src, after) -> CopyHandle:
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
@@ -188,9 +202,13 @@ class SimulatedLink(TransferEngine):
         self._thread.join(timeout=5)
 
 
-def make_transfer(device: torch.device, sim_link_gbps: float | None, sim_latency_us: float) -> TransferEngine:
+def make_transfer(
+    device: torch.device, sim_link_gbps: float | None, sim_latency_us: float, store: ExpertStore | None = None
+) -> TransferEngine:
+    """The link to `device`; on CUDA, copies of an unpinned `store` are staged (a pinned ring)."""
     if device.type == "cuda":
         if sim_link_gbps is not None:
             log.warning("--sim-link-gbps is ignored on a CUDA device: copies use the real link.")
-        return CudaTransfer(device)
+        staged = store is not None and not store.pinned
+        return CudaTransfer(device, StagingRing(STAGING_SLOTS, store.expert_nbytes) if staged else None)
     return SimulatedLink(sim_link_gbps, sim_latency_us)

@@ -238,3 +238,29 @@ def test_offloaded_model_on_cuda_matches_transformers(tmp_path, cuda, model_type
         assert stats.h2d_bytes == stats.misses * model.store.layout.nbytes
     finally:
         model.close()
+
+
+def test_a_store_too_big_to_pin_is_staged_and_outputs_do_not_change(tmp_path, cuda, monkeypatch) -> None:
+    """Past PIN_WHOLE_LIMIT the store stays pageable: copies pass through the pinned staging ring
+    (a few experts wide), and the logits are the pinned path's."""
+    import engine.offload.staging as staging
+
+    folder = save_tiny_model(build_tiny_model("qwen3_moe", seed=1), tmp_path / "qwen3_moe")
+    config = OffloadConfig(device="cuda", dtype="float32", expert_budget=ExpertBudget(experts=4))
+    ids = torch.randint(0, 100, (24,), generator=torch.Generator().manual_seed(0))
+    pinned = load_model(folder, config)
+    try:
+        assert pinned.store.pinned and pinned.transfer.staging is None
+        expected = pinned.forward(ids, pinned.new_kv_cache(), logits_to_keep=0)
+    finally:
+        pinned.close()
+    monkeypatch.setattr(staging, "PIN_WHOLE_LIMIT", 0)
+    staged = load_model(folder, config)
+    try:
+        assert not staged.store.pinned
+        assert staged.transfer.staging_nbytes == staging.STAGING_SLOTS * staged.store.expert_nbytes
+        logits = staged.forward(ids, staged.new_kv_cache(), logits_to_keep=0)
+        torch.testing.assert_close(logits, expected, atol=0, rtol=0)
+        assert staged.cache.stats.total().misses > 4, "the cache must actually evict (and stage)"
+    finally:
+        staged.close()
