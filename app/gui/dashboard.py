@@ -76,6 +76,15 @@ _TITLES = {  # the dashboard's title when no model is loaded, by state
 }
 
 
+_DRAFTERS = {"draft": "draft model", "self": "self-draft", "substitute": "substitutes"}
+_PREFETCHERS = {"spmoe": "SP-MoE", "hybrimoe": "HybriMoE"}
+
+
+def policy_name(prefetch: str | None) -> str | None:
+    """The prefetch policy of a reply's description ("spmoe (cutoff 3 of 4 MoE layers, auto)": spmoe)."""
+    return prefetch.split(" ", 1)[0] if isinstance(prefetch, str) else prefetch
+
+
 def reply_figures(f: dict[str, Any], live: bool, moe_layers: int | None = None) -> dict[str, tuple[str, str]]:
     """The reply tiles' (value, detail) from a reply's figures: a live `Stats` as a dict, or the
     last reply's `GenerationStats` dict (then every detail starts "last reply"). `spec` /
@@ -100,17 +109,17 @@ def reply_figures(f: dict[str, Any], live: bool, moe_layers: int | None = None) 
         "tokens_per_s": (fmt_number(f.get("tokens_per_s"), "tok/s"), tokens),
         "tpot": (fmt_number(f.get("tpot_ms"), "ms"), tag("decode time per token")),
     }
-    spec, prefetch = f.get("spec"), f.get("prefetch")
+    spec, prefetch = f.get("spec"), policy_name(f.get("prefetch"))
     if spec == "none":
         out["accept_len"] = ("off", "speculation off")
-    else:
+    else:  # the drafter `auto` resolved to, when the engine said
         accept = fmt_number(f.get("accept_len"), "tokens", 2)
-        out["accept_len"] = (accept, tag("per verify step, bonus included"))
+        out["accept_len"] = (accept, tag(_DRAFTERS.get(spec, spec or ""), "per verify step, bonus included"))
     if prefetch == "none":
         out["prefetch"] = ("off", "prefetch off")
     else:
         recall = f"{fmt_percent(f.get('prefetch_precision'))} / {fmt_percent(f.get('prefetch_recall'))}"
-        out["prefetch"] = (recall, tag("precision / recall"))
+        out["prefetch"] = (recall, tag(_PREFETCHERS.get(prefetch, prefetch or ""), "precision / recall"))
     out["cutoff"] = _cutoff(f.get("cutoff_layer"), prefetch, moe_layers, tag)
     return out
 
@@ -134,6 +143,7 @@ def _live_figures(s: Stats, mode: dict[str, str | None]) -> dict[str, Any]:
         "accept_len": s.accept_len, "prefetch_precision": s.prefetch_precision,
         "prefetch_recall": s.prefetch_recall, "cutoff_layer": s.cutoff_layer,
         "simulated_link": s.simulated_link,
+        # what the engine resolved for this reply (`auto` included), else the modes asked for
         "spec": s.extra.get("spec", mode["spec"]), "prefetch": s.extra.get("prefetch", mode["prefetch"]),
     }  # fmt: skip
 
@@ -253,6 +263,7 @@ class Dashboard(QWidget):
         `Finished`, e.g. a crash) keeps what was last seen of it."""
         seen, self._live = self._live, None
         if stats is not None:
+            stats = {**stats, "prefetch": policy_name(stats.get("prefetch"))}
             self._last_reply = {"cutoff_layer": (seen or {}).get("cutoff_layer"), **stats}
         elif seen is not None:  # its interval rates stand; the counts since the load were not its own
             cumulative = ("h2d_bytes", "hits", "misses", "hit_rate_total")

@@ -261,7 +261,7 @@ class Worker:
     def _stream(self, request_id: str, messages, config, cancel: threading.Event) -> None:
         sent = 0
         live = LiveGeneration(time.perf_counter())
-        self.telemetry.begin(live)
+        self.telemetry.begin(live, config.spec.mode, config.prefetch)
         self._tick.set()
         try:
             for event in generate(self.model, messages, config, cancel, live):

@@ -3,7 +3,9 @@
 Counted figures (bytes copied, hits, misses, tokens) come from the engine and are
 exact; NVML's sampled PCIe counters are shown beside the counted `h2d_gbps`,
 never instead of it. Whatever this machine cannot tell (no GPU, no NVML, no
-model loaded) is None, never a made-up number.
+model loaded) is None, never a made-up number. `extra` names the drafter and the
+prefetch policy the running (or last) reply resolved to (`{"spec": "draft",
+"prefetch": "spmoe"}`), so a live view need not guess what `auto` became.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class Telemetry:
         self.model = None
         self.live: LiveGeneration | None = None
         self.generating = False
+        self._decoding: dict[str, str] = {}  # resolved for the reply, until its decoder is built
         self._gpu: GpuMonitor | None = None
         self._previous: _Reading | None = None
         self._process = psutil.Process(os.getpid())
@@ -101,8 +104,11 @@ class Telemetry:
         self.model, self.live, self._previous = model, None, None
         self._gpu = GpuMonitor.open(model.device) if model is not None else None
 
-    def begin(self, live: LiveGeneration) -> None:
+    def begin(self, live: LiveGeneration, spec: str | None = None, prefetch: str | None = None) -> None:
+        """A reply starts; `spec` and `prefetch` are the modes resolved for it (the decoder's own
+        are reported once it is built)."""
         self.live, self.generating = live, True
+        self._decoding = {key: value for key, value in (("spec", spec), ("prefetch", prefetch)) if value}
 
     def end(self) -> None:
         self.generating = False
@@ -152,6 +158,7 @@ class Telemetry:
             cutoff_layer=_cutoff_layer(live),
             cache_slots_used=model.cache.used_slots if model is not None else None,
             cache_slots_total=model.cache.n_slots if model is not None else None,
+            extra=_decoding(live, self._decoding),
         )
 
     @staticmethod
@@ -176,6 +183,19 @@ class _Interval:
         self.gbps = (after.totals.bytes_copied - before.totals.bytes_copied) / seconds / 1e9
         self.hit_rate = hits / uses if uses > 0 else None
         self.tokens_per_s = max(after.generated - before.generated, 0) / seconds
+
+
+def _decoding(live: LiveGeneration | None, resolved: dict[str, str]) -> dict[str, str]:
+    """The drafter (`draft`, `self`, `substitute`, `none`) and the prefetch policy (`spmoe`,
+    `next-layer`, `hybrimoe`, `none`) the reply runs with: its decoder's, once built."""
+    decoder = live.decoder if live is not None else None
+    if decoder is None:
+        return dict(resolved) if live is not None else {}
+    drafter, prefetch = getattr(decoder, "drafter", None), getattr(decoder, "prefetch", None)
+    return {
+        "spec": drafter.name if drafter is not None else "none",
+        "prefetch": prefetch.policy if prefetch is not None else "none",
+    }
 
 
 def _cutoff_layer(live: LiveGeneration | None) -> int | None:

@@ -97,6 +97,25 @@ def test_fields_that_do_not_apply_say_why_instead_of_zero_or_minus_one():
     assert unknown["accept_len"][0] == NA
 
 
+def test_a_live_reply_under_auto_names_what_the_engine_resolved(qtbot):
+    dash = Dashboard()
+    qtbot.addWidget(dash)
+    dash.set_model(MODEL)
+    dash.set_decoding("auto", "auto")  # the settings do not say: the engine's Stats do
+    dash.update_stats(make_stats(extra={"spec": "draft", "prefetch": "spmoe"}))
+    assert figures(dash, "accept_len") == ("3.25 tokens", "draft model · per verify step, bonus included")
+    assert figures(dash, "prefetch") == ("80.0 % / 65.0 %", "SP-MoE · precision / recall")
+    assert figures(dash, "cutoff") == ("17", "last MoE layer prefetched of 0–47")
+    # the reply's own stats describe the policy at length; its name is what the tiles read
+    dash.reply_ended({**REPLY, "prefetch": "spmoe (cutoff 17 of 48 MoE layers, auto)"})
+    assert figures(dash, "cutoff") == ("17", "last reply · last MoE layer prefetched of 0–47")
+    assert figures(dash, "prefetch")[1] == "last reply · SP-MoE · precision / recall"
+
+    dash.update_stats(make_stats(time_s=200.0, extra={"spec": "none", "prefetch": "none"}))
+    assert figures(dash, "accept_len") == ("off", "speculation off")
+    assert figures(dash, "prefetch") == ("off", "prefetch off")
+
+
 def test_a_crash_mid_reply_never_stays_generating(qtbot):
     dash = Dashboard()
     qtbot.addWidget(dash)

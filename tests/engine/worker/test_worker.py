@@ -12,7 +12,7 @@ import pytest
 import engine.worker.loop
 from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import DeviceOutOfMemoryError
-from engine.generation_config import GenerationConfig, SamplingConfig
+from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
 from engine.worker.loop import smaller_budget
 from engine.worker.protocol import (
     PROTOCOL_VERSION,
@@ -300,3 +300,28 @@ def test_cancelling_a_tune_reports_it(fresh_worker, tmp_path, monkeypatch):
     fresh_worker.send(Cancel("c", "t"))
     error = fresh_worker.next_of(Error, "t", timeout_s=60)
     assert error.kind == "cancelled" and "was cancelled" in error.message
+
+
+def test_live_stats_name_the_drafter_and_prefetch_auto_resolved_to(fresh_worker):
+    fresh_worker.load("l", SLOW_LINK)
+    auto = GenerationConfig(
+        max_new_tokens=12,
+        ignore_eos=True,
+        sampling=SamplingConfig(greedy=True),
+        spec=SpecConfig(mode="auto"),
+        prefetch="auto",
+    )
+    fresh_worker.send(Generate("g", COW, auto))
+    events = fresh_worker.until(lambda e: isinstance(e, Stats) and e.request_id == "g" and not e.generating)
+    live = [e for e in events if isinstance(e, Stats) and e.generating]
+    finished = next(e for e in events if isinstance(e, Finished))
+    assert live, "the slow link makes the reply last several telemetry ticks"
+    # the demo's bundled draft model drafts and SP-MoE prefetches from it
+    assert all(s.extra == {"spec": "draft", "prefetch": "spmoe"} for s in live), [s.extra for s in live]
+    assert finished.stats["spec"] == "draft" and finished.stats["prefetch"].startswith("spmoe")
+
+    fresh_worker.send(Generate("plain", COW, replace(auto, spec=SpecConfig(mode="none"), prefetch="none")))
+    events = fresh_worker.until(
+        lambda e: isinstance(e, Stats) and e.request_id == "plain" and not e.generating
+    )
+    assert events[-1].extra == {"spec": "none", "prefetch": "none"}
