@@ -307,7 +307,8 @@ class SettingsDialog(QDialog):
 
     def _on_changed(self) -> None:
         spec_mode = self._editors["spec_mode"].value()
-        self._editors["draft_model"].widget.setEnabled(spec_mode == "draft")
+        # `auto` drafts with a draft model given here too (else the model's own drafter)
+        self._editors["draft_model"].widget.setEnabled(spec_mode in ("draft", "auto"))
         self._editors["draft_len"].widget.setEnabled(spec_mode != "none")
         sim_link = self._editors["sim_link_gbps"]
         sim_link.widget.setEnabled(not self._gpu_available)

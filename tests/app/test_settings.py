@@ -4,6 +4,7 @@ import json
 import logging
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from PySide6.QtWidgets import QDialogButtonBox
@@ -113,6 +114,16 @@ def test_engine_configs_carry_the_settings(tmp_path):
         6,
     )
     assert (config.prefetch, config.cpu_experts) == ("spmoe", "auto")
+
+
+def test_a_draft_model_given_under_auto_is_the_one_auto_drafts_with(tmp_path):
+    from engine.speculative.auto import resolve
+
+    spec = AppSettings(spec_mode="auto", draft_model=str(tmp_path / "draft")).to_spec_config()
+    model = SimpleNamespace(path=str(tmp_path / "model"), top_k=8)  # no bundled draft of its own
+    chosen = resolve(model, spec, "auto", None)
+    assert (chosen.spec.mode, chosen.spec.draft_model) == ("draft", spec.draft_model)
+    assert chosen.prefetch == "spmoe"
 
 
 def test_draft_mode_on_the_demo_model_drafts_with_the_demo_draft():
@@ -277,6 +288,10 @@ def test_dependent_fields_and_the_gpu_case(qtbot):
     assert not editors["draft_model"].widget.isEnabled() and not editors["draft_len"].widget.isEnabled()
     editors["spec_mode"].set_value("draft")
     assert editors["draft_model"].widget.isEnabled() and editors["draft_len"].widget.isEnabled()
+    editors["spec_mode"].set_value("auto")  # a draft model given under auto is the one it drafts with
+    assert editors["draft_model"].widget.isEnabled() and editors["draft_len"].widget.isEnabled()
+    editors["spec_mode"].set_value("self")  # self-drafting has no draft model
+    assert not editors["draft_model"].widget.isEnabled() and editors["draft_len"].widget.isEnabled()
     assert dialog.settings().sim_link_gbps == 8.0  # kept, only not editable
     assert not dialog.tune_button.isEnabled() and "not available" in dialog.tune_button.toolTip()
     dialog.set_tune_available(True)
