@@ -339,16 +339,7 @@ class TuneWizard(QWizard):
         result = self.profiling_page.result
         if result is None:
             return None
-        choice = result["choice"]
-        tuned = self._settings.with_tune(choice)
-        if choice.get("drafter") == "self" and tuned.spec_mode != "none":  # the drafter that was measured
-            tuned = replace(tuned, spec_mode="self")
-        elif (
-            choice.get("drafter") == "draft"
-            and tuned.spec_mode == "self"
-            and self._settings.model_path is None
-        ):
-            tuned = replace(tuned, spec_mode="draft")  # the demo's draft model
+        tuned = self._settings.with_tune(result["choice"])  # the measured drafter, draft length, cutoff
         if self.budget_page.budget_changed():  # the user's new budget wins; it applies after a reload
             tuned = replace(tuned, expert_budget=self.budget_page.budget())
         return tuned

@@ -119,11 +119,15 @@ class AppSettings:
         )
 
     def with_tune(self, choice: dict[str, Any]) -> AppSettings:
-        """These settings with an auto-tune choice applied (`engine.tune.types.TuneChoice` as a dict).
+        """These settings with an auto-tune choice applied (`engine.tune.types.TuneChoice` as a dict):
+        what the tuner measured fastest is what runs.
 
-        The cache gets `cache_experts` experts; a draft length of 0 means plain decoding (speculation
-        and prefetch off), else speculation drafts that many tokens (draft mode where a drafter is
-        at hand) and a cutoff of 0 or more turns on the spmoe prefetch up to that layer."""
+        The cache gets `cache_experts` experts. A draft length of 0 (plain decoding measured fastest)
+        turns speculation and prefetch off. Otherwise speculation drafts that many tokens with the
+        measured drafter (`drafter`: "draft", the draft model or the demo's, or "self"), and a cutoff
+        of 0 or more turns SP-MoE prefetch on up to that layer, −1 off. A choice that names no
+        drafter (a result stored before the tuner chose one) keeps a chosen speculation mode, or
+        drafts with the draft model where there is one, else with the model itself."""
         draft_len = int(choice["draft_len"])
         cutoff_layer = int(choice["cutoff_layer"])
         changes: dict[str, Any] = {
@@ -133,13 +137,20 @@ class AppSettings:
         if draft_len <= 0:
             changes.update(spec_mode="none", prefetch="none")
         else:
-            spec_mode = self.spec_mode
-            if spec_mode in ("none", "auto"):  # the drafter the tuner measured
-                spec_mode = "draft" if self.model_path is None or self.draft_model else "self"
-            changes.update(spec_mode=spec_mode, draft_len=max(1, draft_len))
-            if cutoff_layer >= 0 and spec_mode != "none":
-                changes["prefetch"] = "spmoe"
+            changes.update(
+                spec_mode=self._tuned_spec_mode(str(choice.get("drafter") or "")),
+                draft_len=draft_len,
+                prefetch="spmoe" if cutoff_layer >= 0 else "none",
+            )
         return replace(self, **changes)
+
+    def _tuned_spec_mode(self, drafter: str) -> str:
+        has_draft = self.model_path is None or bool(self.draft_model)  # the demo ships its draft
+        if drafter == "self" or (drafter == "draft" and has_draft):
+            return drafter
+        if self.spec_mode not in ("none", "auto"):
+            return self.spec_mode
+        return "draft" if has_draft else "self"
 
 
 def needs_reload(old: AppSettings, new: AppSettings) -> bool:

@@ -205,17 +205,34 @@ def test_with_tune_speculation_on_the_demo_turns_draft_mode_and_spmoe_on():
     assert tuned.generation_config(SamplingConfig(), 8).cutoff == 2
 
 
-def test_with_tune_keeps_speculation_off_without_a_drafter():
-    settings = AppSettings(model_path="/models/qwen")
-    tuned = settings.with_tune(
-        {"cutoff_layer": 1, "draft_len": 3, "cache_experts": 8, "expected_tokens_per_s": 1}
+def test_with_tune_applies_the_drafter_the_tuner_measured():
+    """A model without a separate draft: the tuner measured self-speculation, so it runs, whatever
+    the speculation setting was (auto, off); the demo's draft model when that was measured."""
+    for spec_mode in ("auto", "none", "draft"):
+        settings = AppSettings(model_path="/models/qwen", spec_mode=spec_mode, draft_model="/models/draft")
+        tuned = settings.with_tune({"cutoff_layer": 1, "draft_len": 3, "cache_experts": 8, "drafter": "self"})
+        assert (tuned.spec_mode, tuned.prefetch, tuned.cutoff_layer, tuned.draft_len) == (
+            "self",
+            "spmoe",
+            1,
+            3,
+        )
+        tuned.validate()
+    tuned = AppSettings(spec_mode="self").with_tune(
+        {"cutoff_layer": -1, "draft_len": 2, "cache_experts": 8, "drafter": "draft"}
     )
-    assert (tuned.spec_mode, tuned.prefetch, tuned.draft_len) == ("none", "none", 3)
-    selfspec = AppSettings(model_path="/models/qwen", spec_mode="self")
-    tuned = selfspec.with_tune(
-        {"cutoff_layer": -1, "draft_len": 2, "cache_experts": 8, "expected_tokens_per_s": 1}
-    )
-    assert (tuned.spec_mode, tuned.prefetch) == ("self", "none")
+    assert (tuned.spec_mode, tuned.prefetch) == ("draft", "none")  # cutoff -1: no prefetch was fastest
+    tuned.validate()
+
+
+def test_with_tune_from_a_result_without_a_drafter_keeps_a_chosen_mode_else_picks_one():
+    """A result stored before the tuner chose drafters names none: an explicit mode stays, auto/off
+    becomes the draft model where there is one, else the model itself (as `auto` resolves)."""
+    choice = {"cutoff_layer": 1, "draft_len": 3, "cache_experts": 8}
+    assert AppSettings(model_path="/models/qwen").with_tune(choice).spec_mode == "self"
+    assert AppSettings(model_path="/m", draft_model="/d").with_tune(choice).spec_mode == "draft"
+    assert AppSettings(spec_mode="none").with_tune(choice).spec_mode == "draft"  # the demo's draft
+    assert AppSettings(model_path="/m", spec_mode="substitute").with_tune(choice).spec_mode == "substitute"
 
 
 def test_cutoff_layer_setting_is_checked_and_reaches_the_generation_config():
