@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from engine.config import OffloadConfig
-from engine.generation_config import GenerationConfig, SamplingConfig
+from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
 from engine.worker.client import EngineSession, WorkerDied, WorkerProcess
 from engine.worker.protocol import Cancel, ChatMessage, Error, Finished, Generate, GetStats, Stats, Token
 
@@ -127,3 +127,25 @@ def test_the_worker_exits_when_its_parent_dies(tmp_path):
         parent.kill()
         parent.stdout.close()
         parent.wait(10)
+
+
+def test_a_reply_that_loads_the_draft_model_prints_no_progress_bar(capfd):
+    """transformers' "Loading weights" bar (tqdm, on the worker's stderr) would garble the
+    terminal chat's live output when the first reply loads the draft model."""
+    session = EngineSession()
+    session.start()
+    try:
+        session.load(offload=OffloadConfig(device="cpu"))
+        capfd.readouterr()  # what the start and the load printed
+        config = GenerationConfig(
+            max_new_tokens=8,
+            sampling=SamplingConfig(greedy=True),
+            spec=SpecConfig(mode="auto"),
+            prefetch="auto",
+        )
+        finished = list(session.generate(COW, config))[-1]
+        assert finished.stats["spec"] == "draft", "the demo drafts with its bundled draft model"
+    finally:
+        session.close()
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "it/s]" not in err, err
