@@ -18,12 +18,12 @@ checkpoint). `gguf_config` is transformers' config for a file with its misreadin
   ffn_norm, ffn_gate_inp [E, H] (router), ffn_gate_exps/ffn_up_exps [E, I, H] (transformers' fused
   gate_up_proj cut in two), ffn_down_exps [E, H, I]}, qwen2moe's ffn_{gate,up,down}_shexp and
   ffn_gate_inp_shexp [H] (HF's [1, H] squeezed), output_norm, output [V, H] (absent when tied).
-- types: routed gate/up `expert_type`, down `down_type`; 1-D tensors and the router F32 (the converter
-  and llama-quantize keep ffn_gate_inp F32); every other matrix `other_type`.
+- types: routed gate/up `expert_type`, down `down_type` (or `Q4_K_M_DOWN`: llama.cpp's per-layer
+  rule); 1-D tensors and the router F32 (the converter and llama-quantize keep ffn_gate_inp F32);
+  every other matrix `other_type`.
 - no Q/K permutation: the converter permutes attn_q/attn_k only for llama-arch models, and
   transformers' TensorProcessor for qwen2moe/qwen3moe undoes none.
-gguf-py 0.19 dequantizes K-quants but cannot quantize them (NotImplementedError for Q2_K..Q6_K), so
-Q4_K and Q6_K blocks are encoded here: a plain min/max fit per block, not llama.cpp's search.
+Q4_K and Q6_K blocks come from engine.model.ggml_encode (gguf-py cannot quantize K-quants).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from engine.model.ggml_encode import quantize
 from engine.model.tiny import build_tiny_model, save_tiny_model
 from engine.resources import demo_model_dir
 
@@ -47,64 +48,6 @@ GGUF_ARCHITECTURES = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen2_moe": gguf.M
 # tokenizer.ggml.pre: the demo tokenizer splits with GPT-2's ByteLevel regex, llama.cpp's "gpt-2".
 PRE_TOKENIZER = "gpt-2"
 _SHARD = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-
-
-def _safe_div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
-    num, den = np.broadcast_arrays(num, den)
-    return np.divide(num, den, out=np.zeros(num.shape, np.float32), where=den != 0)
-
-
-def _q4_k(rows: np.ndarray) -> np.ndarray:
-    """Q4_K, 144 bytes a block: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins for 8 sub-blocks of
-    32, then 128 bytes of nibbles (sub-block 2c in the low nibbles of bytes 32c.., 2c+1 in the high)."""
-    blocks = rows.reshape(-1, 8, 32)
-    low = np.minimum(blocks.min(axis=-1), 0.0)  # value = d*sc*q - dmin*m, with m >= 0
-    scale = (blocks.max(axis=-1) - low) / 15.0
-    d = (scale.max(axis=-1, keepdims=True) / 63.0).astype(np.float16)
-    dmin = (-low.min(axis=-1, keepdims=True) / 63.0).astype(np.float16)
-    sc = np.clip(np.rint(_safe_div(scale, d.astype(np.float32))), 0, 63).astype(np.uint8)
-    mn = np.clip(np.rint(_safe_div(-low, dmin.astype(np.float32))), 0, 63).astype(np.uint8)
-    shifted = blocks + (dmin.astype(np.float32) * mn)[..., None]
-    q = np.clip(np.rint(_safe_div(shifted, (d.astype(np.float32) * sc)[..., None])), 0, 15)
-    q = q.astype(np.uint8).reshape(-1, 4, 2, 32)
-    packed_scales = [
-        sc[:, :4] | ((sc[:, 4:] & 0x30) << 2),
-        mn[:, :4] | ((mn[:, 4:] & 0x30) << 2),
-        (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4),
-    ]
-    nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
-    return np.concatenate([d.view(np.uint8), dmin.view(np.uint8), *packed_scales, nibbles], axis=-1)
-
-
-def _q6_k(rows: np.ndarray) -> np.ndarray:
-    """Q6_K, 210 bytes a block: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one
-    per 16 values), f16 d; value = d * scale * (q - 32)."""
-    blocks = rows.reshape(-1, 16, 16)
-    peak = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=-1)[..., None], axis=-1)[..., 0]
-    scale = peak / -32.0  # as ggml: the largest magnitude maps to -32
-    d = (np.abs(scale).max(axis=-1, keepdims=True) / 127.0).astype(np.float16)
-    sc = np.clip(np.rint(_safe_div(scale, d.astype(np.float32))), -128, 127).astype(np.int8)
-    q = np.clip(np.rint(_safe_div(blocks, (d.astype(np.float32) * sc)[..., None])), -32, 31) + 32
-    q = q.astype(np.uint8).reshape(-1, 2, 4, 32)  # [half, row of 32 within the half, value]
-    low, high = q & 0x0F, q >> 4
-    ql = (low[:, :, :2] | (low[:, :, 2:] << 4)).reshape(-1, 128)
-    qh = (high[:, :, 0] | high[:, :, 1] << 2 | high[:, :, 2] << 4 | high[:, :, 3] << 6).reshape(-1, 64)
-    return np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8)], axis=-1)
-
-
-_K_ENCODERS = {QT.Q4_K: _q4_k, QT.Q6_K: _q6_k}
-
-
-def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """`gguf.quants.quantize`, plus Q4_K and Q6_K; rows (the last axis) must fill whole blocks."""
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    if data.shape[-1] % block_size:
-        raise ValueError(f"a {qtype.name} row needs a multiple of {block_size} values, not {data.shape[-1]}")
-    data = np.ascontiguousarray(data, dtype=np.float32)
-    if qtype not in _K_ENCODERS:
-        return gguf.quants.quantize(data, qtype)
-    blocks = _K_ENCODERS[qtype](data.reshape(-1, block_size))
-    return blocks.reshape(*data.shape[:-1], data.shape[-1] // block_size * type_size)
 
 
 def _gguf_names(hf_name: str, names: gguf.TensorNameMap) -> list[str]:
@@ -127,15 +70,30 @@ def _name_map(config: PretrainedConfig) -> gguf.TensorNameMap:
     return gguf.get_tensor_name_map(GGUF_ARCHITECTURES[config.model_type], config.num_hidden_layers)
 
 
-def _tensor_type(name: str, data: np.ndarray, expert: QT, down: QT, other: QT) -> QT:
+Q4_K_M_DOWN = "Q4_K_M"  # as `down_type`: llama.cpp's Q4_K_M rule, Q6_K in its use_more_bits layers
+
+
+def q4_k_m_down_type(layer: int, num_layers: int) -> QT:
+    """The type llama.cpp's Q4_K_M gives `layer`'s down projection (llama-quant.cpp's
+    use_more_bits: the first and last eighth of the layers and every third between: Q6_K)."""
+    eighth = num_layers // 8
+    more = layer < eighth or layer >= 7 * num_layers // 8 or (layer - eighth) % 3 == 2
+    return QT.Q6_K if more else QT.Q4_K
+
+
+def _tensor_type(name: str, data: np.ndarray, expert: QT, down: QT | str, other: QT, layers: int) -> QT:
     if data.ndim == 1 or ".ffn_gate_inp." in name:
         return QT.F32
+    if "_exps." in name and ".ffn_down_exps." in name and down == Q4_K_M_DOWN:
+        return q4_k_m_down_type(int(name.split(".")[1]), layers)
     if "_exps." in name:
         return down if ".ffn_down_exps." in name else expert
     return other
 
 
-def gguf_tensors(model: PreTrainedModel, expert: QT, down: QT, other: QT) -> list[tuple[str, np.ndarray, QT]]:
+def gguf_tensors(
+    model: PreTrainedModel, expert: QT, down: QT | str, other: QT
+) -> list[tuple[str, np.ndarray, QT]]:
     """(GGUF name, quantized data, type) for every weight of `model`, in state_dict order."""
     names, tied = _name_map(model.config), model.config.tie_word_embeddings
     out = []
@@ -151,7 +109,7 @@ def gguf_tensors(model: PreTrainedModel, expert: QT, down: QT, other: QT) -> lis
         else:
             pieces = [data]
         for name, piece in zip(gguf_names, pieces, strict=True):
-            qtype = _tensor_type(name, piece, expert, down, other)
+            qtype = _tensor_type(name, piece, expert, down, other, model.config.num_hidden_layers)
             out.append((name, quantize(piece, qtype), qtype))
     return out
 
@@ -220,7 +178,7 @@ def write_model_gguf(
     path: str | Path,
     *,
     expert_type: QT = QT.Q4_K,
-    down_type: QT = QT.Q6_K,
+    down_type: QT | str = QT.Q6_K,
     other_type: QT = QT.F32,
 ) -> Path:
     """Write a qwen3_moe/qwen2_moe `model` and `tokenizer` as one GGUF file at `path`."""
@@ -272,7 +230,7 @@ def write_tiny_gguf(
     model_type: str = "qwen3_moe",
     *,
     expert_type: QT = QT.Q4_K,
-    down_type: QT = QT.Q6_K,
+    down_type: QT | str = QT.Q6_K,
     other_type: QT = QT.F32,
     seed: int = 0,
     safetensors_dir: str | Path | None = None,

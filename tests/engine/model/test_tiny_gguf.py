@@ -211,3 +211,13 @@ def test_a_split_set_holds_the_file_in_parts(qwen3_file, tmp_path):
     model = dequantized_model(shards[0])  # config from the first shard, tensors from all three
     for name, tensor in dequantized_state_dict(single, model).items():
         assert torch.equal(model.state_dict()[name], tensor), name
+
+
+def test_q4_k_m_gives_half_of_a_models_down_projections_q6_k_as_llama_cpp_does():
+    from engine.model.tiny_gguf import q4_k_m_down_type
+
+    types = [q4_k_m_down_type(layer, 48) for layer in range(48)]  # Qwen3-30B-A3B's 48 layers
+    more = [layer for layer, t in enumerate(types) if t == QT.Q6_K]
+    assert more[:8] == [0, 1, 2, 3, 4, 5, 8, 11] and more[-6:] == [42, 43, 44, 45, 46, 47]
+    assert len(more) == 24 and set(types) == {QT.Q4_K, QT.Q6_K}
+    assert [q4_k_m_down_type(layer, 2) for layer in range(2)] == [QT.Q4_K, QT.Q6_K]
