@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 
-from PySide6.QtCore import QRect, QSize, Signal
-from PySide6.QtGui import QGuiApplication, QResizeEvent
+from PySide6.QtCore import QSize, Signal
+from PySide6.QtGui import QResizeEvent
 from PySide6.QtWidgets import (
     QDialog,
     QHBoxLayout,
@@ -63,6 +63,7 @@ from app.gui.picker_widgets import (
     make_table,
     status_label,
 )
+from app.gui.window_state import available_geometry, fit_to_screen  # tests replace available_geometry
 from app.model_library import ModelLibrary, ModelSource
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,6 @@ CATALOG_WIDTHS = (270, 95, 85, 80, 260, 210, 100, 90, 95, 95)
 CATALOG_MIN_WIDTHS = (190, 85, 85, 70, 205, 130, 100, 85, 90, 85)
 ROW_HEIGHT = 54
 PREFERRED_SIZE = QSize(1420, 760)
-SCREEN_MARGIN = 40  # room left around the dialog for the window frame and the desktop's panels
 SCROLLBAR_ROOM = 40  # the table's frame and vertical scrollbar, and the page's margins
 
 
@@ -117,12 +117,8 @@ class ModelPicker(QDialog):
         self.manager.sig_finished.connect(self._on_installed_changed)
         self.manager.sig_failed.connect(self._on_failed)
         self.manager.sig_cancelled.connect(self._on_installed_changed)
-        self.resize(self.size_for_screen())
-
-    def size_for_screen(self) -> QSize:
-        """The preferred size, cut to the free area of the screen the dialog opens on."""
-        room = available_geometry(self.parentWidget() or self).size() - QSize(SCREEN_MARGIN, SCREEN_MARGIN)
-        return PREFERRED_SIZE.boundedTo(room)
+        # the preferred size, cut to the free area of the screen it opens on, frame included
+        fit_to_screen(self, PREFERRED_SIZE, available_geometry(self.parentWidget() or self))
 
     def resizeEvent(self, event: QResizeEvent) -> None:
         super().resizeEvent(event)
@@ -386,12 +382,6 @@ class ModelPicker(QDialog):
         if self._owns_manager:
             self.manager.shutdown()  # nobody else would watch these downloads
         super().done(result)
-
-
-def available_geometry(widget: QWidget) -> QRect:
-    """The screen area free of panels and docks, where `widget` is (tests replace it)."""
-    screen = widget.screen() or QGuiApplication.primaryScreen()
-    return screen.availableGeometry()
 
 
 def _details(error: Exception) -> str:
