@@ -1,4 +1,4 @@
-"""Command line: `python -m engine generate …` and `python -m engine make-tiny …`.
+"""Command line: `python -m engine generate …`, `tune …` and `make-tiny …`.
 
 `generate` loads a model folder with its experts offloaded and streams the
 reply to stdout; with `--json` it prints one JSON object instead:
@@ -6,7 +6,8 @@ reply to stdout; with `--json` it prints one JSON object instead:
 hit_rate, h2d_bytes, misses, hits, simulated_link, spec, prefetch, accept_len, …},
 "model": {…}}`. With no options it speculates with the model's drafter and
 prefetches with SP-MoE (`--spec auto --prefetch auto`, see `engine.options`).
-Bad input exits with status 2 and the error on stderr.
+`tune` prints each measured point (median ms/token, spread, runs), the choice with its
+drafter, and how sure the choice is; with `--json` the whole result. Bad input exits with status 2 and the error on stderr.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def run_tune(args: argparse.Namespace) -> int:
         result = tune(model, config, progress=_tune_progress(args.json))
     finally:
         model.close()
+    if not args.json:
+        print(file=sys.stderr)  # end the progress line
     report = {
         "probe": asdict(result.probe),
         "profile": asdict(result.profile),
@@ -125,12 +128,29 @@ def run_tune(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        c = result.choice
-        print(
-            f"cutoff layer {c.cutoff_layer}, draft length {c.draft_len}, {c.cache_experts} cached experts: "
-            f"{c.expected_tokens_per_s:.1f} tok/s expected" + (" (stored result)" if result.reused else "")
-        )
+        print("\n".join(tune_summary(result)))
     return 0
+
+
+def tune_summary(result) -> list[str]:
+    """A tune result in lines a person reads: each measured point (median, spread, runs), then the
+    choice with its drafter, and how sure it is."""
+    from engine.tune.search import describe
+    from engine.tune.types import CurvePoint
+
+    lines = ["measured (ms/token: median of the runs, low–high):"]
+    for point in sorted(result.measured, key=lambda p: (p.drafter, p.draft_len, p.cutoff_layer)):
+        spread = f"{point.tpot_low_ms:.1f}–{point.tpot_high_ms:.1f}" if point.tpot_low_ms is not None else "–"
+        lines.append(f"  {describe(point):<50} {point.tpot_ms:7.1f}  ({spread}, {point.runs} runs)")
+    c = result.choice
+    chosen = describe(CurvePoint(c.cutoff_layer, c.draft_len, 1e3 / c.expected_tokens_per_s, c.drafter))
+    lines.append(
+        f"chosen: {chosen}; {c.cache_experts} cached experts: {c.expected_tokens_per_s:.1f} tok/s expected"
+        + (" (stored result)" if result.reused else "")
+    )
+    if c.certainty:
+        lines.append(c.certainty)
+    return lines
 
 
 def _tune_progress(quiet: bool):

@@ -141,7 +141,7 @@ def choose(measured: Iterable[CurvePoint]) -> CurvePoint:
 def describe(point: CurvePoint) -> str:
     if point.draft_len == 0:
         return "plain decoding"
-    drafter = "the draft model" if point.drafter == "draft" else "self-speculation"
+    drafter = {"draft": "the draft model", "self": "self-speculation"}.get(point.drafter, "speculation")
     prefetch = "no prefetch" if point.cutoff_layer < 0 else f"prefetch to layer {point.cutoff_layer}"
     return f"{drafter}, draft length {point.draft_len}, {prefetch}"
 

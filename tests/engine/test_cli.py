@@ -273,3 +273,44 @@ def test_with_no_options_it_speculates_and_prefetches(runs, greedy):
 def test_out_of_range_cutoff_is_a_clear_error(runs):
     bad = result(runs, "bad cutoff")
     assert bad.returncode == 2 and "--cutoff must be from -1" in bad.stderr and bad.stdout == ""
+
+
+def test_tune_reads_sim_link_as_the_bench_does(monkeypatch):
+    """`tune --sim-link 16` and `calibrated` mean what they mean to `python -m engine.bench`: the
+    same parser, the same GB/s in the offload config, the same calibration asked for."""
+    import engine.cli as cli
+    from engine.bench.main import build_parser
+    from engine.options import offload_config, wants_calibrated_link
+
+    parsed = []
+    monkeypatch.setattr(cli, "run_tune", lambda args: parsed.append(args) or 0)
+    for link in ("16", "calibrated"):
+        assert cli.main(["tune", "--sim-link", link]) == 0
+        bench = build_parser().parse_args(["--sim-link", link])
+        tune = parsed[-1]
+        assert tune.sim_link == bench.sim_link
+        assert offload_config(tune).sim_link_gbps == offload_config(bench).sim_link_gbps
+        assert wants_calibrated_link(tune) == wants_calibrated_link(bench) == (link == "calibrated")
+    assert offload_config(parsed[0]).sim_link_gbps == 16.0
+
+
+def test_tune_prints_each_point_the_chosen_drafter_and_how_sure():
+    from types import SimpleNamespace
+
+    from engine.cli import tune_summary
+    from engine.tune.types import CurvePoint, TuneChoice
+
+    measured = (
+        CurvePoint(-1, 0, 36.0, "", 35.0, 37.5, 2),
+        CurvePoint(1, 4, 25.0, "draft", 24.0, 26.0, 4),
+        CurvePoint(1, 4, 31.0, "self", 30.0, 33.0, 2),
+    )
+    sure = "Sure: 19% faster than the runner-up, beyond the spread of the runs (…)."
+    choice = TuneChoice(1, 4, 24, 40.0, "draft", sure)
+    lines = tune_summary(SimpleNamespace(measured=measured, choice=choice, reused=False))
+    assert any("plain decoding" in line and "36.0" in line and "35.0–37.5, 2 runs" in line for line in lines)
+    assert any(line.strip().startswith("self-speculation, draft length 4") for line in lines)
+    assert lines[-2] == (
+        "chosen: the draft model, draft length 4, prefetch to layer 1; 24 cached experts: 40.0 tok/s expected"
+    )
+    assert lines[-1] == sure
