@@ -6,8 +6,9 @@ reply to stdout; with `--json` it prints one JSON object instead:
 hit_rate, h2d_bytes, misses, hits, simulated_link, spec, prefetch, accept_len, …},
 "model": {…}}`. With no options it speculates with the model's drafter and
 prefetches with SP-MoE (`--spec auto --prefetch auto`, see `engine.options`).
-`tune` prints each measured point (median ms/token, spread, runs), the choice with its
-drafter, and how sure the choice is; with `--json` the whole result. Bad input exits with status 2 and the error on stderr.
+`tune` prints each measured point (median ms/token, spread, runs), the choice
+with its drafter, and how sure the choice is; with `--json` the whole result.
+Bad input exits with status 2 and the error on stderr.
 """
 
 from __future__ import annotations
