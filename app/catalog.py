@@ -53,6 +53,8 @@ GGUF_EXPERT_BITS = {
     "Q8_0": 8.5,
     "BF16": 16.0,
 }
+# Bits of a GGUF's token embedding (llama.cpp gives it the quant's base type)
+GGUF_EMBEDDING_BITS = {"Q4_0": 4.5, "Q4_K_S": 4.5, "Q4_K_M": 4.5, "Q5_K_M": 5.5, "Q6_K": 6.5625, "Q8_0": 8.5}
 
 
 class CatalogError(ValueError):
@@ -84,6 +86,7 @@ class CatalogEntry:
     bundled: bool = False
     local_path: str | None = None  # the bundled model's folder
     kv: KvShape | None = None  # the KV cache's shape (the config's layers, KV heads, head size)
+    embedding_params: int = 0  # vocab × hidden of an untied token embedding (a GGUF keeps it quantized)
 
     @property
     def quantized(self) -> bool:
@@ -120,9 +123,14 @@ class CatalogEntry:
     def resident_bytes(self) -> int:
         """Attention, embeddings, norms, routers and shared experts: what stays on the device, in
         BF16 (the loader dequantizes a quantized file's resident weights at load)."""
-        if self.quantized:
-            return int(2 * self.total_params * (1 - self.expert_share))
-        return self.download_bytes - self.expert_bytes
+        if not self.quantized:
+            return self.download_bytes - self.expert_bytes
+        dense = 2 * self.total_params * (1 - self.expert_share)
+        bits = GGUF_EMBEDDING_BITS.get(self.quant) if self.format == "gguf" else None
+        if bits is None or not self.embedding_params:
+            return int(dense)
+        # a GGUF's big token embedding stays in its blocks (engine.offload.ggml_embedding)
+        return int(dense - self.embedding_params * (2 - bits / 8))
 
 
 @dataclass(frozen=True)
@@ -157,10 +165,11 @@ _OPTIONAL: dict[str, type] = {
     "status_reason": str,
     "notes": str,
     "kv": dict,
+    "embedding_params": int,
 }
 
 
-_KINDS = {str: "string", list: "list", dict: "object"}
+_KINDS = {str: "string", list: "list", dict: "object", int: "whole number"}
 
 
 def catalog_path() -> Path:
@@ -229,6 +238,7 @@ def _parse_entry(item: object) -> CatalogEntry:
         bundled=bundled,
         local_path=str(demo_model_dir()) if bundled else None,
         kv=KvShape(**item["kv"]) if item.get("kv") is not None else None,
+        embedding_params=item.get("embedding_params") or 0,
     )
 
 

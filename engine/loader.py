@@ -46,6 +46,7 @@ from engine.offload.eviction import make_policy
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertLayout, ExpertStore, build_store, find_layout
 from engine.offload.fp8_store import Fp8Checkpoint, build_fp8_store, fp8_checkpoint
+from engine.offload.ggml_embedding import fill_embedding, keep_embedding_quantized
 from engine.offload.gguf_store import build_gguf_store
 from engine.offload.int4_store import Int4Checkpoint, build_int4_store, int4_checkpoint
 from engine.offload.model import OffloadedModel
@@ -94,7 +95,7 @@ def load_model(
         cache = ExpertCache(store, n_slots, device, transfer, policy, in_place=config.sim_link_gbps is None)
         trace, control = _offload_experts(blocks, arch, cache)
         expert_names = _expert_tensor_names(disk_layout, blocks, store.num_experts) if disk_layout else set()
-        _load_resident_weights(hf_model, checkpoint, expert_names, device, progress)
+        _load_resident(hf_model, checkpoint, expert_names, dtype, device, progress)
         tokenizer = (
             checkpoint.tokenizer() if isinstance(checkpoint, GgufCheckpoint) else load_tokenizer(folder)
         )
@@ -318,6 +319,16 @@ def _expert_tensor_names(disk_layout, blocks, num_experts: int) -> set[str]:
             for group in disk_layout.names(name + ".", expert).values():
                 names.update(group)
     return names
+
+
+def _load_resident(hf_model, checkpoint: Checkpoint, skip: set[str], dtype, device, progress) -> None:
+    """The resident weights; a GGUF's big quantized token embedding stays in its blocks."""
+    embed = checkpoint.tensors.get("token_embd.weight") if isinstance(checkpoint, GgufCheckpoint) else None
+    replaced = keep_embedding_quantized(hf_model, embed, dtype)
+    _load_resident_weights(hf_model, checkpoint, skip | {replaced} - {None}, device, progress)
+    if replaced is not None:
+        fill_embedding(hf_model, embed)
+        log.info("The token embedding stays in its %s blocks (%s).", embed.tensor_type.name, replaced)
 
 
 def _load_resident_weights(hf_model, checkpoint: Checkpoint, skip: set[str], device, progress) -> None:

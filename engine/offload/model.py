@@ -8,6 +8,7 @@ of the positions asked for.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,7 +110,8 @@ class OffloadedModel:
         return length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
 
     def info(self) -> ModelInfo:
-        resident = sum(p.numel() * p.element_size() for p in self.hf_model.parameters())
+        tensors = itertools.chain(self.hf_model.parameters(), self.hf_model.buffers())
+        resident = sum(t.numel() * t.element_size() for t in tensors)  # a GGUF's embedding blocks too
         return ModelInfo(
             path=str(self.path),
             model_type=self.arch.model_type,

@@ -149,3 +149,34 @@ def test_speculation_on_a_gguf_model_is_lossless_and_substitutes_are_refused(tin
             generate_text(model, PROMPT, replace(greedy, spec=SpecConfig(mode="substitute")))
     finally:
         model.close()
+
+
+@pytest.mark.parametrize("embed_type", [QT.Q4_K, QT.Q8_0])
+def test_a_big_quantized_token_embedding_stays_in_its_blocks_and_outputs_do_not_change(
+    tmp_path, monkeypatch, embed_type
+):
+    """As a 150k-token Q4_K embedding would (the tiny table counts as big here): the embedding is
+    a GgmlEmbedding holding the file's blocks, a quarter or half of BF16's bytes, and the logits
+    and 32 greedy tokens still equal transformers' GGUF loading."""
+    import engine.offload.ggml_embedding as ggml_embedding
+
+    monkeypatch.setattr(ggml_embedding, "MIN_QUANTIZED_EMBEDDING", 0)
+    path = write_tiny_gguf(tmp_path, expert_type=QT.Q4_K, down_type=QT.Q6_K, other_type=embed_type)
+    model = load_model(path, offload())
+    try:
+        embedding = model.hf_model.get_input_embeddings()
+        assert isinstance(embedding, ggml_embedding.GgmlEmbedding) and embedding.ggml_type == embed_type
+        assert (
+            embedding.blocks.numel() < 0.6 * 2 * embedding.num_embeddings * embedding.embedding_dim
+        )  # BF16: 2 B
+        assert_matches_reference(model, reference(path), PROMPT)
+    finally:
+        model.close()
+
+
+def test_a_small_embedding_is_loaded_dense(tiny_gguf):
+    model = load_model(tiny_gguf, offload())
+    try:
+        assert isinstance(model.hf_model.get_input_embeddings(), torch.nn.Embedding)
+    finally:
+        model.close()
