@@ -41,7 +41,7 @@ from app.gui.dashboard_parts import (
     fmt_used_total,
     model_summary,
 )
-from app.gui.engine_state import SIMULATED_LINK_NOTE, EngineState
+from app.gui.engine_state import IN_PLACE_NOTE, SIMULATED_LINK_NOTE, EngineState
 from engine.config import format_bytes
 from engine.worker.protocol import Stats
 
@@ -315,9 +315,12 @@ class Dashboard(QWidget):
             "accept_len": merged["spec"] != "none",
             "prefetch": merged["prefetch"] != "none",
             "cutoff": merged["prefetch"] in (None, "spmoe"),
+            "link": not (self._model or {}).get("experts_in_place"),
         }
         for key, (value, detail) in reply_figures(merged, live, moe_layers).items():
-            if figures is None and applies.get(key, True):
+            if not applies["link"] and key == "link":  # a CPU with no link simulated copies nothing
+                value, detail = "none", IN_PLACE_NOTE
+            elif figures is None and applies.get(key, True):
                 value, detail = NA, "no reply yet"
             self.tiles[key].show_figures(value, detail, muted=not live)
 

@@ -13,9 +13,11 @@ import enum
 SIMULATED_LINK = "simulated link"
 SIMULATED_LINK_NOTE = "Simulated link — no GPU: transfer figures are simulated"
 SIMULATED_LINK_SETTING = (
-    "Without a GPU, experts cross a simulated link; this sets its speed (unlimited: no speed limit)."
+    "Without a GPU, experts can cross a simulated link of this speed (to compare cache policies); "
+    "none: they are used in place in RAM, nothing is copied."
 )
-SIMULATED_LINK_UNLIMITED = "unlimited"  # the setting's "no speed limit": the link is still simulated
+SIMULATED_LINK_UNLIMITED = "none (in place)"  # no link simulated: a CPU uses the experts where they are
+IN_PLACE_NOTE = "CPU: experts used in place, nothing copied"
 
 
 class EngineState(enum.Enum):

@@ -48,6 +48,7 @@ class ModelInfo:
     store_nbytes: int
     expert_dtype: str = "native"  # native | int8 | int4: the routed experts' precision in the store
     context_length: int | None = None  # tokens (prompt + reply) the model was built for; None: unknown
+    experts_in_place: bool = False  # CPU, no link simulated: the experts are used where the store holds them
 
 
 class OffloadedModel:
@@ -129,6 +130,7 @@ class OffloadedModel:
             store_nbytes=self.store.nbytes,
             expert_dtype=self._expert_dtype(),
             context_length=self.context_length,
+            experts_in_place=self.cache.in_place,
         )
 
     def _expert_dtype(self) -> str:

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from app.gui.dashboard import NA, Dashboard, reply_figures
-from app.gui.engine_state import SIMULATED_LINK, SIMULATED_LINK_NOTE, EngineState
+from app.gui.engine_state import IN_PLACE_NOTE, SIMULATED_LINK, SIMULATED_LINK_NOTE, EngineState
 from app.gui.main_window import MainWindow
 from app.settings import AppSettings
 from engine.worker.protocol import PROTOCOL_VERSION, DeviceInfo, Finished, Ready
@@ -82,6 +82,17 @@ def test_the_last_reply_stays_greyed_between_replies_instead_of_blanking(qtbot):
     dash.update_stats(make_stats(time_s=200.0, tokens_per_s=9.0))  # the next reply: live again
     assert figures(dash, "tokens_per_s") == ("9.0 tok/s", "generating · 120 tokens")
     assert not dash.tiles["tokens_per_s"].value.is_muted()
+
+
+def test_on_a_cpu_with_no_link_simulated_the_link_tile_says_nothing_is_copied(qtbot):
+    dash = Dashboard()
+    qtbot.addWidget(dash)
+    dash.set_model({**MODEL, "device": "cpu", "simulated_link": False, "experts_in_place": True})
+    assert figures(dash, "link") == ("none", IN_PLACE_NOTE)  # before any reply, not "n/a"
+    dash.update_stats(make_stats(simulated_link=False, h2d_gbps=0.0))
+    dash.reply_ended({**REPLY, "simulated_link": False, "h2d_gbps": 0.0, "h2d_bytes": 0})
+    assert figures(dash, "link") == ("none", IN_PLACE_NOTE)  # never "0.00 GB/s"
+    assert not dash.simulated_label.isVisibleTo(dash)
 
 
 def test_fields_that_do_not_apply_say_why_instead_of_zero_or_minus_one():

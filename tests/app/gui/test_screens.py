@@ -182,7 +182,8 @@ def test_the_simulated_link_reads_the_same_in_settings(qtbot):
     dialog = SettingsDialog(AppSettings())
     qtbot.addWidget(dialog)
     editor = dialog._editors["sim_link_gbps"]
-    assert editor.spin.text() == "unlimited"  # never "off" while the banner says the link is simulated
+    # no speed set: nothing is simulated, the CPU uses the experts in place (no banner either)
+    assert editor.spin.text() == "none (in place)"
     assert SIMULATED_LINK in dialog._help["sim_link_gbps"].text()
 
 
