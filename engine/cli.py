@@ -140,9 +140,11 @@ def tune_summary(result) -> list[str]:
     from engine.tune.types import CurvePoint
 
     lines = ["measured (ms/token: median of the runs, low–high):"]
-    for point in sorted(result.measured, key=lambda p: (p.drafter, p.draft_len, p.cutoff_layer)):
+    points = sorted(result.measured, key=lambda p: (p.drafter, p.draft_len, p.cutoff_layer))
+    width = max((len(describe(point)) for point in points), default=0)
+    for point in points:
         spread = f"{point.tpot_low_ms:.1f}–{point.tpot_high_ms:.1f}" if point.tpot_low_ms is not None else "–"
-        lines.append(f"  {describe(point):<50} {point.tpot_ms:7.1f}  ({spread}, {point.runs} runs)")
+        lines.append(f"  {describe(point):<{width}} {point.tpot_ms:8.1f}  ({spread}, {point.runs} runs)")
     c = result.choice
     chosen = describe(CurvePoint(c.cutoff_layer, c.draft_len, 1e3 / c.expected_tokens_per_s, c.drafter))
     lines.append(

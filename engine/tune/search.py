@@ -36,12 +36,13 @@ def candidate_points(
     prefetch, and the last layer), so a monotone curve's end is always measured. Draft
     lengths: `draft_lens` when given, else the predicted one and its neighbours among the
     lengths the prediction's curve considered (two or three; ±2 when the curve has no
-    others). Each drafter gets every speculative point; draft length 0 (plain decoding) is
-    measured once, at cutoff −1, with no drafter.
+    others), and plain decoding always, as the baseline speculation must beat. Each drafter
+    gets every speculative point; draft length 0 (plain decoding) is measured once, at
+    cutoff −1, with no drafter.
     """
     if moe_layers < 1 or cutoff_span < 0:
         raise ValueError(f"need moe_layers >= 1 and cutoff_span >= 0, got {moe_layers}, {cutoff_span}")
-    lens = sorted(set(draft_lens)) if draft_lens is not None else _draft_lens_around(prediction)
+    lens = sorted(set(draft_lens) if draft_lens is not None else {0, *_draft_lens_around(prediction)})
     if any(draft_len < 0 for draft_len in lens):
         raise ValueError(f"draft lengths must be >= 0, got {lens}")
     last = moe_layers - 1

@@ -41,8 +41,10 @@ def _monotone(cutoff: int, draft_len: int, drafter: str = "draft") -> list[float
 def test_candidates_span_the_analytic_choice_and_both_ends() -> None:
     points = candidate_points(_prediction(cutoff_layer=2, draft_len=4), MOE_LAYERS)
     assert sorted({cutoff for cutoff, _, _ in points}) == [-1, 0, 1, 2, 3, 4, 9]
-    assert sorted({length for _, length, _ in points}) == [2, 4, 6]  # the prediction and its neighbours
-    assert len(points) == 7 * 3 and {drafter for _, _, drafter in points} == {"draft"}
+    # the prediction and its neighbours, and plain decoding: the baseline, measured once
+    assert sorted({length for _, length, _ in points}) == [0, 2, 4, 6]
+    assert points[0] == (-1, 0, "") and len(points) == 1 + 7 * 3
+    assert {drafter for _, length, drafter in points if length} == {"draft"}
     assert points == sorted(points, key=lambda point: (point[1], point[0]))
 
 
@@ -51,7 +53,7 @@ def test_candidates_stay_in_range_and_take_given_draft_lengths() -> None:
     assert points == [(c, d, "draft") for d in (3, 5) for c in (-1, 0, 1, 9)]
     at_end = candidate_points(_prediction(cutoff_layer=9, draft_len=8), MOE_LAYERS, cutoff_span=1)
     assert sorted({c for c, _, _ in at_end}) == [-1, 8, 9]
-    assert sorted({d for _, d, _ in at_end}) == [4, 6, 8]  # 8 is the longest considered: shifted inward
+    assert sorted({d for _, d, _ in at_end}) == [0, 4, 6, 8]  # 8 is the longest considered: shifted inward
 
 
 def test_candidates_for_plain_decoding_and_unknown_draft_lengths() -> None:
@@ -61,7 +63,7 @@ def test_candidates_for_plain_decoding_and_unknown_draft_lengths() -> None:
     plain_wins = candidate_points(_prediction(cutoff_layer=-1, draft_len=0), MOE_LAYERS)
     assert plain_wins == [(-1, 0, "")] + [(c, d, "draft") for d in (2, 4) for c in (-1, 0, 1, 9)]
     unknown = candidate_points(_prediction(2, 5, curve_lens=()), MOE_LAYERS)
-    assert sorted({d for _, d, _ in unknown}) == [3, 5, 7]
+    assert sorted({d for _, d, _ in unknown}) == [0, 3, 5, 7]
 
 
 def test_every_drafter_that_applies_gets_the_speculative_points_and_plain_is_measured_once() -> None:
