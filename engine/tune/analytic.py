@@ -228,7 +228,7 @@ def _verify_ms(profile: Profile, tokens: int) -> float:
 
 def _cache_reason(profile: Profile, probe: Probe, budget: int, cache: int) -> str:
     total = profile.moe_layers * profile.num_experts
-    link = f"{probe.h2d_gbps:.1f} GB/s{' (simulated)' if probe.simulated_link else ''}"
+    link = f"{probe.h2d_gbps:.3g} GB/s{' (simulated)' if probe.simulated_link else ''}"
     return (
         f"Expert cache: {cache} of {total} experts ({_size(cache * profile.expert_nbytes)}) fit in the "
         f"{_size(budget)} budget after the measured peak of {_size(profile.peak_non_expert_bytes)}; "

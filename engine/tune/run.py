@@ -62,9 +62,11 @@ def tune(
 ) -> TuneResult:
     store = store or TuneStore()
     report = progress or (lambda stage, done, total: None)
+    model_gbps, model_latency_us = _model_link(model)
     hardware = probe(
         str(model.device),
-        sim_link_gbps=config.sim_link_gbps or _model_link_gbps(model),
+        sim_link_gbps=config.sim_link_gbps or model_gbps,
+        sim_latency_us=model_latency_us if model_gbps else 10.0,  # the model's own link, as simulated
         expert_nbytes=model.store.expert_nbytes,  # fit the link on this model's own expert size
     )
     budget = model.cache.n_slots * model.store.expert_nbytes
@@ -181,6 +183,9 @@ def _resident_experts_on_cpu(model):
         model.cache.resize(slots)
 
 
-def _model_link_gbps(model) -> float | None:
+def _model_link(model) -> tuple[float | None, float]:
+    """The model's simulated link: (GB/s, µs per copy); (None, 0) on a real link or none."""
     link = model.transfer
-    return getattr(link, "gbps", None) if model.simulated_link else None
+    if not model.simulated_link or getattr(link, "gbps", None) is None:
+        return None, 0.0
+    return link.gbps, getattr(link, "latency_s", 0.0) * 1e6
