@@ -4,8 +4,9 @@
 (from `client.ready.device` and the latest Stats), the model and its expert
 budget, the profiling run (`client.tune(...)`, answered by `sig_tune_progress`
 and `sig_tune_result` or `sig_error` for its request id; Cancel and Retry), and
-the result: measured TPOT against the prefetch cutoff layer per draft length,
-with the engine's prediction dashed on the same axes (`TuneCurvePlot`), the
+the result: measured TPOT (median and spread) against the prefetch cutoff layer per
+drafter and draft length, with the engine's prediction dashed on the same axes
+(`TuneCurvePlot`), the
 chosen settings and the reasons. "Apply" emits `sig_apply` with
 `settings.with_tune(choice)`; a budget typed on page 2 that differs from the
 settings replaces the tuned one and takes effect when the model is reloaded.
@@ -295,10 +296,10 @@ class ResultPage(QWizardPage):
 
     def show_result(self, result: dict[str, Any], applied: AppSettings | None = None) -> None:
         """Fill the page from a TuneResult dict; the summary says what Apply sets (`applied`)."""
-        self.plot.set_data(
-            list(result.get("measured", [])), list(result.get("prediction", {}).get("curve", []))
-        )
         choice = result.get("choice", {})
+        self.plot.set_data(
+            list(result.get("measured", [])), list(result.get("prediction", {}).get("curve", [])), choice
+        )
         self.choice_label.setText(describe_choice(choice, applied))
         reasons = result.get("prediction", {}).get("reasons", [])
         predicted = "Before measuring, the papers' models predicted (the measured runs decided):"

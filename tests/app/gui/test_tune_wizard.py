@@ -9,7 +9,7 @@ import pytest
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtWidgets import QWizard
 
-from app.gui.tune_plot import axis_ranges, nice_ticks, series_by_draft_len
+from app.gui.tune_plot import TuneCurvePlot, axis_ranges, nice_ticks, series_by_draft_len, series_by_drafter
 from app.gui.tune_wizard import NO_GPU_TEXT, TuneWizard
 from app.settings import AppSettings, SettingsError
 from engine.generation_config import SamplingConfig
@@ -104,11 +104,12 @@ def test_flow_progress_result_and_apply(qtbot, tmp_path):
     assert wizard.currentPage() is result_page
     choice = RESULT["choice"]
     text = result_page.choice_label.text()
-    assert "cutoff layer none (no prefetch)" in text and "draft length 0" in text
+    assert "draft length 8 with the draft model" in text and "cutoff layer none (no prefetch)" in text
     assert f"expected {choice['expected_tokens_per_s']:.1f} tokens/s" in text
+    assert choice["certainty"].startswith("Sure:") and choice["certainty"] in text
     assert "simulated link" in result_page.probe_label.text()
     assert result_page.reused_label.text() == "Measured just now."
-    assert "Plain decoding" in result_page.reasons_label.text()
+    assert "Draft length 8" in result_page.reasons_label.text()
     assert wizard.button(QWizard.WizardButton.FinishButton).text() == "Apply"
     _screenshot(wizard, tmp_path)
     with qtbot.waitSignal(wizard.sig_apply) as applied:
@@ -116,12 +117,13 @@ def test_flow_progress_result_and_apply(qtbot, tmp_path):
     settings = applied.args[0]
     assert settings.expert_budget == str(choice["cache_experts"])
     assert settings.cutoff_layer == choice["cutoff_layer"]
-    assert (settings.spec_mode, settings.prefetch) == ("none", "none")  # the choice is plain decoding
+    # the choice: the demo's draft model drafting 8, no prefetch (cutoff -1 measured fastest)
+    assert (settings.spec_mode, settings.draft_len, settings.prefetch) == ("draft", 8, "none")
 
 
 def _screenshot(wizard: TuneWizard, tmp_path: Path) -> None:
     wizard.resize(900, 760)
-    save_screenshot(wizard, "tune_wizard_result.png", tmp_path)
+    save_screenshot(wizard, "tune-wizard.png", tmp_path)  # docs/screenshots/tune-wizard.png
 
 
 @pytest.mark.gui
@@ -244,14 +246,69 @@ def test_cutoff_layer_setting_is_checked_and_reaches_the_generation_config():
 
 
 def test_plot_helpers():
-    groups = series_by_draft_len(RESULT["measured"])
-    assert list(groups) == [0, 2] and groups[2][0] == (-1, groups[2][0][1])
+    groups = series_by_draft_len(RESULT["prediction"]["curve"])
     assert [x for x, _ in groups[2]] == sorted(x for x, _ in groups[2])
     (x0, x1), (y0, y1) = axis_ranges(RESULT["measured"], RESULT["prediction"]["curve"])
     assert (x0, x1) == (-1.5, 5.5)
-    tpots = [p["tpot_ms"] for p in RESULT["measured"] + RESULT["prediction"]["curve"]]
-    assert y0 <= min(tpots) and y1 >= max(tpots) and y1 - y0 <= 2 * (max(tpots) - min(tpots))
+    lows = [p.get("tpot_low_ms", p["tpot_ms"]) for p in RESULT["measured"]] + [
+        p["tpot_ms"] for p in RESULT["prediction"]["curve"]
+    ]
+    highs = [p.get("tpot_high_ms", p["tpot_ms"]) for p in RESULT["measured"]] + [
+        p["tpot_ms"] for p in RESULT["prediction"]["curve"]
+    ]
+    assert y0 <= min(lows) and y1 >= max(highs)  # the error bars fit too
     assert axis_ranges([], []) == ((-1.5, 1.5), (0.0, 1.0))
     assert nice_ticks(36.4, 61.4) == [35, 40, 45, 50, 55, 60, 65]
     assert nice_ticks(0.0, 1.0) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
     assert nice_ticks(3.0, 3.0) == [3.0, 3.2, 3.4, 3.6, 3.8, 4.0]  # no span: one unit
+
+
+def test_series_by_drafter_keeps_each_drafter_apart_with_its_spread():
+    measured = [
+        {
+            "cutoff_layer": 1,
+            "draft_len": 2,
+            "tpot_ms": 5.0,
+            "drafter": "self",
+            "tpot_low_ms": 4.0,
+            "tpot_high_ms": 7.0,
+        },
+        {
+            "cutoff_layer": -1,
+            "draft_len": 2,
+            "tpot_ms": 6.0,
+            "drafter": "draft",
+            "tpot_low_ms": 5.5,
+            "tpot_high_ms": 6.5,
+        },
+        {"cutoff_layer": -1, "draft_len": 0, "tpot_ms": 9.0, "drafter": ""},  # one run: no spread
+        {
+            "cutoff_layer": -1,
+            "draft_len": 2,
+            "tpot_ms": 8.0,
+            "drafter": "self",
+            "tpot_low_ms": 7.0,
+            "tpot_high_ms": 9.0,
+        },
+    ]
+    groups = series_by_drafter(measured)
+    assert list(groups) == [("", 0), ("draft", 2), ("self", 2)]  # plain, the draft model, self
+    assert groups[("", 0)] == [(-1, 9.0, 9.0, 9.0)]
+    assert groups[("self", 2)] == [(-1, 8.0, 7.0, 9.0), (1, 5.0, 4.0, 7.0)]
+
+
+@pytest.mark.gui
+def test_plot_has_a_series_per_drafter_the_prediction_and_the_chosen_point(qtbot):
+    plot = TuneCurvePlot()
+    qtbot.addWidget(plot)
+    plot.set_data(RESULT["measured"], RESULT["prediction"]["curve"], RESULT["choice"])
+    labels = [label for label, _, _ in plot.legend_entries()]
+    assert {p["drafter"] for p in RESULT["measured"] if p["draft_len"]} == {"draft", "self"}
+    assert "chosen" in labels and "predicted (dashed)" in labels
+    assert ("plain decoding" in labels) == any(p["draft_len"] == 0 for p in RESULT["measured"])
+    for drafter, name in (("draft", "draft model"), ("self", "self")):
+        lens = {p["draft_len"] for p in RESULT["measured"] if p["drafter"] == drafter and p["draft_len"]}
+        assert {f"{name}, {k} tokens" for k in lens} <= set(labels)
+    assert plot.series_color(("draft", 2)) != plot.series_color(("self", 2))
+    plot.resize(760, 340)
+    assert plot.grab().width() == 760
