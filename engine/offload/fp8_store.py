@@ -3,7 +3,9 @@
 config.json says `quantization_config: {"quant_method": "fp8", "weight_block_size": [128, 128]}`;
 each quantized Linear is `<name>.weight` (F8_E4M3, `(out, in)`) with `<name>.weight_scale_inv`
 (F32, one scale per block, `engine.offload.fp8`). Without `weight_block_size` a weight has one
-scale, `<name>.weight_scale`. Norms, embeddings and routers stay in BF16.
+scale, `<name>.weight_scale`. compressed-tensors' FP8 (`engine.offload.compressed_tensors`) names
+its scales `weight_scale` too: one, one per row (`per_channel`, block `(1, in)`) or per block.
+Norms, embeddings and routers stay in BF16.
 
 Two readers of the same folder:
 - `Fp8Checkpoint` wraps the `Checkpoint` for the resident weights: an FP8 weight reads as its
@@ -39,7 +41,9 @@ from engine.offload.prequantized import (
 )
 
 FP8_NAME = "F8_E4M3"
-SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # block scales; one per-tensor scale
+SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # block scales; per-tensor or per-row scales
+# static activation scales (FP8 with `input_scale`): the engine computes on dequantized weights
+HIDDEN_SUFFIXES = (*SCALE_SUFFIXES, ".input_scale", ".input_zero_point")
 WEIGHTS = ("gate_up_proj", "down_proj")
 Progress = Callable[[str, int, int], None]  # (stage, done, total), as the loader reports
 
@@ -70,10 +74,17 @@ def fp8_checkpoint(hf_config, checkpoint) -> tuple[object, object]:
 class Fp8Checkpoint(PackedCheckpoint):
     """A `Checkpoint` whose FP8 weights read as floats and whose scale tensors are hidden."""
 
-    def __init__(self, checkpoint: Checkpoint, block: tuple[int, int] | None):
+    def __init__(self, checkpoint: Checkpoint, block: tuple[int, int] | None, per_channel: bool = False):
         # every tensor FP8 but its scales: BF16 is what the release computes in
-        super().__init__(checkpoint, hidden={n for n in checkpoint if n.endswith(SCALE_SUFFIXES)})
-        self.block = block
+        super().__init__(checkpoint, hidden={n for n in checkpoint if n.endswith(HIDDEN_SUFFIXES)})
+        self.block, self.per_channel = block, per_channel
+
+    def matrix_block(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """The scale block of one `(out, in)` matrix: the config's block, a row (per-channel scales)
+        or the whole matrix (one scale)."""
+        if self.per_channel:
+            return (1, shape[1])
+        return self.block or tuple(shape)
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor `name`; an FP8 weight dequantized with its scales, in `dtype` (float32 if None)."""
@@ -94,8 +105,9 @@ class Fp8Checkpoint(PackedCheckpoint):
             raise CorruptCheckpointError(f"{name} is FP8 of shape {tuple(data.shape)}, not a matrix.")
         if f"{name}_scale_inv" in self.packed:
             scale, block = self.packed.read(f"{name}_scale_inv", torch.float32), self.block or (128, 128)
-        elif f"{name}_scale" in self.packed:
-            scale, block = self.packed.read(f"{name}_scale", torch.float32), tuple(data.shape)
+        elif f"{name}_scale" in self.packed:  # one scale, one per row, or compressed-tensors' blocks
+            scale = self.packed.read(f"{name}_scale", torch.float32)
+            block = tuple(data.shape) if scale.numel() == 1 else self.matrix_block(tuple(data.shape))
             scale = scale.reshape(1, 1) if scale.numel() == 1 else scale
         else:
             raise MissingTensorsError(
@@ -111,11 +123,10 @@ class Fp8Checkpoint(PackedCheckpoint):
         return Fp8Weight(data, scale, block)
 
 
-def field_block(shape: tuple[int, int], parts: int, block: tuple[int, int] | None) -> tuple[int, int]:
+def field_block(checkpoint: Fp8Checkpoint, shape: tuple[int, int], parts: int) -> tuple[int, int]:
     """The scale block of a field of `shape` `(out, in)` made of `parts` equal matrices stacked."""
-    part_out, columns = shape[0] // parts, shape[1]
-    if block is None:  # one scale per matrix: a block as large as it
-        return (part_out, columns)
+    part_out = shape[0] // parts
+    block = checkpoint.matrix_block((part_out, shape[1]))
     return block if parts == 1 or part_out % block[0] == 0 else (1, block[1])
 
 
@@ -149,7 +160,7 @@ def build_fp8_store(
         )
     parts = {name: len(disk_layout.sources[name]) for name in WEIGHTS}  # gate_up_proj: gate, up
     layout = ExpertLayout.from_fp8(
-        (name, shapes[name], field_block(shapes[name], parts[name], checkpoint.block)) for name in WEIGHTS
+        (name, shapes[name], field_block(checkpoint, shapes[name], parts[name])) for name in WEIGHTS
     )
     layers, total = {}, len(blocks) * num_experts
     for done, (layer, (prefix, _)) in enumerate(sorted(blocks.items())):

@@ -12,10 +12,14 @@ Two readers of the same folder, as for FP8 (`engine.offload.fp8_store`):
   when the config says act-order) into an int4 layout (`ExpertLayout.from_int4`): the link carries
   int4, dequantized only where computed. Gate and up become `gate_up_proj` side by side on the
   output dim (the packed tensors' last dim), as transformers' fused field stacks them.
+
+compressed-tensors' `pack-quantized` Linears (`engine.offload.compressed_tensors`) are read by a
+subclass and packed here alike, their scales kept in the checkpoint's dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 import torch
@@ -29,7 +33,17 @@ from engine.model.adapters.base import Architecture, DiskLayout
 from engine.model.checkpoint import Checkpoint
 from engine.offload.expert_store import ExpertLayout, ExpertStore, allocate_layer
 from engine.offload.fp8_store import WEIGHTS
-from engine.offload.int4 import AWQ, GPTQ, GPTQ_V2, PACK, Int4Weight, dequantize, packed_shapes
+from engine.offload.int4 import (
+    AWQ,
+    GPTQ,
+    GPTQ_V2,
+    PACK,
+    Int4Weight,
+    dequantize,
+    groups,
+    output_dim,
+    packed_shapes,
+)
 from engine.offload.prequantized import (
     PackedCheckpoint,
     first_experts,
@@ -77,13 +91,19 @@ def int4_checkpoint(hf_config, checkpoint) -> tuple[object, object]:
 
 
 class Int4Checkpoint(PackedCheckpoint):
-    """A `Checkpoint` whose int4 Linears read as `<name>.weight` floats, their packed tensors hidden."""
+    """A `Checkpoint` whose int4 Linears read as `<name>.weight` floats, their packed tensors hidden.
+
+    `PACKED` names a Linear's tensors, its codes first and its scales third (a subclass reads
+    another format's names)."""
+
+    PACKED = PACKED
 
     def __init__(self, checkpoint: Checkpoint, fmt: str, act_order: bool):
-        quantized = {n[: -len(".qweight")] for n in checkpoint if n.endswith(".qweight")}
+        words = self.PACKED[0]
+        quantized = {n[: -len(words)] for n in checkpoint if n.endswith(words)}
         super().__init__(
             checkpoint,
-            hidden={base + suffix for base in quantized for suffix in PACKED},
+            hidden={base + suffix for base in quantized for suffix in self.PACKED},
             virtual=(base + ".weight" for base in quantized),
             default_dtype=torch.float16,  # the scales' dtype: what GPTQ/AWQ kernels compute in
         )
@@ -99,7 +119,7 @@ class Int4Checkpoint(PackedCheckpoint):
 
     def dtype_name(self, name: str) -> str:
         base = self._base(name)
-        return self.packed.dtype_name(base + ".scales" if base else name)
+        return self.packed.dtype_name(base + self.PACKED[2] if base else name)
 
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor `name`; an int4 Linear's weight dequantized, in `dtype` (float32 if None)."""
@@ -154,11 +174,18 @@ def build_int4_store(
         )
     first_prefix = next(iter(sorted(blocks.items())))[1][0] + "."
     first = disk_layout.names(first_prefix, 0)
-    groups = {field: checkpoint.weight(_base(names[0])).scales.shape[0] for field, names in first.items()}
-    layout = ExpertLayout.from_int4(
-        (field, shapes[field], checkpoint.format, groups[field], len(first[field]) * checkpoint.act_order)
+    weights = {field: checkpoint.weight(_base(names[0])) for field, names in first.items()}
+    fields = [
+        (
+            field,
+            shapes[field],
+            checkpoint.format,
+            groups(weights[field]),
+            len(first[field]) * checkpoint.act_order,
+        )
         for field in WEIGHTS
-    )
+    ]
+    layout = _int4_layout(fields, weights[WEIGHTS[0]].scales.dtype)
     layers, total = {}, len(blocks) * num_experts
     for done, (layer, (prefix, _)) in enumerate(sorted(blocks.items())):
         layers[layer] = allocate_layer(num_experts, layout.nbytes, pin, layer)
@@ -168,6 +195,22 @@ def build_int4_store(
         if progress is not None:
             progress("experts", (done + 1) * num_experts, total)
     return ExpertStore(layout, layers, num_experts), disk_layout
+
+
+def _int4_layout(fields, scales_dtype: torch.dtype) -> ExpertLayout:
+    """`ExpertLayout.from_int4` with the scales in the checkpoint's own dtype (compressed-tensors
+    stores bf16 ones, which float16 would round)."""
+    layout = ExpertLayout.from_int4(fields)
+    if scales_dtype == torch.float16:
+        return layout
+    retyped = ExpertLayout.from_fields(
+        (f.name, f.shape, scales_dtype if f.name.endswith(".scales") else f.dtype) for f in layout.fields
+    )
+    kept = zip(layout.fields, retyped.fields, strict=True)
+    fields = tuple(
+        dataclasses.replace(new, int4=old.int4, weight_shape=old.weight_shape) for old, new in kept
+    )
+    return dataclasses.replace(retyped, fields=fields)
 
 
 def _base(weight_name: str) -> str:
@@ -181,15 +224,16 @@ def _pack_expert(checkpoint: Int4Checkpoint, names, views) -> None:
         parts = [checkpoint.weight(_base(name)) for name in sources]
         part_shape = (view.shape[0] // len(parts), view.shape[1])
         for name, part in zip(sources, parts, strict=True):
-            if part.shape != part_shape or part.scales.shape[0] != view.scales.shape[0]:
+            if part.shape != part_shape or groups(part) != groups(view):
                 raise CorruptCheckpointError(
                     f"{_base(name)} is a {part.format} weight of shape {part.shape} in "
-                    f"{part.scales.shape[0]} groups, but the config implies {part_shape} in "
-                    f"{view.scales.shape[0]}. The config and weights disagree."
+                    f"{groups(part)} groups, but the config implies {part_shape} in "
+                    f"{groups(view)}. The config and weights disagree."
                 )
-        view.qweight.copy_(torch.cat([part.qweight for part in parts], dim=-1))
-        view.qzeros.copy_(torch.cat([part.qzeros for part in parts], dim=-1))
-        view.scales.copy_(torch.cat([part.scales for part in parts], dim=-1))
+        dim = output_dim(view.format)  # stacked matrices sit side by side on the output dim
+        view.qweight.copy_(torch.cat([part.qweight for part in parts], dim=dim))
+        view.qzeros.copy_(torch.cat([part.qzeros for part in parts], dim=dim))
+        view.scales.copy_(torch.cat([part.scales for part in parts], dim=dim))
         if view.g_idx is not None:
             rows = [_g_idx(part, name) for part, name in zip(parts, sources, strict=True)]
             view.g_idx.copy_(torch.cat(rows, dim=0))
@@ -201,8 +245,8 @@ def _pack_expert(checkpoint: Int4Checkpoint, names, views) -> None:
 def _g_idx(part: Int4Weight, name: str) -> torch.Tensor:
     if part.g_idx is None:
         raise MissingTensorsError(
-            f"{_base(name)}.g_idx is missing, but config.json says the checkpoint is act-order "
-            "(desc_act: true). The download is incomplete; download the model again."
+            f"The g_idx of {_base(name)} is missing, but config.json says the checkpoint is act-order "
+            "(desc_act: true, actorder: group). The download is incomplete; download the model again."
         )
     return part.g_idx
 
@@ -211,10 +255,11 @@ def _check_contiguous_groups(part: Int4Weight, name: str) -> None:
     """Without act-order, a stored g_idx must be the plain `i // group_size`: the layout drops it."""
     if part.g_idx is None:
         return
-    inputs, groups = part.shape[1], part.scales.shape[0]
-    plain = torch.arange(inputs, dtype=part.g_idx.dtype) // (inputs // groups)
+    inputs = part.shape[1]
+    plain = torch.arange(inputs, dtype=part.g_idx.dtype) // (inputs // groups(part))
     if not torch.equal(part.g_idx[0], plain):
         raise CorruptCheckpointError(
-            f"{_base(name)}.g_idx reorders the groups, but config.json says desc_act: false. "
+            f"The g_idx of {_base(name)} reorders the groups, but config.json says they are in order "
+            "(desc_act: false, no actorder: group). "
             "The config and weights disagree; use the config that came with them."
         )
