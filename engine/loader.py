@@ -42,6 +42,7 @@ from engine.model.adapters.base import DiskLayout
 from engine.model.checkpoint import Checkpoint
 from engine.model.folder import load_tokenizer, open_checkpoint
 from engine.model.gguf_file import GgufCheckpoint
+from engine.offload.compressed_tensors import compressed_checkpoint
 from engine.offload.eviction import make_policy
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertLayout, ExpertStore, build_store, find_layout
@@ -75,7 +76,7 @@ def load_model(
     config = config or OffloadConfig()
     config.validate()
     folder = Path(model_dir).expanduser()
-    hf_config, checkpoint = int4_checkpoint(*fp8_checkpoint(*open_checkpoint(folder)))  # read dequantized
+    hf_config, checkpoint = compressed_checkpoint(*int4_checkpoint(*fp8_checkpoint(*open_checkpoint(folder))))
     arch = get_architecture(hf_config.model_type)
     device = resolve_device(config.device)
     transfer = n_slots = None

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.errors import UnsupportedQuantizationError
 from engine.model.adapters import SUPPORTED_MODEL_TYPES, get_architecture
 
 log = logging.getLogger(__name__)
@@ -182,7 +184,50 @@ def config_problems(config: dict) -> list[str]:
             f"This checkpoint is {method} with {quant.get('bits')}-bit weights; MoE Chat loads {method} "
             "int4 only. Use the model's 4-bit or BF16 release, or a GGUF file."
         )
+    elif method == COMPRESSED_TENSORS:
+        try:
+            compressed_tensors_weights(quant)
+        except UnsupportedQuantizationError as err:
+            problems.append(str(err))
     return problems
+
+
+COMPRESSED_TENSORS = "compressed-tensors"
+# compressed-tensors weights MoE Chat reads: (type, bits) -> on-disk formats, scale strategies
+CT_READABLE = {
+    ("float", 8): (("float-quantized", "naive-quantized"), ("tensor", "channel", "block")),
+    ("int", 4): (("pack-quantized",), ("group", "channel")),
+}
+CT_SCHEME_KEYS = ("format", "type", "num_bits", "strategy", "group_size", "symmetric", "actorder")
+
+
+def compressed_tensors_weights(quant: dict) -> dict:
+    """The weight arguments (and `format`) of a compressed-tensors `quantization_config` MoE Chat
+    reads, one scheme for every quantized Linear; else `UnsupportedQuantizationError`, naming it."""
+    schemes = [g for g in (quant.get("config_groups") or {}).values() if isinstance(g, dict)]
+    weights = [dict(g.get("weights") or {}, format=g.get("format") or quant.get("format")) for g in schemes]
+    found = {tuple(str(w.get(key)) for key in (*CT_SCHEME_KEYS, "block_structure")) for w in weights}
+    args = weights[0] if weights else {}
+    kind = (str(args.get("type")), int(args.get("num_bits") or 0))
+    formats, strategies = CT_READABLE.get(kind, ((), ()))
+    problem = None
+    if len(found) != 1:
+        problem = f"{len(found) or 'no'} weight schemes (MoE Chat reads one for all Linears)"
+    elif kind not in CT_READABLE or args["format"] not in formats:
+        problem = f"{kind[1]}-bit {kind[0]} weights in the {args['format']} format"
+    elif args.get("strategy") not in strategies:
+        problem = f"{kind[1]}-bit {kind[0]} weights with {args.get('strategy')} scales"
+    elif (quant.get("sparsity_config") or {}).get("format", "dense") != "dense" or quant.get(
+        "transform_config"
+    ):
+        problem = "sparse or transformed weights"
+    if problem:
+        raise UnsupportedQuantizationError(
+            f"This compressed-tensors checkpoint has {problem}; MoE Chat reads FP8 float-quantized "
+            "(tensor, channel or block scales) and 4-bit pack-quantized (group or channel) ones. "
+            "Use the model's BF16 release or a GGUF file."
+        )
+    return args
 
 
 def _quant_method(config: dict) -> str | None:
@@ -264,9 +309,7 @@ def _read_header(path: Path, problems: list[str]) -> dict[str, tuple[str, list[i
 
 
 def _count(weights: _Weights, dtype: str, shape: list[int]) -> None:
-    numel = 1
-    for dim in shape:
-        numel *= dim
+    numel = math.prod(shape)
     weights.num_tensors += 1
     weights.num_params += numel
     weights.nbytes += numel * FLOAT_DTYPES.get(dtype, _DTYPE_BYTES.get(dtype, 1))
@@ -275,18 +318,9 @@ def _count(weights: _Weights, dtype: str, shape: list[int]) -> None:
 def _check_dtypes(
     path: Path, headers: dict[str, tuple[str, list[int]]], problems: list[str], quant: str | None = None
 ) -> None:
-    """Weights stored in FP8, MXFP4 blocks or integers mean a quantized checkpoint (FP8 ones of an
-    FP8 config, GPTQ/AWQ int32 words of such a config and MXFP4 blocks load)."""
-    odd = sorted(
-        {
-            dtype
-            for name, (dtype, _) in headers.items()
-            if dtype not in FLOAT_DTYPES
-            and _is_weight(name)
-            and not _is_mxfp4(name, dtype)
-            and not _is_packed(name, dtype, quant)
-        }
-    )
+    """Weights stored in FP8, MXFP4 blocks or integers mean a quantized checkpoint: those its
+    config explains load (`_is_packed`)."""
+    odd = sorted({dtype for name, (dtype, _) in headers.items() if _is_odd(name, dtype, quant)})
     if odd:
         problems.append(
             f"{path.name} stores weights as {', '.join(odd)}; quantized checkpoints (FP8, MXFP4, int) "
@@ -301,16 +335,26 @@ def _loadable(model_type: object, method: str) -> bool:
     return method.lower() not in get_architecture(str(model_type)).unsupported_quantization
 
 
+def _is_odd(name: str, dtype: str, quant: str | None) -> bool:
+    """A weight that is neither floats nor the checkpoint's own packed format."""
+    return dtype not in FLOAT_DTYPES and _is_weight(name) and not _is_packed(name, dtype, quant)
+
+
 def _is_mxfp4(name: str, dtype: str) -> bool:
     """OpenAI's MXFP4 experts: `…_blocks` and `…_scales` bytes (engine.offload.mxfp4_store)."""
     return dtype == "U8" and name.endswith(("_blocks", "_scales"))
 
 
 def _is_packed(name: str, dtype: str, quant: str | None) -> bool:
-    """A quantized checkpoint's own packed tensors: FP8 weights, GPTQ/AWQ int32 words
-    (engine.offload.fp8_store, int4_store)."""
+    """A quantized checkpoint's own packed tensors: MXFP4 blocks, FP8 weights, GPTQ/AWQ and
+    compressed-tensors int32 words (engine.offload.fp8_store, int4_store, compressed_tensors)."""
+    if _is_mxfp4(name, dtype):
+        return True
     if quant == "fp8":
         return dtype == "F8_E4M3"
+    if quant == COMPRESSED_TENSORS:
+        packed = name.endswith((".weight_packed", ".weight_zero_point", ".weight_g_idx", ".weight_shape"))
+        return dtype == "F8_E4M3" or (dtype in ("I32", "I64") and packed)
     return quant in ("gptq", "awq") and dtype == "I32" and name.endswith((".qweight", ".qzeros", ".g_idx"))
 
 

@@ -21,7 +21,7 @@ from engine.model.gguf_file import GgufCheckpoint, find_gguf
 log = logging.getLogger(__name__)
 
 # pre-quantized experts the engine keeps in their own format
-KEPT_QUANTIZATION = ("mxfp4", "fp8", "gptq", "awq")
+KEPT_QUANTIZATION = ("mxfp4", "fp8", "gptq", "awq", "compressed-tensors")
 
 
 def open_checkpoint(folder: Path) -> tuple[object, Checkpoint | GgufCheckpoint]:
