@@ -14,7 +14,7 @@ config.json says `quantization_config: {"quant_method": "compressed-tensors", "f
   `<name>.weight_scale` `[out, groups]` (strategy group, or channel: one group), `<name>.weight_shape`
   (`[out, in]`), for asymmetric schemes `<name>.weight_zero_point` int32 `[out/8, groups]`, and with
   `actorder: group` `<name>.weight_g_idx` int32 `[in]`, packed as `engine.offload.int4` describes
-  (formats "ct" and "ct_sym"). Read by `CompressedInt4Checkpoint`: the experts stay int4
+  (its formats `CT` and `CT_SYM`). Read by `CompressedInt4Checkpoint`: the experts stay int4
   (`engine.offload.int4_store`).
 """
 

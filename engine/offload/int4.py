@@ -18,7 +18,7 @@ A quantized Linear `W [out, in]` is stored transposed, input rows by output colu
   weight's own orientation, `weight_packed` int32 `[out, in/8]`, 8 codes of one row packed along the
   input dim, low bits first, each the signed code plus 8; `weight_scale` `[out, groups]` (the model's
   dtype, usually bf16); asymmetric ones add `weight_zero_point` int32 `[out/8, groups]` packed along
-  the output dim alike ("ct"); symmetric ones have none: their zero is the stored 8 ("ct_sym").
+  the output dim alike (CT); symmetric ones have none: their zero is the stored 8 (CT_SYM).
 
 Either way `W[o, i] = (q[i, o] - z[g(i), o]) * s[g(i), o]`. An expert field keeps the checkpoint's
 bytes (`Int4Weight`); `linear` dequantizes where it computes, with plain torch ops (shifts and masks),
@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 GPTQ, GPTQ_V2, AWQ = "gptq", "gptq_v2", "awq"
-CT, CT_SYM = "ct", "ct_sym"  # compressed-tensors pack-quantized, with and without zero points
+# compressed-tensors pack-quantized, with and without zero points
+CT, CT_SYM = "compressed-tensors", "compressed-tensors-sym"
 FORMATS = (GPTQ, GPTQ_V2, AWQ, CT, CT_SYM)
 ROW_MAJOR = (CT, CT_SYM)  # held (out, in): the output dim is the first of every packed tensor
 PACK = 8  # 4-bit codes per int32 word
