@@ -171,9 +171,64 @@ def _hub_kind(cause: BaseException, name: str) -> tuple[str, str] | None:
 
 # -- a quick look before a slow call -------------------------------------------------------------
 
+CONNECT_TIMEOUT_S = 10.0  # opening a connection to the Hub (the probe below answers offline in 2 s)
+READ_TIMEOUT_S = 60.0  # a Hub that accepted the connection but sends nothing for this long is stuck
+
+
+def bound_hub_requests() -> None:
+    """Bound every HTTP request huggingface_hub makes. Its API calls pass `timeout=None` (a server
+    that accepts a connection and never answers would hang a search or a download forever), and it
+    replaces its shared client after a failed attempt: so each client its factory makes gets a
+    transport that fills in our bounds wherever a request says None."""
+    from huggingface_hub import set_client_factory
+
+    try:
+        from huggingface_hub.utils._http import default_client_factory
+    except ImportError:  # a release without it: its own defaults stand
+        return
+    set_client_factory(lambda: _bounded(default_client_factory()))
+
+
+class _BoundedTransport:
+    """An httpx transport that gives a request with no timeout ours, then hands it on."""
+
+    def __init__(self, transport):
+        self.transport = transport
+
+    def handle_request(self, request):
+        bounds = {"connect": CONNECT_TIMEOUT_S, "read": READ_TIMEOUT_S, "write": READ_TIMEOUT_S}
+        asked = request.extensions.get("timeout") or {}
+        bounds["pool"] = CONNECT_TIMEOUT_S
+        request.extensions["timeout"] = {k: asked.get(k) or bound for k, bound in bounds.items()}
+        return self.transport.handle_request(request)
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _bounded(client):
+    """`client` with every transport (its own and its proxies') bounded; as it was if the client
+    does not look like the httpx one huggingface_hub has used (nothing is broken, only unbounded)."""
+    transport, mounts = getattr(client, "_transport", None), getattr(client, "_mounts", None)
+    if transport is None or not isinstance(mounts, dict):
+        return client
+    client._transport = _BoundedTransport(transport)
+    for pattern, mounted in mounts.items():
+        if mounted is not None:
+            mounts[pattern] = _BoundedTransport(mounted)
+    return client
+
 
 def check_reachable(endpoint: str | None = None, timeout_s: float = PROBE_TIMEOUT_S) -> None:
-    """Raise `HubError` unless a TCP connection to the Hub (or its proxy) opens within `timeout_s`."""
+    """Raise `HubError` unless a TCP connection to the Hub (or its proxy) opens within `timeout_s`;
+    the Hub calls that follow are bounded too (`bound_hub_requests`)."""
+    bound_hub_requests()
     url = urlsplit(endpoint or hub_endpoint())
     host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
     proxy = _proxy_for(url.scheme, host)

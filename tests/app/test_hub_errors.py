@@ -234,3 +234,44 @@ def test_the_probe_goes_through_the_proxy_the_environment_names(monkeypatch):
         check_reachable("https://huggingface.co")
     assert caught.value.failure.kind == "refused"
     assert f"through the proxy 127.0.0.1:{port}" in caught.value.failure.details
+
+
+@pytest.fixture
+def mute_server():
+    """A server that accepts every connection, reads the request and never answers it."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join(timeout=5)
+    for sock in (*accepted, server):
+        sock.close()
+
+
+def test_a_hub_that_accepts_and_never_answers_is_bounded_too(capfd, mute_server, monkeypatch):
+    """huggingface_hub's own client has no timeout: the search would wait forever on such a server."""
+    import huggingface_hub.constants
+
+    import app.download_child.hub_errors as hub_errors
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # conftest imported it offline
+    monkeypatch.setattr(hub_errors, "READ_TIMEOUT_S", 0.3)
+    start = time.monotonic()
+    with pytest.raises(HubError):
+        hub_client.search_models("qwen", endpoint=mute_server)
+    assert time.monotonic() - start < 30  # huggingface_hub retries a timed-out read a few times
+    assert_quiet(capfd)
