@@ -22,9 +22,10 @@ log = logging.getLogger(__name__)
 KEYRING_SERVICE = "moe-chat"
 KEYRING_USER = "huggingface"
 # What a whole-repo download cannot load, by tag: a GGUF repo holds many quants (the catalog fetches
-# one file), and formats the loader refuses. GPTQ/AWQ int4, FP8 and MXFP4 load: config_problems
-# judges those from the config, which says the method and its bits ("4-bit" tags say neither).
-QUANTIZED_TAGS = {"gguf", "bitsandbytes", "compressed-tensors"}
+# one file), and formats the loader refuses. GPTQ/AWQ int4, FP8, MXFP4 and compressed-tensors' FP8
+# and w4a16 load: config_problems judges those from the config, which says the method, scheme and
+# bits ("4-bit" tags say neither).
+QUANTIZED_TAGS = {"gguf", "bitsandbytes"}
 
 
 # -- the token for gated models -------------------------------------------------------------------

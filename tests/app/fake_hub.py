@@ -46,6 +46,7 @@ class FakeRepo:
     gated: bool = False
     token: str | None = None  # the token a gated repo accepts
     config: dict = field(default_factory=dict)  # more of config.json for the model info
+    tags: tuple[str, ...] = ()  # more of the Hub's tags (e.g. "compressed-tensors")
 
     def is_lfs(self, name: str) -> bool:
         return name.endswith(LFS_SUFFIXES)
@@ -279,7 +280,7 @@ def _model_info(repo: FakeRepo) -> dict:
         "gated": "auto" if repo.gated else False,
         "downloads": repo.downloads,
         "likes": 0,
-        "tags": ["safetensors", repo.model_type, "text-generation"],
+        "tags": ["safetensors", repo.model_type, "text-generation", *repo.tags],
         "config": {"model_type": repo.model_type, **repo.config},
         "siblings": [{"rfilename": n} for n in sorted(repo.files)],
     }

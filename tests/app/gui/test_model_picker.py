@@ -271,6 +271,34 @@ def test_search_lists_supported_models_and_downloads_from_a_result(qtbot, picker
     hub.add_repo(FakeRepo("someone/dense-llama", {}, model_type="llama", downloads=10**6))
     quantized = {"quantization_config": {"quant_method": "bitsandbytes"}}
     hub.add_repo(FakeRepo("someone/moe-gptq", {}, model_type="mixtral", downloads=5, config=quantized))
+    w4a16 = {  # RedHatAI's w4a16 releases: compressed-tensors pack-quantized, which MoE Chat reads
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "int",
+                        "symmetric": True,
+                        "strategy": "group",
+                        "group_size": 128,
+                    },
+                }
+            },
+            "ignore": ["lm_head"],
+        }
+    }
+    ct = FakeRepo(
+        "someone/moe-w4a16",
+        {},
+        model_type="qwen3_moe",
+        downloads=6,
+        config=w4a16,
+        tags=("compressed-tensors",),
+    )
+    hub.add_repo(ct)
     picker.tabs.setCurrentIndex(1)
     picker.search_box.setText("e")
     picker.search()
@@ -282,6 +310,7 @@ def test_search_lists_supported_models_and_downloads_from_a_result(qtbot, picker
     quantized_row = names.index("someone/moe-gptq")
     assert table.item(quantized_row, SEARCH_COLUMNS.index("Notes")).text() == "pre-quantized: cannot run"
     assert not picker.download_row("someone/moe-gptq", "search").download_button.isEnabled()
+    assert picker.download_row("someone/moe-w4a16", "search").download_button.isEnabled()  # it loads
     row = names.index(OLMOE)
     assert table.item(row, SEARCH_COLUMNS.index("Architecture")).text() == "olmoe"
     click(qtbot, picker.download_row(OLMOE, "search").download_button)
