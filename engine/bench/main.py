@@ -19,12 +19,13 @@ import logging
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from engine.bench.memory import current_rss_bytes, kv_cache_bytes, memory_line, peak_rss_bytes
+from engine.bench.rows import BenchRow, format_table
 from engine.bench.side_by_side import bench_other, ratio_line, ratios
-from engine.config import OffloadConfig, format_bytes
+from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import EngineError
 from engine.options import (
     add_offload_arguments,
@@ -36,28 +37,6 @@ from engine.options import (
 from engine.prompts import PROMPTS, encode_prompts, greedy
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class BenchRow:
-    engine: str  # "moe-chat" | "transformers"
-    budget: str
-    cache_slots: int | None
-    tpot_ms: float
-    tokens_per_s: float
-    prefill_tokens_per_s: float | None
-    hit_rate: float | None  # decode phase
-    h2d_gbps: float | None
-    bytes_per_token: float | None
-    decode_tokens: int
-    simulated_link: bool
-    peak_rss_bytes: int | None = None  # this process's peak resident memory so far (run one model a process)
-    pinned_bytes: int | None = None  # host memory pinned for the link (the expert store on CUDA)
-    store_bytes: int | None = None  # the routed experts in host memory, in their stored precision
-    baseline_rss_bytes: int | None = None  # this process before the model loaded (Python, torch)
-    resident_bytes: int | None = None  # the model's weights besides the routed experts
-    kv_bytes: int | None = None  # the KV cache of the longest sequence run
-    in_place: bool = False  # CPU, no link simulated: the experts are used where the store holds them
 
 
 def engine_pass(model, prompt_ids: list[list[int]], new_tokens: int) -> dict:
@@ -183,47 +162,28 @@ def compare_side_by_side(args, budget: str, prompt_ids, config: OffloadConfig) -
         model.close()
 
 
-def _format_table(rows: list[BenchRow]) -> str:
-    def num(value, fmt):
-        return "-" if value is None else format(value, fmt)
-
-    header = f"{'engine':<13}{'budget':<16}{'slots':>6}{'tpot_ms':>10}{'tok/s':>9}{'prefill/s':>11}"
-    header += f"{'hit_rate':>10}{'h2d_GB/s':>10}{'bytes/tok':>12}{'peak RSS':>11}{'pinned':>10}  link"
-    lines = [header]
-    for r in rows:
-        link = "simulated" if r.simulated_link else ("real" if r.engine == "moe-chat" else "none")
-        link = "none (in place)" if r.in_place else link
-        lines.append(
-            f"{r.engine:<13}{r.budget:<16}{num(r.cache_slots, 'd'):>6}{r.tpot_ms:>10.2f}"
-            f"{r.tokens_per_s:>9.1f}{num(r.prefill_tokens_per_s, '.0f'):>11}{num(r.hit_rate, '.1%'):>10}"
-            f"{num(r.h2d_gbps, '.3f'):>10}"
-            f"{(format_bytes(r.bytes_per_token) if r.bytes_per_token is not None else '-'):>12}"
-            f"{_size(r.peak_rss_bytes):>11}{_size(r.pinned_bytes):>10}  {link}"
-        )
-    return "\n".join(lines)
-
-
-def _size(nbytes: int | None) -> str:
-    return "-" if nbytes is None else format_bytes(nbytes)
-
-
 def run(args: argparse.Namespace) -> dict:
+    from engine.bench.tuned import calibrated_offload
     from engine.loader import load_model
 
     budgets = [b.strip() for b in (args.expert_budget or "all").split(",")]
     prompts = PROMPTS[: args.prompts]
     rows: list[BenchRow] = []
+    link, calibration = calibrated_offload(args, model_folder(args), offload_config(args, budgets[0]))
     for budget in budgets:
         baseline = current_rss_bytes()
-        model = load_model(model_folder(args), offload_config(args, budget))
+        offload = replace(link, expert_budget=ExpertBudget.parse(budget))
+        model = load_model(model_folder(args), offload)
         try:
             prompt_ids = encode_prompts(model, prompts)
             rows.append(bench_engine(model, prompt_ids, args.new_tokens, args.repeats, baseline))
             info = model.info()
         finally:
             model.close()
-        print(_format_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+        print(format_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     result = {"model": asdict(info), "new_tokens": args.new_tokens, "prompts": len(prompts)}
+    if calibration is not None:
+        result["calibration"] = calibration
     if args.compare_transformers:
         # The largest cache asked for: with every expert cached, offloading is pure overhead.
         largest = max(zip(rows, budgets, strict=True), key=lambda pair: pair[0].cache_slots)[1]
@@ -345,14 +305,14 @@ def _print_result(result: dict) -> None:
     rows = [BenchRow(**r) for r in result["rows"]]
     info = result["model"]
     print(f"{info['path']} ({info['model_type']}, {info['dtype']}, device {info['device']})")
-    print(_format_table(rows))
+    print(format_table(rows))
     for line in filter(None, map(memory_line, rows)):
         print(line)
     if "and_model" in result:
         other = result["and_model"]
         other_rows = [BenchRow(**r) for r in other["rows"]]
         print(f"\n{other['model']['path']} ({other['model']['dtype']}), the same bench in its own process")
-        print(_format_table(other_rows))
+        print(format_table(other_rows))
         for line in filter(None, map(memory_line, other_rows)):
             print(line)
         found = result["and_model_ratios"]

@@ -22,7 +22,7 @@ def run_tuned(args) -> dict:
     from engine.tune.run import TuneConfig, choice_config, tune
 
     folder = model_folder(args)
-    offload, calibration = _calibrated(args, folder, offload_config(args))
+    offload, calibration = calibrated_offload(args, folder, offload_config(args))
     draft_model = args.draft_model or (None if args.model else str(demo_draft_dir()))
     model = load_model(folder, offload)
     try:
@@ -65,7 +65,7 @@ def run_tuned(args) -> dict:
     }
 
 
-def _calibrated(args, folder: str, offload):
+def calibrated_offload(args, folder: str, offload):
     """`--sim-link calibrated`: the offload config on a link calibrated to this host, and the
     calibration; otherwise the config as given and None."""
     from engine.bench.compare import LINK_RATIO, calibrate_link
@@ -81,7 +81,7 @@ def _calibrated(args, folder: str, offload):
         probe_model.close()
     gbps, layer_ms = calibrate_link(folder, offload, prompt_ids, args.new_tokens)
     calibration = {"layer_ms": layer_ms, "link_gbps": gbps, "copy_over_layer": LINK_RATIO}
-    return replace(offload, sim_link_gbps=gbps), calibration
+    return replace(offload, sim_link_gbps=gbps, sim_latency_us=0.0), calibration  # as --compare's link
 
 
 def _predicted_tpot(result) -> float:

@@ -69,3 +69,12 @@ def test_compare_runs_every_configuration_side_by_side_on_a_calibrated_link(fold
     assert rows["hybrimoe"]["policy"] == "mrs"
     table = capsys.readouterr().out
     assert "SIMULATED" in table and "calibrated link" in table
+
+
+def test_a_plain_run_on_the_calibrated_link_simulates_it(folder, tmp_path):
+    """`--sim-link calibrated` means the same without --compare: a link calibrated to this host."""
+    out = tmp_path / "calibrated.json"
+    argv = ["--model", str(folder), "--expert-budget", "4", "--new-tokens", "4", "--repeats", "1"]
+    assert bench.main([*argv, "--prompts", "1", "--sim-link", "calibrated", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["calibration"]["link_gbps"] > 0 and result["rows"][0]["simulated_link"] is True
