@@ -34,6 +34,7 @@ class TunedChoice:
 
     cutoff_layer: int  # last MoE layer SP-MoE prefetches; -1: none
     draft_len: int  # 0: plain decoding measured fastest
+    drafter: str = ""  # what the tuner measured fastest: "draft", "self"; "": not recorded
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,12 @@ def _auto_spec(model, spec: SpecConfig, tuned: TunedChoice | None, reasons: list
     if tuned is not None:
         spec = replace(spec, draft_len=min(tuned.draft_len, spec.max_draft_len))
     draft = spec.draft_model or bundled_draft(model)
+    top_k = getattr(model, "top_k", 1)
+    if draft and tuned is not None and tuned.drafter == "self" and 1 <= spec.top_r < top_k:
+        reasons.append("the stored auto-tune result measured self-drafting faster than the draft model")
+        return replace(spec, mode="self")
     if draft:
         return replace(spec, mode="draft", draft_model=draft)
-    top_k = getattr(model, "top_k", 1)
     if 1 <= spec.top_r < top_k:
         reasons.append(
             f"no draft model for {Path(model.path).name}: drafting with the model itself, "

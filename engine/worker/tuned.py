@@ -40,7 +40,8 @@ def stored_choice(model, store: TuneStore | None = None) -> TunedChoice | None:
         choice.cutoff_layer,
         choice.draft_len,
     )
-    return TunedChoice(cutoff_layer=choice.cutoff_layer, draft_len=choice.draft_len)
+    drafter = getattr(choice, "drafter", "")
+    return TunedChoice(cutoff_layer=choice.cutoff_layer, draft_len=choice.draft_len, drafter=drafter)
 
 
 def _gpu_uuid(device: torch.device) -> str | None:

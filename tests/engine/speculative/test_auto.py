@@ -70,3 +70,17 @@ def test_explicit_settings_pass_through(tmp_path):
 def test_a_chosen_cutoff_beats_the_tuned_one():
     chosen = resolve(model(demo_model_dir()), AUTO, "auto", 0, TunedChoice(cutoff_layer=4, draft_len=3))
     assert (chosen.prefetch, chosen.cutoff) == ("spmoe", 0)
+
+
+def test_a_tune_result_that_measured_self_fastest_drafts_with_self_though_a_draft_exists():
+    tuned = TunedChoice(cutoff_layer=1, draft_len=4, drafter="self")
+    chosen = resolve(model(demo_model_dir()), SpecConfig(mode="auto", top_r=1), "auto", None, tuned)
+    assert (chosen.spec.mode, chosen.spec.draft_len, chosen.prefetch, chosen.cutoff) == (
+        "self",
+        4,
+        "spmoe",
+        1,
+    )
+    assert "self-drafting faster" in " ".join(chosen.reasons)
+    drafted = resolve(model(demo_model_dir()), AUTO, "auto", None, TunedChoice(1, 4, drafter="draft"))
+    assert drafted.spec.mode == "draft"
