@@ -220,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
+        if args.command in ("generate", "tune"):
+            from engine.worker.entry import quiet_progress_bars
+
+            quiet_progress_bars()  # a draft model loading mid-reply would print a bar into the reply
         if args.command == "generate":
             return run_generate(args)
         if args.command == "tune":

@@ -106,9 +106,10 @@ FIELDS: dict[str, FieldInfo] = {
     ),
     "draft_model": FieldInfo(
         "Draft model folder",
-        "For draft mode: a small model sharing the tokenizer; empty uses the demo's draft.",
-        "The folder of a small dense or MoE model with the same tokenizer as the main model. It is only "
-        "used when speculative decoding is 'draft'. With the demo model it may be left empty.",
+        "For draft and auto modes: a small model sharing the tokenizer; empty uses the model's own draft.",
+        "The folder of a small dense or MoE model with the same tokenizer as the main model. It is "
+        "used when speculative decoding is 'draft', or 'auto' (which otherwise drafts with the model's "
+        "bundled draft, or the model itself). With the demo model it may be left empty.",
         "folder", optional=True, placeholder="none",
     ),
     "draft_len": FieldInfo(
