@@ -38,7 +38,8 @@ from engine.errors import (
     UnsupportedArchitectureError,
 )
 from engine.model.adapters import get_architecture
-from engine.model.adapters.base import DiskLayout
+from engine.model.adapters.base import Architecture, DiskLayout
+from engine.model.adapters.generic import bind
 from engine.model.checkpoint import Checkpoint
 from engine.model.folder import load_tokenizer, open_checkpoint
 from engine.model.gguf_file import GgufCheckpoint
@@ -77,12 +78,11 @@ def load_model(
     config.validate()
     folder = Path(model_dir).expanduser()
     hf_config, checkpoint = compressed_checkpoint(*int4_checkpoint(*fp8_checkpoint(*open_checkpoint(folder))))
-    arch = get_architecture(hf_config.model_type)
     device = resolve_device(config.device)
     transfer = n_slots = None
     try:
         dtype = resolve_dtype(config.dtype, checkpoint, device)
-        hf_model, blocks = _skeleton(hf_config, arch, dtype, folder)
+        hf_model, arch, blocks = _skeleton(hf_config, dtype, folder)
         top_k = hf_config.num_experts_per_tok
         store, disk_layout = _expert_store(
             folder, checkpoint, hf_model, arch, blocks, dtype, device, config, progress
@@ -162,14 +162,17 @@ def _gguf_layout_name(store: ExpertStore) -> str:
     return "gguf " + "/".join(GGMLQuantizationType(t).name for t in types)
 
 
-def _skeleton(hf_config, arch, dtype: torch.dtype, folder: Path) -> tuple[torch.nn.Module, dict]:
-    """transformers' model built on the meta device (no memory), and its MoE blocks by layer."""
+def _skeleton(hf_config, dtype: torch.dtype, folder: Path) -> tuple[torch.nn.Module, Architecture, dict]:
+    """transformers' model built on the meta device (no memory), its architecture as the generic
+    adapter reads it from the model, and its MoE blocks by layer."""
+    arch = get_architecture(hf_config.model_type)
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    arch = bind(arch, hf_model)
     blocks = moe_blocks(hf_model, arch)
     if not blocks:
         raise UnsupportedArchitectureError(f"{folder} has no layers with routed experts.")
-    return hf_model.eval(), blocks
+    return hf_model.eval(), arch, blocks
 
 
 def _offload_experts(blocks: dict, arch, cache: ExpertCache) -> tuple[RoutingTrace, ExpertControl]:

@@ -4,7 +4,8 @@ Contract: `make_tiny_model(dir, model_type)` writes a folder that loads with
 `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` like a hub
 checkpoint: config.json, generation_config.json, safetensors (one file or shards plus
 model.safetensors.index.json) and a byte-level ChatML tokenizer. Every supported architecture
-is covered, seeded, fp32 by default, with eager attention and eager experts.
+is covered (the hand-tuned `TINY_ARCHITECTURES` here, every other one shrunk generically by
+engine.model.tiny_registry), seeded, fp32 by default, with eager attention and eager experts.
 
 Two on-disk layouts:
 - "per_expert": transformers' own `save_pretrained`, which undoes its load-time conversions
@@ -44,11 +45,9 @@ from transformers import (
 from transformers.utils.hub import convert_file_size_to_int
 
 from engine.model.adapters import SUPPORTED_MODEL_TYPES
+from engine.model.tiny_registry import shrunk_config
 
 logger = logging.getLogger(__name__)
-
-# Every architecture the engine supports has a tiny builder here.
-TINY_ARCHITECTURES: tuple[str, ...] = SUPPORTED_MODEL_TYPES
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
@@ -125,6 +124,11 @@ _ARCH_SETTINGS: dict[str, dict] = {
 }
 
 
+# The hand-tuned families every feature test runs over (layouts, routers, attention kinds of the
+# original adapters); every supported family is checked exact in tests/engine/model/test_all_families.py.
+TINY_ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_SETTINGS)
+
+
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table that the ByteLevel pre-tokenizer uses."""
     printable = [
@@ -158,10 +162,15 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_config(model_type: str, **overrides) -> PretrainedConfig:
-    """A 64-wide, 8-expert, top-2 config of `model_type`; `overrides` win over every default."""
+    """A 64-wide, 8-expert, top-2 config of `model_type`; `overrides` win over every default.
+
+    The hand-tuned families (`TINY_ARCHITECTURES`) have settings here; every other supported
+    family is shrunk generically from its config class (engine.model.tiny_registry)."""
     if model_type not in _ARCH_SETTINGS:
+        if model_type in SUPPORTED_MODEL_TYPES:
+            return shrunk_config(model_type, **overrides)
         raise ValueError(
-            f"no tiny config for model_type {model_type!r}; known: {', '.join(TINY_ARCHITECTURES)}"
+            f"no tiny config for model_type {model_type!r}; known: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     special_ids = {token: 256 + i for i, token in enumerate(SPECIAL_TOKENS)}
     settings = {

@@ -302,7 +302,7 @@ def moe_blocks(model: nn.Module, arch: Architecture) -> dict[int, tuple[str, nn.
     decoder_layers = model.get_decoder().layers
     prefix = next(name for name, module in model.named_modules() if module is decoder_layers)
     for index, layer in enumerate(decoder_layers):
-        block = getattr(layer, arch.moe_attr, None)
+        block = getattr(layer, arch.moe_attr, None) if arch.moe_attr else layer
         if block is not None and hasattr(block, "experts"):
             blocks[index] = (f"{prefix}.{index}", block)
     return blocks

@@ -1,21 +1,20 @@
-"""What an architecture adapter says about a model family.
+"""What the engine knows about a model family: where its routed experts are and how they lie on disk.
 
-transformers 5 gives every supported family the same shape: a decoder layer
-holds a MoE block (`mlp` or `block_sparse_moe`) whose router (`gate` or
-`router`) returns `(router_logits, top_k_weights, top_k_index)` and whose
-`experts` module is called as `experts(hidden, top_k_index, top_k_weights)`.
-Attention, norms, RoPE, the KV cache, routers, shared experts and dense layers
-are transformers' own modules and stay resident; the engine replaces only
-`experts`. An adapter therefore says where that block is, which router rule
-the family uses (for the record and for the predictors), and how the routed
-experts are named on disk, in each layout checkpoints use:
+transformers 5 gives every MoE family the same shape: a decoder layer holds a MoE block (`mlp`,
+`block_sparse_moe`, `mixer` … or the layer itself) whose router (`gate` or `router`) returns
+`(router_logits, top_k_weights, top_k_index)` and whose `experts` module is called as
+`experts(hidden, top_k_index, top_k_weights)`. Attention, norms, RoPE, the KV cache (or recurrent
+state), routers, shared experts and dense layers are transformers' own modules and stay resident;
+the engine replaces only `experts`. An `Architecture` says where that block is, which router it
+has, and how the routed experts are named on disk, in each layout checkpoints use:
 
 - per expert: `<layer>.mlp.experts.<e>.gate_proj.weight` (Mixtral:
   `block_sparse_moe.experts.<e>.w1.weight`), one tensor per expert and matrix;
 - fused: `<layer>.mlp.experts.gate_up_proj` `[E, 2I, H]`, one tensor per layer.
 
-Field names are those of transformers' fused experts module (`gate_up_proj`,
-`down_proj`, `*_bias`); one expert's field is that tensor's row `[e]`.
+Field names are those of transformers' fused experts module (`gate_up_proj`, `down_proj`,
+`*_bias`); one expert's field is that tensor's row `[e]`. `engine.model.adapters.generic.bind`
+fills the block, router and layouts in from the model itself.
 """
 
 from __future__ import annotations
@@ -71,13 +70,17 @@ def fused_layout(experts: str, *, gate_up: str = "gate_up_proj", down: str = "do
 
 @dataclass(frozen=True)
 class Architecture:
-    """One Hugging Face `model_type` the engine can offload."""
+    """One Hugging Face `model_type` the engine can offload.
+
+    Built from the model type alone (`engine.model.adapters.get_architecture`), it holds what the
+    family's override entry says; `generic.bind` completes it from the model built on the meta
+    device (`moe_attr`, `router_attr`, `layouts`)."""
 
     model_type: str
-    router_rule: str  # human-readable, shown in logs and `--help`
-    layouts: tuple[DiskLayout, ...]
-    moe_attr: str = "mlp"  # attribute of the decoder layer holding the MoE block
-    router_attr: str = "gate"  # attribute of the MoE block holding the router
+    router_rule: str = "the family's transformers router"  # human-readable, for logs and `--help`
+    layouts: tuple[DiskLayout, ...] = ()  # an override's extra layouts; `bind` adds the derived ones
+    moe_attr: str | None = None  # attribute of the decoder layer holding the MoE block ("": the layer)
+    router_attr: str = ""  # attribute of the MoE block holding the router ("": found by `bind`)
     notes: str = ""
     # config keys whose presence means weights we cannot compute with yet (MXFP4 experts in fused
     # `_blocks`/`_scales` tensors, as gpt-oss ships them, load: engine.offload.mxfp4_store; FP8

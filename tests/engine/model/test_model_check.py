@@ -13,9 +13,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from engine.errors import UnsupportedArchitectureError
-from engine.model.adapters import SUPPORTED_MODEL_TYPES, get_architecture
+from engine.model.adapters import get_architecture
 from engine.model.check import INDEX_NAME, check_model_folder
-from engine.model.tiny import build_tiny_model, make_tiny_model, save_tiny_model
+from engine.model.tiny import TINY_ARCHITECTURES, build_tiny_model, make_tiny_model, save_tiny_model
 from engine.resources import demo_model_dir
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -41,7 +41,7 @@ def edit_json(path: Path, change) -> None:
     path.write_text(json.dumps(data))
 
 
-@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+@pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
 def test_a_tiny_model_of_every_supported_type_passes(tmp_path, model_type):
     check = check_model_folder(make_tiny_model(tmp_path / model_type, model_type))
     assert check.ok, check.problems
