@@ -26,6 +26,7 @@ from engine.generation_config import GenerationConfig, is_unicode
 from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot
 from engine.offload.model import OffloadedModel
 from engine.sampling import Sampler
+from engine.speculative.auto import refuse_speculation_that_cannot_rewind
 from engine.speculative.decoder import open_decoder
 from engine.textstream import IncrementalDetokenizer, StopStringMatcher, encode_chat
 
@@ -117,6 +118,7 @@ def generate(
     """Stream the reply to `prompt`; `cancel` stops it between steps; `live`, when given, is kept
     up to date for a telemetry thread."""
     config.validate()
+    refuse_speculation_that_cannot_rewind(model, config.spec.mode)
     started = time.perf_counter()
     live = live or LiveGeneration(started)
     live.started = started

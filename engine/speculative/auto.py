@@ -22,7 +22,9 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from engine.errors import InvalidRequestError
 from engine.generation_config import AUTO, GenerationConfig, SpecConfig
+from engine.model.adapters.families import NO_SPECULATION
 from engine.resources import demo_draft_dir, demo_model_dir
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,11 @@ def resolve(
 ) -> Resolved:
     """`spec`, `prefetch` and `cutoff` with every `auto` replaced by what suits `model`."""
     reasons: list[str] = []
+    refuse_speculation_that_cannot_rewind(model, spec.mode)
+    blocked = NO_SPECULATION.get(getattr(getattr(model, "arch", None), "model_type", ""))
+    if blocked and spec.mode == AUTO:
+        reasons.append(f"no speculation: {blocked}")
+        spec = replace(spec, mode="none")
     if spec.mode == AUTO:
         spec = _auto_spec(model, spec, tuned, reasons)
     if prefetch == AUTO:
@@ -59,6 +66,15 @@ def resolve(
     for reason in reasons:
         log.info("auto: %s", reason)
     return Resolved(spec, prefetch, cutoff, tuple(reasons))
+
+
+def refuse_speculation_that_cannot_rewind(model, mode: str) -> None:
+    """An explicit drafter on a family whose state speculation cannot rewind yet: a clear error."""
+    blocked = NO_SPECULATION.get(getattr(getattr(model, "arch", None), "model_type", ""))
+    if blocked and mode not in (AUTO, "none"):
+        raise InvalidRequestError(
+            f"Speculative decoding ({mode}) cannot run on this model yet: {blocked}. Use --spec none."
+        )
 
 
 def resolve_config(model, config: GenerationConfig, tuned: TunedChoice | None = None) -> GenerationConfig:
