@@ -2,6 +2,7 @@
 with a message that names the value and says what to do."""
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -99,7 +100,7 @@ def test_out_of_memory_for_the_expert_cache(good_model, monkeypatch):
 
     monkeypatch.setattr(torch, "empty", empty_without_device_memory)
     with pytest.raises(DeviceOutOfMemoryError, match=r"expert cache \(16 slots .*Lower --expert-budget"):
-        load_model(good_model, CPU)
+        load_model(good_model, replace(CPU, sim_link_gbps=100.0))  # a link: the pool is allocated
     monkeypatch.undo()
     load_ok(good_model)
 

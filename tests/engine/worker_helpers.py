@@ -61,6 +61,15 @@ class WorkerHarness:
 
     def close(self) -> None:
         self.send(Shutdown("bye"))
-        self.thread.join(30)
+        deadline = time.monotonic() + 30
+        while self.thread.is_alive() and time.monotonic() < deadline:
+            # read what the worker still sends, as the real client does: a full pipe would block
+            # its telemetry thread mid-send and the shutdown would wait out its grace period
+            while self.conn.poll(0.05):
+                try:
+                    self.conn.recv_bytes()
+                except EOFError:
+                    break
+            self.thread.join(0.05)
         assert not self.thread.is_alive()
         self.conn.close()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from transformers.models.auto.configuration_auto import model_type_to_module_name
 
 from engine.model.adapters import SUPPORTED_MODEL_TYPES
 from tests.screenshots import screenshot_path
@@ -75,7 +76,8 @@ def test_the_bundle_holds_resources_and_every_architecture_but_no_development_fi
     assert not list(resources.rglob("*.py")), "the demo's training scripts stay out"
     modules = frozen_modules(executable)
     for model_type in SUPPORTED_MODEL_TYPES:
-        assert f"transformers.models.{model_type}.modeling_{model_type}" in modules
+        module = model_type_to_module_name(model_type)  # inkling_text lives in models.inkling
+        assert f"transformers.models.{module}.modeling_{module}" in modules
     assert "engine.model.adapters.generic" in modules  # the one adapter every family goes through
     assert "engine.worker.loop" in modules and "app.download_child" in modules
     development = {"tests", "pytest", "_pytest", "pytestqt", "ruff", "openai"}
