@@ -3,6 +3,7 @@
 The first test's output (`pytest -s`) gives the build time and the folder's size.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -77,7 +78,9 @@ def test_the_bundle_holds_resources_and_every_architecture_but_no_development_fi
     modules = frozen_modules(executable)
     for model_type in SUPPORTED_MODEL_TYPES:
         module = model_type_to_module_name(model_type)  # inkling_text lives in models.inkling
-        assert f"transformers.models.{module}.modeling_{module}" in modules
+        modeling = f"transformers.models.{module}.modeling_{module}"
+        if importlib.util.find_spec(modeling) is not None:  # sarvam_mla has none: it reuses another's
+            assert modeling in modules
     assert "engine.model.adapters.generic" in modules  # the one adapter every family goes through
     assert "engine.worker.loop" in modules and "app.download_child" in modules
     development = {"tests", "pytest", "_pytest", "pytestqt", "ruff", "openai"}
