@@ -55,3 +55,20 @@ def save_published(folder: Path, tensors: dict, quantization_config: dict) -> No
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = quantization_config
     (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def assert_quarter_cached_equals(folder, reference_folder, prompt: list[int], tokens: int = 32) -> None:
+    """The checkpoint in `folder`, loaded with a quarter of its experts cached, against transformers
+    on `reference_folder` (the same weights dequantized): logits and `tokens` greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader import load_model
+
+    reference = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
+    model = load_model(folder, quarter_cached())
+    try:
+        assert model.cache.n_slots == 4 < model.store.total_experts  # the cache must evict
+        assert_matches_reference(model, reference, prompt, tokens)
+        assert model.cache.stats.total().misses > 4
+    finally:
+        model.close()

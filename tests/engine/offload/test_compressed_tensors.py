@@ -15,14 +15,17 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 from engine.errors import CorruptCheckpointError, UnsupportedQuantizationError
 from engine.loader import load_model
 from engine.model.check import check_model_folder, config_problems
 from engine.model.tiny import build_tiny_model, save_tiny_model
 from engine.offload.int4 import CT, CT_SYM, Int4Weight, dequantize
-from tests.engine.exactness import assert_matches_reference, quarter_cached, save_published
+from tests.engine.exactness import (
+    assert_quarter_cached_equals,
+    quarter_cached,
+    save_published,
+)
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 64, 128, 5]
 GROUP = 128
@@ -147,14 +150,7 @@ def folders(request, tmp_path_factory):
 
 
 def assert_equals_reference(folder, reference_folder, tokens: int = 32) -> None:
-    reference = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
-    model = load_model(folder, quarter_cached())
-    try:
-        assert model.cache.n_slots == 4 < model.store.total_experts  # the cache must evict
-        assert_matches_reference(model, reference, PROMPT, tokens)
-        assert model.cache.stats.total().misses > 4
-    finally:
-        model.close()
+    assert_quarter_cached_equals(folder, reference_folder, PROMPT, tokens)
 
 
 @pytest.mark.parametrize("variant", ["w4a16", "w4a16_asym_actorder", "w4a16_channel"])

@@ -12,7 +12,6 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 from engine.config import OffloadConfig
 from engine.errors import CorruptCheckpointError, InvalidConfigError
@@ -20,7 +19,11 @@ from engine.loader import load_model
 from engine.model.check import check_model_folder
 from engine.model.tiny import build_tiny_model, save_tiny_model
 from engine.offload.fp8 import Fp8Weight, dequantize
-from tests.engine.exactness import assert_matches_reference, quarter_cached, save_published
+from tests.engine.exactness import (
+    assert_quarter_cached_equals,
+    quarter_cached,
+    save_published,
+)
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 64, 128, 5]
 HIDDEN = 256  # two 128-wide blocks per row
@@ -102,14 +105,7 @@ def fp8_folders(tmp_path_factory):
 
 
 def assert_equals_reference(folder, reference_folder, tokens: int = 32) -> None:
-    reference = AutoModelForCausalLM.from_pretrained(reference_folder, dtype=torch.float32).eval()
-    model = load_model(folder, quarter_cached())
-    try:
-        assert model.cache.n_slots == 4 < model.store.total_experts  # the cache must evict
-        assert_matches_reference(model, reference, PROMPT, tokens)
-        assert model.cache.stats.total().misses > 4
-    finally:
-        model.close()
+    assert_quarter_cached_equals(folder, reference_folder, PROMPT, tokens)
 
 
 def test_dequantize_reads_blocks_whole_and_partial():
