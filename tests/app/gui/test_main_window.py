@@ -84,12 +84,15 @@ def test_a_message_gets_a_streamed_reply_that_is_stored(qtbot, dirs):
 
 
 def test_stop_keeps_the_partial_reply_and_regenerate_replaces_it(qtbot, dirs, tmp_path):
-    # a slow simulated link and a quarter of the experts cached: ~15 tokens/s, slow enough to stop
-    window = open_window(qtbot, AppSettings(device="cpu", expert_budget="24", sim_link_gbps=0.05))
+    # plain decoding over a slow simulated link with a quarter of the experts cached: a few tokens/s,
+    # so the story is still streaming when Stop is pressed (speculation would finish it in ~1 s)
+    slow = AppSettings(device="cpu", expert_budget="24", sim_link_gbps=0.02, spec_mode="none", prefetch="none")
+    window = open_window(qtbot, slow)
     with first_text(qtbot, window, 60_000):
         send(qtbot, window, "Tell me a long story about a cow.", LONG)
     qtbot.wait(2000)  # streaming re-renders and a few Stats on the dashboard
     save_screenshot(window, "main_window_mid_reply.png", tmp_path)
+    assert window.session.busy, "the reply ended before Stop: the test needs a slower reply"
     with reply_end(qtbot, window, 10_000) as done:
         window.chat_view.sig_stop.emit()
     assert done.args[0].finished.reason == "cancelled" and done.args[0].reason is FinishReason.CANCELLED
