@@ -86,7 +86,9 @@ def test_a_message_gets_a_streamed_reply_that_is_stored(qtbot, dirs):
 def test_stop_keeps_the_partial_reply_and_regenerate_replaces_it(qtbot, dirs, tmp_path):
     # plain decoding over a slow simulated link with a quarter of the experts cached: a few tokens/s,
     # so the story is still streaming when Stop is pressed (speculation would finish it in ~1 s)
-    slow = AppSettings(device="cpu", expert_budget="24", sim_link_gbps=0.02, spec_mode="none", prefetch="none")
+    slow = AppSettings(
+        device="cpu", expert_budget="24", sim_link_gbps=0.02, spec_mode="none", prefetch="none"
+    )
     window = open_window(qtbot, slow)
     with first_text(qtbot, window, 60_000):
         send(qtbot, window, "Tell me a long story about a cow.", LONG)
