@@ -1,22 +1,11 @@
-"""Helpers for the screen tests: where screenshots go, and geometry facts about shown widgets.
+"""Helpers for the screen tests: geometry facts about shown widgets, and their screenshots.
 
-Screenshots go to $MOE_CHAT_SCREENSHOTS when it names a folder (docs/screenshots/ to update the
-committed ones), else to the test's tmp_path.
+Screenshots go where every test's go (tests/screenshots.py): $MOE_CHAT_SCREENSHOT_DIR when set
+(docs/screenshots/ to update the committed ones), else the test's tmp_path.
 """
-
-import os
-from pathlib import Path
 
 from PySide6.QtCore import QPoint, QRect
 from PySide6.QtWidgets import QWidget
-
-
-def save_png(widget: QWidget, name: str, tmp_path: Path) -> Path:
-    folder = Path(os.environ.get("MOE_CHAT_SCREENSHOTS") or tmp_path)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
-    assert widget.grab().save(str(path)), f"could not save {path}"
-    return path
 
 
 def rect_in(widget: QWidget, ancestor: QWidget) -> QRect:

@@ -15,9 +15,9 @@ from app.gui.engine_state import IN_PLACE_NOTE, SIMULATED_LINK, SIMULATED_LINK_N
 from app.gui.main_window import MainWindow
 from app.settings import AppSettings
 from engine.worker.protocol import PROTOCOL_VERSION, DeviceInfo, Finished, Ready
-from tests.app.gui.screens import save_png
 from tests.app.gui.test_dashboard import MODEL, make_stats
 from tests.app.gui.test_screens import as_screen, open_window
+from tests.screenshots import save_screenshot
 
 pytestmark = pytest.mark.gui
 
@@ -50,7 +50,7 @@ def dirs(tmp_path, monkeypatch):
 
 def shot(qtbot, window, name: str, tmp_path) -> None:
     qtbot.wait(250)  # a shown or hidden note re-lays the dock out over a few event-loop turns
-    save_png(window.dashboard_dock, name, tmp_path)
+    save_screenshot(window.dashboard_dock, name, tmp_path)
 
 
 def figures(dash: Dashboard, key: str) -> tuple[str, str]:

@@ -18,7 +18,8 @@ from app.gui.settings_dialog import SettingsDialog
 from app.settings import AppSettings
 from app.storage import Conversation, StoredMessage
 from engine.resources import demo_model_dir
-from tests.app.gui.screens import assert_fully_shown, rect_in, save_png
+from tests.app.gui.screens import assert_fully_shown, rect_in
+from tests.screenshots import save_screenshot
 
 pytestmark = pytest.mark.gui
 
@@ -103,7 +104,7 @@ def test_the_window_fits_the_screen_and_keeps_the_input_in_view(
     assert page.width() <= view._scroll.viewport().width(), "the chat page is wider than its column"
     assert SIMULATED_LINK in window.engine_label.text()
     assert window.engine_label.text() == window.dashboard.status.text()
-    save_png(window, f"main-window-{width}x{height}.png", tmp_path)
+    save_screenshot(window, f"main-window-{width}x{height}.png", tmp_path)
 
 
 def test_a_window_taller_than_the_dashboard_is_never_needed(qtbot, dirs, monkeypatch):
@@ -132,7 +133,7 @@ def test_bubbles_wrap_and_keep_their_buttons_in_a_narrow_column(qtbot, tmp_path)
         assert_fully_shown(widget, view)
     assert user.body.text() == f"{QUESTION} {LONG_WORD}"  # the text as written: breaks are display only
     assert rect_in(user.card, page).right() <= page.width()
-    save_png(view, "chat-narrow-column.png", tmp_path)
+    save_screenshot(view, "chat-narrow-column.png", tmp_path)
 
 
 def test_geometry_and_splitter_sizes_are_remembered(qtbot, dirs, monkeypatch):
@@ -175,7 +176,7 @@ def test_the_settings_dialog_fits_a_small_screen_and_its_note_overlaps_nothing(q
         assert_fully_shown(button, dialog)
         assert not note.intersects(rect_in(button, dialog)), button.text()
     assert_fully_shown(dialog.tune_button, dialog)
-    save_png(dialog, "settings-1024x600.png", tmp_path)
+    save_screenshot(dialog, "settings-1024x600.png", tmp_path)
 
 
 def test_the_simulated_link_reads_the_same_in_settings(qtbot):
