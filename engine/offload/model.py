@@ -20,6 +20,7 @@ from engine.config import OffloadConfig
 from engine.errors import DeviceOutOfMemoryError, InvalidRequestError
 from engine.model.adapters.base import Architecture
 from engine.model.hf_calls import with_cache
+from engine.model.kv_cache import new_kv_cache
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertStore
 from engine.offload.moe_layer import ExpertControl, OffloadedExperts, RoutingTrace
@@ -184,9 +185,9 @@ class OffloadedModel:
         return drafts + sum(store.nbytes for store in self._substitutes.values())
 
     def new_kv_cache(self, rewindable: bool = False) -> DynamicCache:
-        """A KV cache; `rewindable` keeps every position of sliding-window layers (the window is
-        still applied by the attention mask) so speculative decoding can crop rejected drafts."""
-        return DynamicCache() if rewindable else DynamicCache(config=self.hf_config)
+        """The model's own KV cache (linear-attention and Mamba state included); `rewindable` keeps
+        every position of sliding-window layers so speculative decoding can crop rejected drafts."""
+        return new_kv_cache(self.hf_config, rewindable)
 
     @torch.inference_mode()
     def forward(

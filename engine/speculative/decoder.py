@@ -37,6 +37,7 @@ from engine.generation_config import (  # noqa: F401  (SPEC_MODES is re-exported
     derived_seed,
 )
 from engine.metrics import SpecSummary
+from engine.model.kv_cache import RecurrentState, rewind_cache
 from engine.offload.cpu_experts import HybridExecutor
 from engine.offload.expert_cache import STREAM_DEPTH
 from engine.sampling import Sampler
@@ -44,7 +45,7 @@ from engine.speculative.acceptance import Verdict, adaptive_accept, greedy_accep
 from engine.speculative.auto import resolve as resolve_auto
 from engine.speculative.cutoff import CutoffInputs, choose_cutoff
 from engine.speculative.draft_len import DraftLengthController, unique_experts
-from engine.speculative.drafters import Drafter, ModelDrafter, SelfDrafter, SubstituteDrafter, rewind_cache
+from engine.speculative.drafters import Drafter, ModelDrafter, SelfDrafter, SubstituteDrafter
 from engine.speculative.prefetch import Prefetch, SpMoePredictor, install_prefetch
 
 log = logging.getLogger(__name__)
@@ -113,12 +114,13 @@ class SpeculativeDecoder:
             draft_len = min(draft_len, wanted - 1)
         if draft_len < 1:  # one token left: a draft would only cost time
             return self.plain.step(history, kv_cache)
-        committed = len(history) - 1  # positions in the target's KV cache
+        saved = RecurrentState.save(kv_cache)  # linear-attention/Mamba state: restored, not cropped
         verdict: Verdict | None = None
+        draft = None
         self.prefetch.begin_step(verify_tokens=draft_len + 1)
         try:
             started = time.perf_counter()
-            draft = self._draft(history, kv_cache, draft_len)
+            draft = self._draft(history, kv_cache, draft_len, saved)
             drafted = time.perf_counter()
             target_probs = self._verify(history, draft.tokens, kv_cache)
             verdict = self._accept(draft, target_probs)
@@ -130,13 +132,26 @@ class SpeculativeDecoder:
         finally:
             # the accepted tokens and the correction or bonus one, all but the newest in the cache;
             # after a failure, back to where the step began
-            self._rewind(kv_cache, committed + (verdict.accepted + 1 if verdict is not None else 0))
+            accepted = draft.tokens[: verdict.accepted] if verdict is not None and draft is not None else None
+            self._rewind(kv_cache, history, accepted, saved)
             self.prefetch.end_step()
         return list(verdict.tokens)
 
-    def _rewind(self, kv_cache: DynamicCache, kept: int) -> None:
-        """Both caches keep their first `kept` positions (mlx-lm's `_rewind_cache`)."""
-        rewind_cache(kv_cache, kept)
+    def _rewind(
+        self, kv_cache: DynamicCache, history: torch.Tensor, accepted: list[int] | None, saved
+    ) -> None:
+        """Both caches keep the committed tokens, and the last one and the `accepted` draft tokens
+        after a verify (mlx-lm's `_rewind_cache`). A recurrent state cannot be cropped: it goes
+        back to the step's start (`saved`) and the kept tokens are fed again."""
+        committed = len(history) - 1
+        kept = committed if accepted is None else committed + len(accepted) + 1
+        if saved is not None and kv_cache.get_seq_length() > kept:
+            rewind_cache(kv_cache, committed, saved)
+            if accepted is not None:
+                with self.model.cache.in_phase("verify"):
+                    self.model.forward(torch.cat([history[-1:], history.new_tensor(accepted)]), kv_cache)
+        else:
+            rewind_cache(kv_cache, kept)
         self.drafter.rewind(kept)
 
     def _tune_cutoff(self, drafted: int, draft_s: float) -> None:
@@ -170,15 +185,16 @@ class SpeculativeDecoder:
             f"spmoe (cutoff {choice.layer} of {len(predictor.layers)} MoE layers, auto)"
         )
 
-    def _draft(self, history: torch.Tensor, kv_cache: DynamicCache, draft_len: int):
+    def _draft(self, history: torch.Tensor, kv_cache: DynamicCache, draft_len: int, saved):
         """The drafter's proposal; its expert uses and prefetches count as the draft's. A
-        self-drafter's entries in the target's cache are approximate: verification recomputes them."""
+        self-drafter's entries in the target's cache are approximate: verification recomputes them
+        from the step's start (its recurrent state `saved` included)."""
         committed = kv_cache.get_seq_length()
         try:
             with self.model.cache.in_phase("draft"):
                 return self.drafter.propose(history, draft_len, kv_cache)
         finally:
-            rewind_cache(kv_cache, committed)
+            rewind_cache(kv_cache, committed, saved)
 
     def _verify(self, history: torch.Tensor, draft: list[int], kv_cache: DynamicCache) -> torch.Tensor:
         """Target distributions `[γ+1, V]` after the last committed token and after each draft token."""

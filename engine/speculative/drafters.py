@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from engine.errors import DeviceOutOfMemoryError, InvalidRequestError, ModelNotFoundError
 from engine.model.hf_calls import with_cache
+from engine.model.kv_cache import RecurrentState, new_kv_cache, rewind_cache
 from engine.offload.moe_layer import DraftRouting
 from engine.sampling import Sampler
 
@@ -42,13 +43,6 @@ class Draft:
     tokens: list[int]
     probs: torch.Tensor | None  # [n, V] the distributions the tokens were drawn from (None: greedy)
     confident: int  # leading tokens drafted with confidence >= tau (all of them when tau is off)
-
-
-def rewind_cache(kv_cache: DynamicCache, length: int) -> None:
-    """Drop every position of `kv_cache` from `length` on."""
-    extra = kv_cache.get_seq_length() - length
-    if extra > 0:
-        kv_cache.crop(-extra)
 
 
 class Drafter(ABC):
@@ -110,7 +104,8 @@ class ModelDrafter(Drafter):
     def __init__(self, target, folder: str | Path, sampler: Sampler, confidence_tau: float = 0.0):
         super().__init__(sampler, confidence_tau)
         self.model = load_draft_model(folder, target)
-        self.kv_cache = DynamicCache()  # full layers: a sliding window could not be cropped
+        self.kv_cache = new_kv_cache(self.model.config, rewindable=True)
+        self.saved: RecurrentState | None = None  # a recurrent draft's state where `propose` began
         self.device = target.device
         self.resident_nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
@@ -118,6 +113,7 @@ class ModelDrafter(Drafter):
     def propose(self, history: torch.Tensor, n: int, target_kv_cache: DynamicCache) -> Draft:
         fed = self.kv_cache.get_seq_length()
         pending = history[fed:]  # catch up on committed tokens the draft has not seen
+        self.saved = RecurrentState.save(self.kv_cache)
 
         def logits_fn(token: int | None) -> torch.Tensor:
             ids = pending if token is None else pending.new_tensor([token])
@@ -131,10 +127,16 @@ class ModelDrafter(Drafter):
             raise DeviceOutOfMemoryError("Out of device memory running the draft model.") from err
 
     def rewind(self, kept: int) -> None:
-        rewind_cache(self.kv_cache, kept)
+        """A recurrent draft goes back to where its proposal began and feeds the kept tokens
+        again with the next one (its state cannot be cropped to `kept`)."""
+        if self.saved is not None and self.kv_cache.get_seq_length() > kept:
+            rewind_cache(self.kv_cache, self.saved.length, self.saved)
+        else:
+            rewind_cache(self.kv_cache, kept)
 
     def close(self) -> None:
-        self.kv_cache = DynamicCache()
+        self.kv_cache = new_kv_cache(self.model.config, rewindable=True)
+        self.saved = None
 
 
 def load_draft_model(folder: str | Path, target) -> torch.nn.Module:

@@ -39,9 +39,10 @@ from engine.errors import GenerationCancelled
 from engine.generation import FinishedEvent, encode_prompt, generate, generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
 from engine.model.hf_calls import with_cache
+from engine.model.kv_cache import RecurrentState, rewind_cache
 from engine.prompts import PROMPTS
 from engine.speculative.draft_len import alpha_from_acceptance
-from engine.speculative.drafters import load_draft_model, rewind_cache
+from engine.speculative.drafters import load_draft_model
 from engine.speculative.prefetch import measure_load_ms
 from engine.tune.types import Profile
 
@@ -169,13 +170,14 @@ def _forward_ms(
     also copies experts in; their copy time (misses per run × `load_ms`, copies being serialized
     with compute on demand) is subtracted, so the figure stays compute."""
     base = kv_cache.get_seq_length()
+    saved = RecurrentState.save(kv_cache)  # linear-attention state goes back by copy, not by crop
     misses_before = model.cache.stats.total().misses
 
     def run() -> None:
         try:
             model.forward(ids, kv_cache, logits_to_keep=logits_to_keep)
         finally:
-            rewind_cache(kv_cache, base)
+            rewind_cache(kv_cache, base, saved)
 
     run()  # warm-up: the same tokens route to the same experts, now resident
     misses_warm = model.cache.stats.total().misses

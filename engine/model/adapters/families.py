@@ -50,14 +50,7 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
 
 # Exact in plain decoding, but speculative verification cannot rewind them yet: `auto` does not
 # speculate on these, and an explicit drafter is refused with the reason.
-NO_SPECULATION: dict[str, str] = {
-    "axk2": "its sparse attention keeps an indexer key cache the engine's KV cache does not rewind",
-    "deepseek_v32": "its sparse attention keeps an indexer key cache the engine's KV cache does not rewind",
-    "glm_moe_dsa": "its sparse attention keeps an indexer key cache the engine's KV cache does not rewind",
-    "hy_v4": "its sparse attention keeps an indexer key cache the engine's KV cache does not rewind",
-    "inkling_text": "its sparse attention keeps an indexer key cache the engine's KV cache does not rewind",
-    "qwen3_next": "its Gated DeltaNet layers keep a recurrent state that is not rewound to the accepted prefix yet",
-}
+NO_SPECULATION: dict[str, str] = {}
 
 NOT_SUPPORTED: dict[str, str] = {
     "aria_text": "not yet exact: its config names top-k `moe_topk`; the loader reads num_experts_per_tok",

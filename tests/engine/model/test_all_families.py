@@ -27,20 +27,9 @@ from engine.model.tiny import TINY_ARCHITECTURES, save_tiny_model, tiny_config
 from engine.model.tiny_registry import moe_model_types, shrunk_config
 from tests.engine.exactness import assert_matches_reference
 
-# Exact in plain decoding, not yet in speculative decoding: family -> why.
-RECURRENT = "recurrent {} state is not rewound to the accepted prefix on rejection (issue 20 item 3)"
-INDEXER = (
-    "the engine's KV cache has no indexer key cache for DSA attention (update_indexer on a DynamicLayer)"
-)
-SPEC_XFAIL: dict[str, str] = {
-    "qwen3_next": RECURRENT.format("Gated DeltaNet")
-    + "; the engine's cache calls get_seq_length on linear-attention layers",
-    "axk2": INDEXER,
-    "deepseek_v32": INDEXER,
-    "glm_moe_dsa": INDEXER,
-    "hy_v4": INDEXER,
-    "inkling_text": INDEXER,
-}
+# Exact in plain decoding, not yet in speculative decoding: family -> why (none today: the
+# engine's cache is the model's own, and recurrent state goes back by a saved copy).
+SPEC_XFAIL: dict[str, str] = {}
 
 PROMPT_LENGTH, NEW_TOKENS = 12, 32
 

@@ -283,18 +283,25 @@ def prefill(model, prompt: list[int]) -> tuple[torch.Tensor, object]:
     return torch.cat([history, history.new_tensor([int(logits.argmax())])]), kv_cache
 
 
-def rollback_spec(drafter: str, models: TinyModels) -> SpecConfig:
+def rollback_spec(drafter: str, models: TinyModels, model_type: str = "qwen3_moe") -> SpecConfig:
     if drafter == "bad-draft":
         return SpecConfig(
-            mode="draft", draft_model=str(models.bad("qwen3_moe")), adapt_draft_len=False, confidence_tau=0.0
+            mode="draft", draft_model=str(models.bad(model_type)), adapt_draft_len=False, confidence_tau=0.0
         )
-    return spec_for(drafter, models, "qwen3_moe", adapt_draft_len=False)
+    return spec_for(drafter, models, model_type, adapt_draft_len=False)
 
 
+# qwen3_next: Gated DeltaNet layers whose recurrent state goes back by a saved copy, not a crop
+REWOUND = ("qwen3_moe", "qwen3_next")
+
+
+@pytest.mark.parametrize("model_type", REWOUND)
 @pytest.mark.parametrize("drafter", ["draft", "bad-draft", "self", "self-cached", "substitute"])
-def test_each_step_leaves_the_committed_tokens_but_the_last_in_the_kv_cache(models, plain, target, drafter):
-    spec = rollback_spec(drafter, models)
-    model = target("qwen3_moe")
+def test_each_step_leaves_the_committed_tokens_but_the_last_in_the_kv_cache(
+    models, plain, target, drafter, model_type
+):
+    spec = rollback_spec(drafter, models, model_type)
+    model = target(model_type)
     history, kv_cache = prefill(model, prompt_for(0))
     decoder = open_decoder(model, spec, "none", None, Sampler(GREEDY))
     try:
@@ -307,15 +314,18 @@ def test_each_step_leaves_the_committed_tokens_but_the_last_in_the_kv_cache(mode
                 assert decoder.drafter.kv_cache.get_seq_length() <= len(history) - 1
     finally:
         decoder.close()
-    assert tuple(history[PROMPT_LEN : PROMPT_LEN + NEW_TOKENS].tolist()) == plain("qwen3_moe")
+    assert tuple(history[PROMPT_LEN : PROMPT_LEN + NEW_TOKENS].tolist()) == plain(model_type)
 
 
+@pytest.mark.parametrize("model_type", REWOUND)
 @pytest.mark.parametrize(
     ("drafter", "failing_phase"), [("self", "verify"), ("self", "draft"), ("draft", "verify")]
 )
-def test_a_failing_step_rewinds_the_kv_cache(models, plain, target, monkeypatch, drafter, failing_phase):
-    spec = rollback_spec(drafter, models)
-    model = target("qwen3_moe")
+def test_a_failing_step_rewinds_the_kv_cache(
+    models, plain, target, monkeypatch, drafter, failing_phase, model_type
+):
+    spec = rollback_spec(drafter, models, model_type)
+    model = target(model_type)
     history, kv_cache = prefill(model, prompt_for(0))
     decoder = open_decoder(model, spec, "spmoe", None, Sampler(GREEDY))
     try:
@@ -345,13 +355,14 @@ def test_a_failing_step_rewinds_the_kv_cache(models, plain, target, monkeypatch,
             assert kv_cache.get_seq_length() == len(history) - 1
     finally:
         decoder.close()
-    assert tuple(history[PROMPT_LEN : PROMPT_LEN + NEW_TOKENS].tolist()) == plain("qwen3_moe")
+    assert tuple(history[PROMPT_LEN : PROMPT_LEN + NEW_TOKENS].tolist()) == plain(model_type)
 
 
+@pytest.mark.parametrize("model_type", REWOUND)
 @pytest.mark.parametrize("drafter", ["draft", "self"])
-def test_cancel_mid_generation_then_generate_again(models, plain, target, drafter):
-    model = target("qwen3_moe")
-    config = greedy(spec_for(drafter, models, "qwen3_moe"), "spmoe")
+def test_cancel_mid_generation_then_generate_again(models, plain, target, drafter, model_type):
+    model = target(model_type)
+    config = greedy(spec_for(drafter, models, model_type), "spmoe")
     threads_before = set(threading.enumerate())
     cancel = threading.Event()
     events = []
@@ -362,11 +373,11 @@ def test_cancel_mid_generation_then_generate_again(models, plain, target, drafte
 
     finished = events[-1]
     assert isinstance(finished, FinishedEvent) and finished.reason == "cancelled"
-    assert finished.token_ids == plain("qwen3_moe")[:5]
+    assert finished.token_ids == plain(model_type)[:5]
     assert model.control.observers == () and model.control.draft is None
     assert all(slot.pins == 0 for slot in model.cache.slots)
     prefetch_threads = [t for t in set(threading.enumerate()) - threads_before if t.name == "expert-prefetch"]
     assert not prefetch_threads, "the prefetch worker outlived its run"
 
-    assert generate_text(model, prompt_for(0), greedy()).token_ids == plain("qwen3_moe")
-    assert generate_text(model, prompt_for(0), config).token_ids == plain("qwen3_moe")
+    assert generate_text(model, prompt_for(0), greedy()).token_ids == plain(model_type)
+    assert generate_text(model, prompt_for(0), config).token_ids == plain(model_type)

@@ -1,0 +1,115 @@
+"""The engine's KV cache: the one the model's own class builds, able to go back to a prefix.
+
+Contract: `new_kv_cache(config, rewindable)` is transformers' `DynamicCache(config=…)`, one layer
+cache per decoder layer as the model expects it: attention keys and values, sliding windows, the
+indexer keys of sparse attention, and the conv and recurrent state of linear-attention (Gated
+DeltaNet) and Mamba layers. `rewindable` keeps every position of sliding-window layers (the window
+is still applied by the attention mask) so speculative decoding can crop rejected drafts.
+
+`rewind_cache(cache, length, saved)` drops every position from `length` on. Attention layers are
+cropped; a recurrent state sums every position it has seen and cannot be cropped, so it goes back
+to a `RecurrentState` saved when the cache held exactly `length` positions. Keeping a longer prefix
+of a recurrent cache means restoring the saved state and feeding the kept tokens again, which the
+speculative decoder does (engine.speculative.decoder); a rewind the cache cannot do raises.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import (
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+)
+
+# What a linear-attention layer cache holds between forwards: its states and the flags that say
+# whether they are there (transformers' LinearAttentionCacheLayerMixin).
+_STATE_FIELDS = (
+    "conv_states",
+    "recurrent_states",
+    "is_conv_states_initialized",
+    "is_recurrent_states_initialized",
+    "has_previous_state",
+    "conv_kernel_size",
+)
+
+
+def new_kv_cache(config: PretrainedConfig, rewindable: bool = False) -> DynamicCache:
+    """The model's own cache for `config`; `rewindable`: sliding layers keep every position."""
+    cache = DynamicCache(config=config)
+    if rewindable:
+        cache.layers = [_unwindowed(layer) for layer in cache.layers]
+    return cache
+
+
+def _unwindowed(layer):
+    """`layer` with every position kept: a sliding window could not be cropped back."""
+    if isinstance(layer, LinearAttentionAndSlidingWindowAttentionLayer):
+        return LinearAttentionAndFullAttentionLayer(number_of_states=layer.number_of_states)
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        return DynamicLayer()
+    return layer
+
+
+def is_recurrent(layer) -> bool:
+    return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def has_recurrent_state(cache: DynamicCache) -> bool:
+    """Whether `cache` has layers (linear attention, Mamba) whose state cannot be cropped."""
+    return any(is_recurrent(layer) for layer in cache.layers)
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """A copy of every recurrent layer's state, taken when the cache held `length` positions."""
+
+    length: int
+    layers: tuple[tuple[int, dict], ...]  # (layer index, {field: copy}) per recurrent layer
+
+    @classmethod
+    def save(cls, cache: DynamicCache) -> RecurrentState | None:
+        """The recurrent layers' state now; None when `cache` has no recurrent layer."""
+        if not has_recurrent_state(cache):
+            return None
+        layers = tuple(
+            (index, {field: _copied(getattr(layer, field)) for field in _STATE_FIELDS})
+            for index, layer in enumerate(cache.layers)
+            if is_recurrent(layer)
+        )
+        return cls(cache.get_seq_length(), layers)
+
+    def restore(self, cache: DynamicCache) -> None:
+        """Put the saved state back (copied again, so it can be restored more than once)."""
+        for index, fields in self.layers:
+            for field, value in fields.items():
+                setattr(cache.layers[index], field, _copied(value))
+
+
+def _copied(states: dict) -> dict:
+    """`states` (state index -> tensor, flag or size) with its tensors cloned."""
+    return {i: v.clone() if hasattr(v, "clone") else copy.copy(v) for i, v in states.items()}
+
+
+def rewind_cache(cache: DynamicCache, length: int, saved: RecurrentState | None = None) -> None:
+    """Drop every position of `cache` from `length` on; recurrent layers go back to `saved`."""
+    extra = cache.get_seq_length() - length
+    if extra <= 0:
+        return
+    if has_recurrent_state(cache):
+        if saved is None or saved.length != length:
+            at = "none" if saved is None else f"one at {saved.length}"
+            raise RuntimeError(
+                f"cannot rewind a recurrent state to {length} positions: it needs a state saved there ({at})"
+            )
+        saved.restore(cache)
+    for layer in cache.layers:
+        if not is_recurrent(layer):
+            layer.crop(-extra)
+        elif isinstance(layer, DynamicLayer):  # linear and attention state in one layer
+            DynamicLayer.crop(layer, -extra)
