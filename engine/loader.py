@@ -83,7 +83,7 @@ def load_model(
     try:
         dtype = resolve_dtype(config.dtype, checkpoint, device)
         hf_model, arch, blocks = _skeleton(hf_config, dtype, folder)
-        top_k = hf_config.num_experts_per_tok
+        top_k = hf_model.config.num_experts_per_tok  # the language model's (a multimodal config nests it)
         store, disk_layout = _expert_store(
             folder, checkpoint, hf_model, arch, blocks, dtype, device, config, progress
         )

@@ -41,6 +41,7 @@ class Checkpoint:
         self.folder = Path(folder)
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
+        self._stored_as: dict[str, str] = {}  # exposed name -> the name in the file (see `rename`)
         try:
             self._file_of = self._map_tensors()
         except BaseException:
@@ -99,6 +100,19 @@ class Checkpoint:
             self._handles[path] = handle
         return handle
 
+    def rename(self, renamings) -> None:
+        """Expose every tensor under the name transformers' `renamings` give it (their
+        `rename_source_key`); reads still use the name in the file."""
+        file_of = {}
+        for stored, path in self._file_of.items():
+            name = stored
+            for renaming in renamings:
+                name, _ = renaming.rename_source_key(name)
+            file_of[name] = path
+            if name != stored:
+                self._stored_as[name] = self._stored_as.get(stored, stored)
+        self._file_of = file_of
+
     # -- queries --------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[str]:
@@ -115,7 +129,7 @@ class Checkpoint:
                 "The download is incomplete or the folder mixes two models; download it again."
             )
         try:
-            return self._open(path).get_slice(name)
+            return self._open(path).get_slice(self._stored_as.get(name, name))
         except SafetensorError as err:
             raise CorruptCheckpointError(f"Cannot read {name!r} from {path.name}: {err}") from err
 

@@ -2,7 +2,8 @@
 
 `open_checkpoint` is the one place that decides how a model on disk is read: a GGUF file
 (or split set, or a folder holding one) through `GgufCheckpoint`, else a Hugging Face
-folder through `Checkpoint`. Every problem is an `EngineError` that says what to do.
+folder through `Checkpoint` (a multimodal one as its language model only). Every problem
+is an `EngineError` that says what to do.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import json
 import logging
 from pathlib import Path
 
-from transformers import AutoConfig, AutoTokenizer
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import PrefixChange
 
 from engine.errors import InvalidConfigError, ModelNotFoundError, UnsupportedArchitectureError
 from engine.model.adapters import get_architecture
@@ -33,7 +37,21 @@ def open_checkpoint(folder: Path) -> tuple[object, Checkpoint | GgufCheckpoint]:
         return gguf.hf_config(), gguf
     hf_config = read_config(folder)
     _reject_quantized(hf_config)
-    return hf_config, Checkpoint(folder)
+    return language_model_only(hf_config, Checkpoint(folder))
+
+
+def language_model_only(hf_config, checkpoint):
+    """A multimodal checkpoint (`Qwen3_5MoeForConditionalGeneration` …) seen as its language model:
+    its tensors under the causal-LM module's names (`model.language_model.layers…` → `model.layers…`,
+    the prefix changes of transformers' conversion mapping). The vision tower's tensors match no
+    parameter of the causal LM, so they are never read."""
+    if not isinstance(checkpoint, Checkpoint) or hf_config.get_text_config() is hf_config:
+        return hf_config, checkpoint
+    with torch.device("meta"):  # only for its conversion mapping: no memory
+        language_model = AutoModelForCausalLM.from_config(hf_config)
+    mapping = get_model_conversion_mapping(language_model)
+    checkpoint.rename([t for t in mapping if isinstance(t, PrefixChange) and t.prefix_to_remove])
+    return hf_config, checkpoint
 
 
 def read_config(folder: Path):

@@ -14,6 +14,7 @@ import logging
 
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,19 @@ _SIZES: dict[str, object] = {
     "eos_token_id": 258,
     "pad_token_id": 256,
 }
+# A multimodal config's vision tower, shrunk so its checkpoint is saved as published (the engine
+# never reads it: a vision-language checkpoint loads its language model only).
+VISION_CONFIG_KEY = "vision_config"
+_VISION_SIZES: dict[str, object] = {
+    "depth": 1,
+    "num_hidden_layers": 1,
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "num_heads": 2,
+    "num_attention_heads": 2,
+    "out_hidden_size": _SIZES["hidden_size"],  # the merger projects into the language model's width
+    "deepstack_visual_indexes": [],
+}
 # Derived from the layer count by the constructor: left out so it derives them again.
 _DERIVED = ("mlp_only_layers", "moe_layers")
 INDEX_LIST_SUFFIXES = ("_idxs", "_indices")  # lists of layer indices, not one value per layer
@@ -103,6 +117,12 @@ def expert_count(config: PretrainedConfig) -> int | None:
         if isinstance(value, int) and value > 1:
             return value
     return None
+
+
+def is_multimodal(model_type: str) -> bool:
+    """Whether `model_type`'s checkpoints are published as a vision-language model, whose language
+    model is what transformers' causal-LM class of the type builds."""
+    return model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
 def moe_model_types() -> tuple[str, ...]:
@@ -183,6 +203,9 @@ def shrunk_config(model_type: str, **overrides) -> PretrainedConfig:
         if isinstance(defaults.get(key), dict):
             sub = defaults[key]
             settings[key] = _shrunk(sub, CONFIG_FIXES.get(sub.get("model_type", ""), {}))
+    if isinstance(defaults.get(VISION_CONFIG_KEY), dict):
+        vision = defaults[VISION_CONFIG_KEY]
+        settings[VISION_CONFIG_KEY] = {**vision, **{k: v for k, v in _VISION_SIZES.items() if k in vision}}
     for key in ("model_type", "transformers_version", "architectures", "_name_or_path", "dtype"):
         settings.pop(key, None)
     config = AutoConfig.for_model(model_type, **{**settings, **overrides})

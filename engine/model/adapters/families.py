@@ -44,6 +44,7 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "minimax_m2",
     "minimax_m3_vl_text",
     "qwen3_next",
+    "qwen3_5_moe",
     "sarvam_mla",
     "solar_open",
 )
@@ -73,7 +74,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "longcat_flash": "its experts are not on transformers' experts interface (zero-computation experts); hand-written module needed",
     "minimax": "not yet exact: it needs its own cache class (MiniMaxCache), the engine builds a DynamicCache",
     "nemotron_h": "not yet exact: saved per-expert names are not found (mixer.experts.<e>.up_proj, no gate) and Mamba state is not in the engine's cache",
-    "qwen3_5_moe": "not yet exact: the causal-LM saves its text config (qwen3_5_moe_text), a vision-language checkpoint's language model is issue 20 item 2; also the engine's KV cache holds no linear-attention/Mamba layers (transformers: get_seq_length on LinearAttention)",
     "qwen4_exp": "not yet exact: the generic shrink leaves its linear-attention head sizes unset",
     "sarvam_moe": "not yet exact: its tiny config fails to load through the engine (see test_all_families)",
     "zaya": "not yet exact: transformers supports only top-1 routing for it; the generic shrink sets top-2",

@@ -2,19 +2,21 @@
 
 Generated from transformers' registry (engine.model.tiny_registry.moe_model_types): for each
 family a tiny random model from its own config class (shrunk generically), saved as transformers
-saves it, loaded by the engine with a quarter of its routed experts cached on a simulated link.
-The engine's logits equal transformers' (fp32, 1e-4), 32 greedy tokens are transformers' own, and
-greedy self-speculation gives plain greedy's tokens. Families the adapter refuses are listed in
-engine.model.adapters.families.NOT_SUPPORTED with the reason; families exact in plain decoding
-whose speculation is not yet are in SPEC_XFAIL below with the reason. The count of exact families
-is printed at the end of the run (tests/engine/model/conftest.py).
+saves it (a vision-language family as its published vision-language class, whose language model
+transformers' causal-LM class reads back as the reference), loaded by the engine with a quarter
+of its routed experts cached on a simulated link. The engine's logits equal transformers' (fp32,
+1e-4), 32 greedy tokens are transformers' own, and greedy self-speculation gives plain greedy's
+tokens. Families the adapter refuses are listed in engine.model.adapters.families.NOT_SUPPORTED
+with the reason; families exact in plain decoding whose speculation is not yet are in SPEC_XFAIL
+below with the reason. The count of exact families is printed at the end of the run
+(tests/engine/model/conftest.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import InvalidRequestError
@@ -24,7 +26,7 @@ from engine.loader import load_model
 from engine.model.adapters import NOT_SUPPORTED, SUPPORTED_MODEL_TYPES
 from engine.model.adapters.families import NO_SPECULATION
 from engine.model.tiny import TINY_ARCHITECTURES, save_tiny_model, tiny_config
-from engine.model.tiny_registry import moe_model_types, shrunk_config
+from engine.model.tiny_registry import is_multimodal, moe_model_types, shrunk_config
 from tests.engine.exactness import assert_matches_reference
 
 # Exact in plain decoding, not yet in speculative decoding: family -> why (none today: the
@@ -32,6 +34,7 @@ from tests.engine.exactness import assert_matches_reference
 SPEC_XFAIL: dict[str, str] = {}
 
 PROMPT_LENGTH, NEW_TOKENS = 12, 32
+EAGER = {"dtype": torch.float32, "attn_implementation": "eager", "experts_implementation": "eager"}
 
 
 def _params(families):
@@ -52,10 +55,13 @@ def _config(model_type: str):
 def family(request, tmp_path_factory):
     """(model_type, transformers' reference, the engine's model) for one family."""
     model_type = request.param
+    published = AutoModelForImageTextToText if is_multimodal(model_type) else AutoModelForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        reference = AutoModelForCausalLM.from_config(_config(model_type), dtype=torch.float32).eval()
+        reference = published.from_config(_config(model_type), dtype=torch.float32).eval()
     folder = save_tiny_model(reference, tmp_path_factory.mktemp(model_type))
+    if published is not AutoModelForCausalLM:  # a vision-language checkpoint: transformers' own LM of it
+        reference = AutoModelForCausalLM.from_pretrained(folder, **EAGER).eval()
     model = load_model(folder, _quarter_cached(reference))
     yield model_type, reference, model
     model.close()
