@@ -40,6 +40,8 @@ median of 31 runs, several repeats): a 768×2048 Q4_K matrix 0.7 ms on one threa
 numpy reference: 3.5 and 5.0 ms). With the other core busy, two threads stall at times
 for 100–200 ms (OpenMP waits on it); one thread does not. Scaling the float codes in
 place matters: a fresh float32 temporary per step page-faults its way to ~8 ms.
+`linear` on Q4_K and Q6_K (llama.cpp's Q4_K_M) goes through `engine.offload.ggml_linear`,
+which builds the same weight bit for bit in a reused buffer, with fewer passes.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.errors import UnsupportedQuantizationError
+from engine.offload.ggml_linear import k_scale_min, q4_k_linear, q6_k_linear
 
 Q = GGMLQuantizationType
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -79,6 +82,8 @@ class GgmlType:
     block_bytes: int
     fields: tuple[Field, ...]  # the block's bytes, in order
     decode: Callable[..., torch.Tensor]  # fields by name -> float32 [n_blocks, block_size]
+    # (x [T, in] float32, fields, out_features) -> x @ W.T without dequantize's matrix
+    linear: Callable[..., torch.Tensor] | None = None
 
     def dequantize(self, blocks: torch.Tensor) -> torch.Tensor:
         """uint8 [n_blocks, block_bytes] -> float32 [n_blocks, block_size]."""
@@ -169,17 +174,9 @@ def _q3_k(hmask: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, d: torch.
     return q.view(n, 16, 16).mul_(scale).view(n, -1)
 
 
-def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K: 8 six-bit scales and 8 six-bit mins packed in 12 bytes."""
-    d, m, m_d = scales.view(-1, 3, 4).unbind(1)
-    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
-    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc.float(), mn.float()
-
-
 def _k_sub_blocks(d, dmin, scales, codes: torch.Tensor) -> torch.Tensor:
     n = codes.shape[0]
-    sc, mn = _k_scale_min(scales)
+    sc, mn = k_scale_min(scales)
     scale, low = (d * sc).view(n, 8, 1), (dmin * mn).view(n, 8, 1)
     return codes.float().view(n, 8, 32).mul_(scale).sub_(low).view(n, -1)
 
@@ -218,10 +215,15 @@ def _mxfp4(e: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     return _lookup(E2M1_DOUBLED, unpack_bits(qs, 4, 16)).mul_(bits.view(torch.float32))
 
 
-def _entry(ggml_type: GGMLQuantizationType, fields: tuple[Field, ...], decode: Callable) -> GgmlType:
+def _entry(
+    ggml_type: GGMLQuantizationType,
+    fields: tuple[Field, ...],
+    decode: Callable,
+    linear: Callable | None = None,
+) -> GgmlType:
     block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
     assert sum(f.nbytes for f in fields) == block_bytes, f"{ggml_type.name}: layout ≠ block bytes"
-    return GgmlType(ggml_type.name, ggml_type, block_size, block_bytes, fields, decode)
+    return GgmlType(ggml_type.name, ggml_type, block_size, block_bytes, fields, decode, linear)
 
 
 D_F16, QS16, QH4 = Field("d", 2, "f16"), Field("qs", 16), Field("qh", 4)
@@ -243,9 +245,11 @@ TYPES: dict[GGMLQuantizationType, GgmlType] = {
             _q2_k,
         ),
         _entry(Q.Q3_K, (Field("hmask", 32), Field("qs", 64), Field("scales", 12), D_F16), _q3_k),
-        _entry(Q.Q4_K, (*K_HEAD, Field("qs", 128)), _q4_k),
+        _entry(Q.Q4_K, (*K_HEAD, Field("qs", 128)), _q4_k, q4_k_linear),
         _entry(Q.Q5_K, (*K_HEAD, Field("qh", 32), Field("qs", 128)), _q5_k),
-        _entry(Q.Q6_K, (Field("ql", 128), Field("qh", 64), Field("scales", 16, "i8"), D_F16), _q6_k),
+        _entry(
+            Q.Q6_K, (Field("ql", 128), Field("qh", 64), Field("scales", 16, "i8"), D_F16), _q6_k, q6_k_linear
+        ),
         _entry(Q.IQ4_NL, (D_F16, QS16), _iq4_nl),
         _entry(Q.IQ4_XS, (D_F16, Field("scales_h", 2), Field("scales_l", 4), Field("qs", 128)), _iq4_xs),
         _entry(Q.MXFP4, (Field("e", 1), QS16), _mxfp4),
@@ -298,6 +302,15 @@ def linear(
     out_features: int,
     in_features: int,
 ) -> torch.Tensor:
-    """`x @ W.T` for the quantized `W [out_features, in_features]` (rows along `in_features`)."""
-    weight = dequantize(data, ggml_type, (out_features, in_features), x.dtype)
-    return F.linear(x, weight)
+    """`x @ W.T` for the quantized `W [out_features, in_features]` (rows along `in_features`).
+
+    Float32 x through a type's own `linear` (`engine.offload.ggml_linear`: no float32 matrix
+    of the weight in the file's layout), else `F.linear` on the dequantized weight."""
+    traits = ggml_type_traits(ggml_type)
+    if traits.linear is None or x.dtype != torch.float32:
+        return F.linear(x, dequantize(data, ggml_type, (out_features, in_features), x.dtype))
+    if data.dtype != torch.uint8 or data.numel() != row_bytes(traits.ggml_type, in_features) * out_features:
+        raise ValueError(f"{traits.name} bytes do not hold a {out_features}×{in_features} weight")
+    fields = split_fields(data.reshape(-1, traits.block_bytes), traits.fields)
+    y = traits.linear(x.reshape(-1, in_features), fields, out_features)
+    return y.view(*x.shape[:-1], out_features)

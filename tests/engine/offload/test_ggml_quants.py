@@ -193,3 +193,24 @@ def test_cuda_gives_the_cpu_result(ggml_type):
     on_cuda = dequantize(data.cuda(), ggml_type, logical, torch.float32)
     assert on_cuda.device.type == "cuda"
     assert torch.equal(on_cuda.cpu(), on_cpu)
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K])
+def test_k_quant_linear_is_f_linear_on_dequantize_bit_for_bit_whatever_came_before(ggml_type):
+    """The Q4_K/Q6_K matmul builds the weight in a reused buffer: a larger, then a smaller, then the
+    first weight again must each give exactly `F.linear(x, dequantize(...))`."""
+    rng = np.random.default_rng(5)
+    cases = []
+    for rows, blocks in ((40, 3), (7, 1), (40, 3)):
+        in_features = _logical_shape(ggml_type, (1, blocks))[-1]
+        data = torch.from_numpy(_random_valid_bytes(ggml_type, (rows, in_features), rng))
+        cases.append((data, rows, in_features))
+    cases[2] = cases[0]
+    for step, (data, rows, in_features) in enumerate(cases):
+        mode = torch.inference_mode(step == 0)  # the engine's mode first: the buffer serves both
+        x = torch.from_numpy(rng.standard_normal((3, in_features)).astype(np.float32))
+        weight = dequantize(data, ggml_type, (rows, in_features), torch.float32)
+        with mode:
+            got, got_one = (linear(v, data, ggml_type, rows, in_features) for v in (x, x[0]))
+        assert torch.equal(got, F.linear(x, weight))
+        assert torch.equal(got_one, F.linear(x[0], weight))
