@@ -25,6 +25,7 @@ from engine.errors import ContextLengthError, InvalidRequestError
 from engine.generation_config import GenerationConfig, is_unicode
 from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot
 from engine.offload.model import OffloadedModel
+from engine.reasoning import splitter_for
 from engine.sampling import Sampler
 from engine.speculative.auto import refuse_speculation_that_cannot_rewind
 from engine.speculative.decoder import open_decoder
@@ -38,25 +39,32 @@ Message = dict[str, str]
 @dataclass(frozen=True)
 class TokenEvent:
     token_id: int
-    text: str  # new complete text since the previous event (may be "")
+    text: str  # new complete answer text since the previous event (may be "")
     index: int  # 0 for the first generated token
     elapsed_ms: float  # time since the previous token (the first: since the request)
+    reasoning: str = ""  # new reasoning text (a `<think>` block), apart from the answer
 
 
 @dataclass(frozen=True)
 class FinishedEvent:
     reason: str  # "eos" | "stop" | "length" | "cancelled"
-    text: str  # the whole reply
+    text: str  # the whole answer
     tail: str  # text not yet sent in a TokenEvent (held back as a possible stop string or partial
     #            character until the end): a streaming consumer appends it
     token_ids: tuple[int, ...]
     stats: GenerationStats
+    reasoning: str = ""  # the whole reasoning (its held-back tail is `reasoning_tail`)
+    reasoning_tail: str = ""
 
 
-def encode_prompt(model: OffloadedModel, prompt: str | Sequence[Message] | Sequence[int]) -> list[int]:
+def encode_prompt(
+    model: OffloadedModel,
+    prompt: str | Sequence[Message] | Sequence[int],
+    template_kwargs: dict | None = None,
+) -> list[int]:
     """Token ids for a prompt: ids pass through; a string is one user message through the chat
-    template when the tokenizer has one (else raw text); messages go through the template, with
-    control tokens typed in a message kept as plain text (see `encode_chat`)."""
+    template when the tokenizer has one (else raw text); messages go through the template (given
+    `template_kwargs`), with control tokens typed in a message kept as plain text (see `encode_chat`)."""
     if not isinstance(prompt, str) and all(isinstance(t, int) for t in prompt):
         ids = list(prompt)
     else:
@@ -66,7 +74,7 @@ def encode_prompt(model: OffloadedModel, prompt: str | Sequence[Message] | Seque
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         _check_unicode(messages)
         if tokenizer.chat_template:
-            ids = encode_chat(tokenizer, messages)
+            ids = encode_chat(tokenizer, messages, **(template_kwargs or {}))
         elif isinstance(prompt, str):
             ids = tokenizer(prompt)["input_ids"]
         else:
@@ -122,13 +130,12 @@ def generate(
     started = time.perf_counter()
     live = live or LiveGeneration(started)
     live.started = started
-    prompt_ids = encode_prompt(model, prompt)
+    prompt_ids = encode_prompt(model, prompt, config.template_kwargs)
     max_new_tokens = _max_new_tokens(model, config, len(prompt_ids))
     eos = set() if config.ignore_eos else eos_token_ids(model)
     sampler = Sampler(config.sampling, device=model.device)
     history = torch.tensor(prompt_ids, dtype=torch.long, device=model.device)
-    detok = IncrementalDetokenizer(model.tokenizer) if model.tokenizer is not None else None
-    stops = StopStringMatcher(config.stop_strings)
+    reply = _ReplyText(model.tokenizer, config.stop_strings, prompt_ids)
     live.before = cache_snapshot(model.cache)
     live.prompt_tokens = len(prompt_ids)
     kv_cache = model.new_kv_cache(rewindable=config.spec.mode != "none")
@@ -140,7 +147,6 @@ def generate(
         live.prefilled = time.perf_counter()
 
         generated: list[int] = []
-        text_parts: list[str] = []
         last = started  # the first token's latency counts from the request
         new_tokens = [sampler.sample(logits, history)]
         reason = None
@@ -149,10 +155,9 @@ def generate(
                 generated.append(token)
                 live.generated = len(generated)
                 history = torch.cat([history, history.new_tensor([token])])
-                delta, stopped = _text_delta(detok, stops, token, token in eos)
-                text_parts.append(delta)
+                thought, delta, stopped = reply.push(token, token in eos)
                 now = time.perf_counter()
-                yield TokenEvent(token, delta, len(generated) - 1, (now - last) * 1e3)
+                yield TokenEvent(token, delta, len(generated) - 1, (now - last) * 1e3, thought)
                 last = now
                 reason = _end_reason(stopped, token in eos, len(generated), max_new_tokens, cancel)
                 if reason is not None:
@@ -163,9 +168,9 @@ def generate(
     finally:
         decoder.close()  # uninstalls the prefetch policy; unused prefetches are counted as wasted
 
-    tail, reason = _held_back_text(detok, stops, reason)
+    reason, (thought_tail, tail) = reply.finish(reason)
     stats = live.stats(model.cache, live.finished, model.simulated_link)  # the run's final figures
-    yield FinishedEvent(reason, "".join(text_parts) + tail, tail, tuple(generated), stats)
+    yield FinishedEvent(reason, reply.answer, tail, tuple(generated), stats, reply.reasoning, thought_tail)
 
 
 def _max_new_tokens(model: OffloadedModel, config: GenerationConfig, prompt_tokens: int) -> int:
@@ -211,18 +216,53 @@ def _end_reason(stopped: bool, is_eos: bool, generated: int, limit: int, cancel)
     return None
 
 
-def _held_back_text(detok, stops: StopStringMatcher, reason: str) -> tuple[str, str]:
-    """Text still held back at the end (a partial character or stop-string prefix), and the reason."""
-    if reason == "stop" or detok is None:
-        return "", reason
-    tail, stopped = stops.feed(detok.flush())
-    return tail + stops.flush(), "stop" if stopped else reason
+class _ReplyText:
+    """The reply's text as tokens arrive: whole characters, stop strings held back and matched,
+    the reasoning of a `<think>` block apart from the answer."""
 
+    def __init__(self, tokenizer, stop_strings: Sequence[str], prompt_ids: Sequence[int]):
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stops = StopStringMatcher(stop_strings)
+        self.thoughts = splitter_for(tokenizer, prompt_ids)
+        self.answers: list[str] = []
+        self.thinking: list[str] = []
 
-def _text_delta(detok, stops: StopStringMatcher, token: int, is_eos: bool) -> tuple[str, bool]:
-    if detok is None or is_eos:
-        return "", False
-    return stops.feed(detok.push(token))
+    def push(self, token: int, is_eos: bool) -> tuple[str, str, bool]:
+        """(reasoning delta, answer delta, a stop string ended the reply)."""
+        if self.detok is None or is_eos:
+            return "", "", False
+        text, stopped = self.stops.feed(self.detok.push(token))
+        return (*self._split(text), stopped)
+
+    def finish(self, reason: str) -> tuple[str, tuple[str, str]]:
+        """The final reason and the text held back till the end (a partial character or a possible
+        stop string or tag), as (reasoning, answer)."""
+        tail = ""
+        if reason != "stop" and self.detok is not None:
+            tail, stopped = self.stops.feed(self.detok.flush())
+            tail += self.stops.flush()
+            reason = "stop" if stopped else reason
+        thought, answer = self._split(tail)
+        if self.thoughts is not None:
+            more_thought, more_answer = self.thoughts.flush()
+            thought, answer = thought + more_thought, answer + more_answer
+            self.thinking.append(more_thought)
+            self.answers.append(more_answer)
+        return reason, (thought, answer)
+
+    def _split(self, text: str) -> tuple[str, str]:
+        thought, answer = self.thoughts.feed(text) if self.thoughts is not None else ("", text)
+        self.thinking.append(thought)
+        self.answers.append(answer)
+        return thought, answer
+
+    @property
+    def answer(self) -> str:
+        return "".join(self.answers)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.thinking)
 
 
 def generate_text(model: OffloadedModel, prompt, config: GenerationConfig = GenerationConfig()):

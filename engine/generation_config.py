@@ -21,6 +21,9 @@ AUTO = "auto"
 SPEC_CHOICES = (AUTO, *SPEC_MODES)
 PREFETCH_CHOICES = (AUTO, *PREFETCH_POLICIES)
 CPU_EXPERT_MODES = ("auto", "never", "always")
+TemplateValue = bool | int | float | str | None
+# keyword arguments the templating itself takes: a request may not set them
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tokenize", "conversation", "tools")
 # Seeds are signed 64-bit on every side (torch's generators, JSON clients): 0 <= seed < SEED_LIMIT
 SEED_LIMIT = 2**63
 
@@ -149,6 +152,8 @@ class GenerationConfig:
     cpu_experts: str = "never"  # auto | never | always: compute missing experts on the CPU (hybrid)
     # a context window (prompt + reply, in tokens) below the model's; None: the model's own
     context_length: int | None = None
+    # passed to the chat template: {"enable_thinking": False}, {"reasoning_effort": "low"} …
+    template_kwargs: dict[str, TemplateValue] = field(default_factory=dict, hash=False)
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -175,5 +180,16 @@ class GenerationConfig:
             raise InvalidRequestError(
                 f"Unknown cpu_experts {self.cpu_experts!r}; choose one of {', '.join(CPU_EXPERT_MODES)}."
             )
+        _check_template_kwargs(self.template_kwargs)
         self.sampling.validate()
         self.spec.validate()
+
+
+def _check_template_kwargs(kwargs: dict) -> None:
+    for name, value in kwargs.items():
+        if not isinstance(name, str) or not name.isidentifier() or name in RESERVED_TEMPLATE_KWARGS:
+            raise InvalidRequestError(f"{name!r} cannot be passed to the chat template.")
+        if value is not None and not isinstance(value, bool | int | float | str):
+            raise InvalidRequestError(
+                f"Chat template argument {name!r} must be a string, number, boolean or null."
+            )

@@ -157,8 +157,9 @@ class StopStringMatcher:
 Message = dict[str, str]
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
-    """Prompt ids of `messages` through the chat template, control tokens in contents as text.
+def encode_chat(tokenizer: Any, messages: Sequence[Message], **template_kwargs: Any) -> list[int]:
+    """Prompt ids of `messages` through the chat template, control tokens in contents as text;
+    `template_kwargs` go to the template (`enable_thinking`, `reasoning_effort` …).
 
     A content holding a control token's string is rendered as a marker, the text is cut at the
     template's own control tokens, and each piece between two of them (contents put back) is
@@ -167,7 +168,7 @@ def encode_chat(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
     """
     controls = control_tokens(tokenizer)
     if not controls:
-        return _templated_ids(tokenizer, messages)
+        return _templated_ids(tokenizer, messages, template_kwargs)
     control = re.compile("|".join(map(re.escape, controls)))  # longest first: leftmost-longest
     typed = {}  # message index -> a control token its content holds
     for n, message in enumerate(messages):
@@ -179,10 +180,12 @@ def encode_chat(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
         if content_token := _first_control(message.get("content"), control):
             typed[n] = content_token
     if not typed:
-        return _templated_ids(tokenizer, messages)
+        return _templated_ids(tokenizer, messages, template_kwargs)
     nonce = secrets.token_hex(8)  # markers: letters and digits, so templates that escape keep them
     marked = [{**m, "content": f"{nonce}x{n}x"} if n in typed else m for n, m in enumerate(messages)]
-    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        marked, add_generation_prompt=True, tokenize=False, **template_kwargs
+    )
     pieces = re.split(f"{nonce}x(\\d+)x", rendered)  # template text, message index, template text …
     if any(nonce[:8] in piece.lower() for piece in pieces[0::2]):  # the template changed a marker
         n, token = next(iter(typed.items()))
@@ -209,8 +212,10 @@ def _first_control(text: object, control: re.Pattern) -> str | None:
     return match.group() if match else None
 
 
-def _templated_ids(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+def _templated_ids(tokenizer: Any, messages: Sequence[Message], template_kwargs: dict[str, Any]) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=True, tokenize=True, **template_kwargs
+    )
     return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
 
 

@@ -104,6 +104,11 @@ def _generation_config(request: ChatCompletionRequest, defaults: GenerationConfi
         sampling = replace(sampling, top_p=request.top_p)
     if "seed" in request.model_fields_set:
         sampling = replace(sampling, seed=request.seed)
+    kwargs = dict(request.chat_template_kwargs or {})
+    if request.reasoning_effort is not None:  # gpt-oss's templates read it; others ignore it
+        kwargs["reasoning_effort"] = request.reasoning_effort
+    if kwargs:
+        config = replace(config, template_kwargs=kwargs)
     if request.stop is not None:
         stops = [request.stop] if isinstance(request.stop, str) else request.stop
         if not stops or not all(stops):
@@ -170,7 +175,7 @@ class ChatBackend:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": finished.text},
+                    "message": _message(finished),
                     "finish_reason": FINISH_REASONS.get(finished.reason, "stop"),
                     "logprobs": None,
                 }
@@ -233,13 +238,29 @@ class ChatBackend:
         threading.Thread(target=restart, name="engine-restart", daemon=True).start()
 
 
+def _message(finished: Finished) -> dict[str, Any]:
+    """The reply's message; a model's reasoning (its `<think>` block) is `reasoning_content`, as
+    vLLM, SGLang and DeepSeek's API return it."""
+    message = {"role": "assistant", "content": finished.text}
+    if finished.reasoning:
+        message["reasoning_content"] = finished.reasoning
+    return message
+
+
+def _deltas(reasoning: str, text: str) -> Iterator[dict[str, str]]:
+    if reasoning:
+        yield {"reasoning_content": reasoning}
+    if text:
+        yield {"content": text}
+
+
 def _event_chunks(envelope: dict, event: Token | Finished, include_usage: bool) -> Iterator[dict[str, Any]]:
     if isinstance(event, Token):
-        if event.text:
-            yield _chunk(envelope, {"content": event.text})
+        for delta in _deltas(event.reasoning, event.text):
+            yield _chunk(envelope, delta)
         return
-    if event.tail:
-        yield _chunk(envelope, {"content": event.tail})
+    for delta in _deltas(event.reasoning_tail, event.tail):
+        yield _chunk(envelope, delta)
     yield {**_chunk(envelope, {}, FINISH_REASONS.get(event.reason, "stop")), "stats": engine_stats(event)}
     if include_usage:
         yield {**envelope, "choices": [], "usage": _usage(event)}

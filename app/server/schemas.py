@@ -11,7 +11,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 MAX_SEED = 2**63 - 1  # the engine's generators take a signed 64-bit seed
 
@@ -100,6 +109,9 @@ class ChatCompletionRequest(_Lenient):
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
     stop: StrictStr | list[Annotated[str, Field(min_length=1)]] | None = None
     n: StrictInt | None = Field(None, ge=1, le=1)
+    # passed to the chat template, as vLLM and SGLang take them: {"enable_thinking": false} …
+    chat_template_kwargs: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr | None] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
     @classmethod
     def parse(cls, body: object) -> ChatCompletionRequest:

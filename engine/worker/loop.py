@@ -36,6 +36,7 @@ from engine.errors import DeviceOutOfMemoryError, EngineError, GenerationCancell
 from engine.generation import FinishedEvent, generate
 from engine.loader import load_model, resolve_device
 from engine.metrics import LiveGeneration
+from engine.reasoning import thinks
 from engine.resources import demo_draft_dir, demo_model_dir
 from engine.speculative.auto import resolve_config
 from engine.worker.protocol import (
@@ -219,7 +220,8 @@ class Worker:
             model = load_model(folder, replace(request.offload, expert_budget=smaller), progress)
         self.model, self.model_is_demo = model, request.model_dir is None
         self.telemetry.attach(model)
-        self.send(Loaded(request.request_id, asdict(model.info()), time.perf_counter() - started))
+        info = asdict(model.info()) | {"thinks": thinks(model.tokenizer)}  # a <think> block: a Think toggle
+        self.send(Loaded(request.request_id, info, time.perf_counter() - started))
 
     def _unload(self) -> None:
         if self.model is None:
@@ -276,10 +278,15 @@ class Worker:
                             event.stats.prompt_tokens,
                             event.stats.generated_tokens,
                             event.stats.to_dict(),
+                            event.reasoning,
+                            event.reasoning_tail,
                         )
                     )
                 else:
-                    self.send(Token(request_id, event.text, event.token_id, event.index, event.elapsed_ms))
+                    token = Token(
+                        request_id, event.text, event.token_id, event.index, event.elapsed_ms, event.reasoning
+                    )
+                    self.send(token)
                     sent += 1
         except DeviceOutOfMemoryError as err:
             err.tokens_sent = sent

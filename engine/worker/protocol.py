@@ -25,7 +25,7 @@ from engine.config import OffloadConfig
 from engine.errors import EngineError
 from engine.generation_config import GenerationConfig
 
-PROTOCOL_VERSION = 2  # 2: Tune, TuneProgress, TuneResult
+PROTOCOL_VERSION = 3  # 2: Tune, TuneProgress, TuneResult; 3: reasoning apart from the answer
 
 
 class ProtocolError(EngineError):
@@ -132,7 +132,8 @@ class LoadProgress:
 @dataclass(frozen=True)
 class Loaded:
     request_id: str
-    model: dict[str, Any]  # OffloadedModel.info(): architecture, layers, experts, cache slots …
+    model: dict[str, Any]  # OffloadedModel.info() (architecture, layers, experts, cache slots …) and
+    #                       "thinks": its replies open with a <think> block (a Think toggle applies)
     load_s: float
 
 
@@ -147,21 +148,24 @@ class Notice:
 @dataclass(frozen=True)
 class Token:
     request_id: str
-    text: str  # new complete text since the previous Token (may be "")
+    text: str  # new complete answer text since the previous Token (may be "")
     token_id: int
     index: int  # 0 for the first generated token
     elapsed_ms: float  # since the previous token (the first: since the request arrived)
+    reasoning: str = ""  # new reasoning text (a `<think>` block), apart from the answer
 
 
 @dataclass(frozen=True)
 class Finished:
     request_id: str
     reason: str  # eos | stop | length | cancelled
-    text: str  # the whole reply
+    text: str  # the whole answer
     tail: str  # text not yet sent in a Token event: a streaming client appends it
     prompt_tokens: int
     completion_tokens: int
     stats: dict[str, Any]  # GenerationStats.to_dict()
+    reasoning: str = ""  # the whole reasoning; its part not yet sent in a Token is `reasoning_tail`
+    reasoning_tail: str = ""
 
 
 @dataclass(frozen=True)

@@ -20,15 +20,21 @@ COW = [{"role": "user", "content": "What sound does a cow make?"}]
 class LiveServer:
     """One server, its backend and its session; `stop()` undoes all three."""
 
-    def __init__(self, api_key: str | None = None, max_new_tokens: int = 64):
+    def __init__(
+        self,
+        api_key: str | None = None,
+        max_new_tokens: int = 64,
+        model_dir: str | None = None,
+        defaults: GenerationConfig | None = None,
+    ):
+        """Over the demo model, or the model in `model_dir` (served as DEMO_MODEL_ID all the same)."""
         self._clients: list[openai.OpenAI] = []
         self.session = EngineSession()
         self.session.start()
         try:
-            self.session.load(offload=OffloadConfig(device="cpu"))
-            self.backend = ChatBackend(
-                self.session, DEMO_MODEL_ID, GenerationConfig(max_new_tokens=max_new_tokens)
-            )
+            self.session.load(model_dir, offload=OffloadConfig(device="cpu"))
+            defaults = defaults or GenerationConfig(max_new_tokens=max_new_tokens)
+            self.backend = ChatBackend(self.session, DEMO_MODEL_ID, defaults)
             self.server = ApiServer(self.backend, port=0, api_key=api_key).start()
         except BaseException:
             self.session.close()

@@ -1,0 +1,91 @@
+"""A reply's reasoning apart from its answer: `<think>…</think>` blocks parsed from the stream.
+
+Qwen3, QwQ, DeepSeek-R1 and GLM-4.5 think inside `<think>…</think>` before they answer. Their
+chat templates either let the model open the block itself, or open it in the prompt (Qwen3's
+Thinking-2507 releases, DeepSeek-R1), in which case the reply holds only the closing tag; with
+`enable_thinking=False` Qwen3's template writes an empty block into the prompt and the reply has
+none. `ThinkSplitter` follows the text as it streams and says which part is reasoning and which
+is the answer, holding back only what could still be the start of a tag, as vLLM's and SGLang's
+reasoning parsers do. The whitespace a model puts between the block and its answer belongs to
+neither.
+
+A model whose vocabulary has no `<think>`/`</think>` tokens is not parsed (`splitter_for`), so a
+reply that merely mentions the tag is left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+class ThinkSplitter:
+    """Streamed text in, `(reasoning, answer)` deltas out."""
+
+    def __init__(self, inside: bool = False):
+        self.inside = inside  # in a think block (the prompt may have opened it)
+        self.seen_block = inside
+        self._pending = ""  # text that may be the start of a tag
+        self._started = {True: False, False: False}  # reasoning, answer: has text been given yet
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The reasoning and answer text `text` completes (either may be "")."""
+        text = self._pending + text
+        self._pending = ""
+        reasoning, answer = [], []
+        while text:
+            tag = CLOSE if self.inside else (OPEN if not self.seen_block else None)
+            at = text.find(tag) if tag else -1
+            if at >= 0:
+                self._emit(text[:at], reasoning, answer)
+                text = text[at + len(tag) :]
+                self.inside = not self.inside
+                self.seen_block = True
+                continue
+            keep = _partial_tag(text, tag) if tag else 0
+            self._emit(text[: len(text) - keep], reasoning, answer)
+            self._pending = text[len(text) - keep :]
+            break
+        return "".join(reasoning), "".join(answer)
+
+    def flush(self) -> tuple[str, str]:
+        """The text held back at the end of the reply (an unfinished tag is text after all)."""
+        pending, self._pending = self._pending, ""
+        reasoning, answer = [], []
+        self._emit(pending, reasoning, answer)
+        return "".join(reasoning), "".join(answer)
+
+    def _emit(self, text: str, reasoning: list[str], answer: list[str]) -> None:
+        """`text` to the part it belongs to; the blank lines that open a block or follow one are dropped."""
+        if not self._started[self.inside]:
+            text = text.lstrip() if self.inside or self.seen_block else text
+            if not text:
+                return
+            self._started[self.inside] = True
+        (reasoning if self.inside else answer).append(text)
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """How many of `text`'s last characters are a proper prefix of `tag`."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def thinks(tokenizer: Any) -> bool:
+    """Whether the model's vocabulary has the think tags as tokens of their own."""
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    return OPEN in vocab and CLOSE in vocab
+
+
+def splitter_for(tokenizer: Any, prompt_ids: Sequence[int]) -> ThinkSplitter | None:
+    """A splitter for a reply to `prompt_ids`, starting inside a block the prompt left open;
+    None for a model that does not think in tags."""
+    if not thinks(tokenizer):
+        return None
+    tail = tokenizer.decode(list(prompt_ids[-16:]))
+    opened, closed = tail.rfind(OPEN), tail.rfind(CLOSE)
+    return ThinkSplitter(inside=opened > closed)
