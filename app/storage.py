@@ -35,7 +35,7 @@ import platformdirs
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: messages.reasoning
 DEFAULT_TITLE = "New chat"
 FILE_NAME = "conversations.sqlite3"
 TITLE_CHARS = 48
@@ -57,7 +57,8 @@ CREATE TABLE messages (
     role TEXT NOT NULL,
     content TEXT NOT NULL,
     stats TEXT,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    reasoning TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX messages_by_conversation ON messages(conversation_id, id);
 CREATE INDEX conversations_by_update ON conversations(updated_at DESC);
@@ -79,6 +80,7 @@ class StoredMessage:
     content: str
     stats: dict | None  # the reply's GenerationStats dict (assistant messages)
     created_at: float
+    reasoning: str = ""  # the model's thinking before its answer (shown apart, never sent back)
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,8 @@ class ConversationStore:
             if version == 0:  # statement by statement: executescript() would commit early
                 for statement in filter(str.strip, _SCHEMA.split(";")):
                     conn.execute(statement)
+            elif version == 1:
+                conn.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT NOT NULL DEFAULT ''")
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
@@ -286,14 +290,11 @@ class ConversationStore:
         if not head:
             raise KeyError(f"no conversation with id {conversation_id}")
         title, system_prompt, settings, updated_at = head[0]
+        columns = "id, role, content, stats, created_at, reasoning"
         rows = self._read(
-            "SELECT id, role, content, stats, created_at FROM messages WHERE conversation_id = ? ORDER BY id",
-            (conversation_id,),
+            f"SELECT {columns} FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
         )
-        messages = tuple(
-            StoredMessage(mid, role, content, _load_json(stats, None), created)
-            for mid, role, content, stats, created in rows
-        )
+        messages = tuple(StoredMessage(m, r, c, _load_json(s, None), t, why) for m, r, c, s, t, why in rows)
         return Conversation(
             conversation_id, title, system_prompt, _load_json(settings, {}), messages, updated_at
         )
@@ -321,16 +322,16 @@ class ConversationStore:
     # ---- messages --------------------------------------------------------------------------------
 
     def add_message(
-        self, conversation_id: int, role: str, content: str, stats: dict | None = None
+        self, conversation_id: int, role: str, content: str, stats: dict | None = None, reasoning: str = ""
     ) -> StoredMessage:
-        """Append a message; the first user message names a chat still called `DEFAULT_TITLE`."""
+        """Append a message (a reply with its `reasoning`); a first user message names a new chat."""
         now = self._now()
         with self._transaction() as conn:
             self._require(conn, "conversations", conversation_id)
             cursor = conn.execute(
-                "INSERT INTO messages (conversation_id, role, content, stats, created_at)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (conversation_id, role, content, _dump_json(stats), now),
+                "INSERT INTO messages (conversation_id, role, content, stats, created_at, reasoning)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (conversation_id, role, content, _dump_json(stats), now, reasoning),
             )
             conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
             if role == "user":
@@ -338,24 +339,25 @@ class ConversationStore:
                     "UPDATE conversations SET title = ? WHERE id = ? AND title = ?",
                     (title_from(content), conversation_id, DEFAULT_TITLE),
                 )
-        return StoredMessage(cursor.lastrowid, role, content, stats, now)
+        return StoredMessage(cursor.lastrowid, role, content, stats, now, reasoning)
 
     def update_message(self, message_id: int, content: str, stats: dict | None = None) -> StoredMessage:
         """Replace a message's text (and its stats, unless `stats` is None: then they are kept)."""
         now = self._now()
         with self._transaction() as conn:
             row = conn.execute(
-                "SELECT conversation_id, role, stats, created_at FROM messages WHERE id = ?", (message_id,)
+                "SELECT conversation_id, role, stats, created_at, reasoning FROM messages WHERE id = ?",
+                (message_id,),
             ).fetchone()
             if row is None:
                 raise KeyError(f"no message with id {message_id}")
-            conversation_id, role, old_stats, created_at = row
+            conversation_id, role, old_stats, created_at, reasoning = row
             new_stats = _dump_json(stats) if stats is not None else old_stats
             conn.execute(
                 "UPDATE messages SET content = ?, stats = ? WHERE id = ?", (content, new_stats, message_id)
             )
             conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
-        return StoredMessage(message_id, role, content, _load_json(new_stats, None), created_at)
+        return StoredMessage(message_id, role, content, _load_json(new_stats, None), created_at, reasoning)
 
     def delete_messages_from(self, conversation_id: int, message_id: int) -> None:
         """Delete this message of the conversation and every later one (regenerate, edit and resend)."""

@@ -32,6 +32,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.gui.thinking import ThinkingPanel, stored_label
 from app.markdown_render import render_markdown, split_blocks
 from app.storage import StoredMessage
 
@@ -179,7 +180,8 @@ class _RichLabel(QLabel):
 
 
 class ReplyBubble(QFrame):
-    """An assistant reply: markdown, an error line if it failed, the stats line, Copy / Regenerate.
+    """An assistant reply: its thinking collapsed (when the model thought), markdown, an error line
+    if it failed, the stats line, Copy / Regenerate.
 
     A streaming reply is rendered block by block (`split_blocks`), a label each, so a
     re-render touches only the blocks that changed, usually the last; a stored reply is
@@ -189,6 +191,8 @@ class ReplyBubble(QFrame):
         super().__init__(objectName="replyBubble")
         self.message = message
         self.text = message.content if message else ""
+        self.reasoning = message.reasoning if message else ""
+        self.thinking_label = stored_label(message.stats) if message else ""
         self.dark = dark
         self.label_width = width - 2 * REPLY_MARGIN_PX
         self.by_block = message is None
@@ -207,6 +211,7 @@ class ReplyBubble(QFrame):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(REPLY_MARGIN_PX, 4, REPLY_MARGIN_PX, 0)
         layout.setSpacing(2)
+        self.thinking: ThinkingPanel | None = None  # made once there is thinking: most replies have none
         layout.addLayout(self.body)
         layout.addLayout(footer)
         self.render(streaming=message is None)
@@ -227,10 +232,18 @@ class ReplyBubble(QFrame):
         for _, label in self.blocks[len(sources) :]:
             discard(label)
         del self.blocks[len(sources) :]
+        self._show_thinking()
         if streaming:
             self.stats.setText("generating…")
         self.stats.setVisible(bool(self.stats.text()))
         self.copy_button.setVisible(not streaming and bool(self.text))
+
+    def _show_thinking(self) -> None:
+        if self.thinking is None and self.reasoning.strip():
+            self.thinking = ThinkingPanel(self.label_width)
+            self.layout().insertWidget(0, self.thinking)
+        if self.thinking is not None:
+            self.thinking.show_thinking(self.reasoning, self.thinking_label)
 
     def restyle(self, dark: bool, streaming: bool) -> None:
         self.dark = dark
@@ -238,7 +251,8 @@ class ReplyBubble(QFrame):
         self.render(streaming)
 
     def finish(self, message: StoredMessage) -> None:
-        self.message, self.text = message, message.content
+        self.message, self.text, self.reasoning = message, message.content, message.reasoning
+        self.thinking_label = stored_label(message.stats)
         self.stats.setText(stats_line(message.stats))
         self.render()
 
@@ -249,7 +263,7 @@ class ReplyBubble(QFrame):
             palette = self.error.palette()
             palette.setColor(QPalette.ColorRole.WindowText, QColor("#d32f2f"))
             self.error.setPalette(palette)
-            self.layout().insertWidget(1, self.error)
+            self.layout().insertWidget(self.layout().count() - 1, self.error)  # above the footer
             self.error.show()
         self.error.setText(f"⚠ {reason}")
         self.render()

@@ -26,13 +26,14 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from PySide6.QtCore import QObject, Signal
 
-from app.gui.chat_settings import sampling_from
+from app.gui.chat_settings import sampling_from, template_kwargs_from
 from app.gui.chat_view import ChatView
 from app.gui.engine_client import EngineClient, ReplyEvent, ReplyText, WorkerCrashed
+from app.gui.thinking import Thinking
 from app.settings import AppSettings
 from app.storage import Conversation, ConversationStore, StoredMessage
 from engine.worker.protocol import ChatMessage, Error, Finished
@@ -77,6 +78,8 @@ class Reply:
     request_id: str
     conversation_id: int
     streamed: list[str] = field(default_factory=list)  # the text chunks so far
+    thought: list[str] = field(default_factory=list)  # the thinking's chunks so far
+    thinking: Thinking = field(default_factory=lambda: Thinking())
     reason: FinishReason | None = None
     finished: Finished | None = None  # the engine's end of it, when the engine finished it
     error: str = ""  # why it ended, when the engine did not finish it
@@ -86,6 +89,10 @@ class Reply:
     def text(self) -> str:
         """The whole reply when the engine finished it, else what streamed."""
         return self.finished.text if self.finished is not None else "".join(self.streamed)
+
+    @property
+    def reasoning(self) -> str:
+        return self.finished.reasoning if self.finished is not None else "".join(self.thought)
 
 
 class ChatSession(QObject):
@@ -105,7 +112,10 @@ class ChatSession(QObject):
         self.store, self.client, self.view, self._settings = store, client, view, settings
         self.conversation_id: int | None = None
         self.reply: Reply | None = None  # the reply in flight
+        self.model_thinks = False  # the loaded model thinks in a <think> block: the Think toggle applies
+        self._think_next = True  # thinking on or off for a chat not created yet
         client.sig_reply.connect(self._on_reply_event)
+        view.sig_think.connect(self.set_think)
         view.sig_send.connect(self.send)
         view.sig_stop.connect(self.stop)
         view.sig_regenerate.connect(self.regenerate)
@@ -122,6 +132,24 @@ class ChatSession(QObject):
         self._cancel_reply(FinishReason.ABANDONED, "Stopped: another conversation was opened.")
         self.conversation_id = conversation_id
         self.view.set_conversation(self.store.get(conversation_id))
+        self.show_think()
+
+    def set_model_thinks(self, thinks: bool) -> None:
+        self.model_thinks = thinks
+        self.show_think()
+
+    def set_think(self, on: bool) -> None:
+        """Thinking on or off for the open chat (kept in its settings) or the next one."""
+        conversation = self.conversation()
+        if conversation is None:
+            self._think_next = on
+        else:
+            self.store.set_settings(conversation.id, {**conversation.settings, "think": on})
+
+    def show_think(self) -> None:
+        conversation = self.conversation()
+        on = conversation.settings.get("think", True) if conversation else self._think_next
+        self.view.set_thinking(self.model_thinks, on)
 
     def close_conversation(self) -> None:
         """Show no conversation (the open one was deleted); a reply in flight is stopped, not kept."""
@@ -141,6 +169,8 @@ class ChatSession(QObject):
             return
         if self.conversation_id is None:
             self.conversation_id = self.store.create().id
+            if not self._think_next:
+                self.store.set_settings(self.conversation_id, {"think": False})
         self.store.add_message(self.conversation_id, "user", text)
         self._refresh()
         self._generate()
@@ -174,6 +204,7 @@ class ChatSession(QObject):
         messages += [ChatMessage(m.role, m.content) for m in context_messages(conversation.messages)]
         sampling, max_new_tokens = sampling_from(conversation.settings)
         config = self._settings().generation_config(sampling, max_new_tokens)
+        config = replace(config, template_kwargs=template_kwargs_from(conversation.settings))
         self.reply = Reply(self.client.generate(messages, config), conversation.id)
         self.view.begin_reply()
         self.view.set_busy(True)
@@ -189,9 +220,11 @@ class ChatSession(QObject):
         if reply is None or event.request_id != reply.request_id:
             return  # the late end of a reply this session already let go of
         match event:
-            case ReplyText(text=text):
+            case ReplyText(text=text, reasoning=reasoning):
                 reply.streamed.append(text)
-                self.view.append_reply_text(text)
+                reply.thought.append(reasoning)
+                reply.thinking.saw(event)
+                self.view.append_reply_text(text, reasoning, reply.thinking.label())
             case Finished(reason=reason):
                 reply.finished = event
                 self._end(FinishReason(reason))
@@ -222,7 +255,7 @@ class ChatSession(QObject):
         """Keep the reply: whole when the engine finished it, else what streamed and why it stopped
         (a crash even when nothing streamed: the conversation records that it happened)."""
         if reply.finished is not None:
-            stats = dict(reply.finished.stats, finish_reason=reply.finished.reason)
+            stats = dict(reply.finished.stats, finish_reason=reply.finished.reason) | reply.thinking.stats()
         elif (
             reply.text or reply.reason is FinishReason.CRASHED
         ) and reply.reason is not FinishReason.DISCARDED:
@@ -230,4 +263,4 @@ class ChatSession(QObject):
             stats = {"finish_reason": INTERRUPTED, "error": reply.error}
         else:
             return None
-        return self.store.add_message(reply.conversation_id, "assistant", reply.text, stats)
+        return self.store.add_message(reply.conversation_id, "assistant", reply.text, stats, reply.reasoning)

@@ -76,6 +76,12 @@ def sampling_from(settings: dict) -> tuple[SamplingConfig, int]:
     return sampling, max_new_tokens
 
 
+def template_kwargs_from(settings: dict) -> dict[str, bool]:
+    """What a chat's settings pass to the chat template: thinking switched off (Qwen3's
+    `enable_thinking`); nothing when it is on, the template's own default."""
+    return {"enable_thinking": False} if settings.get("think") is False else {}
+
+
 def _double(minimum: float, maximum: float, step: float, decimals: int = 2) -> QDoubleSpinBox:
     box = QDoubleSpinBox(minimum=minimum, maximum=maximum, singleStep=step, decimals=decimals)
     box.setKeyboardTracking(True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 
-from PySide6.QtCore import QEvent, Qt, QTimer, Signal
+from PySide6.QtCore import QEvent, QSignalBlocker, Qt, QTimer, Signal
 from PySide6.QtGui import QColor, QPalette
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QScrollArea, QVBoxLayout, QWidget
 
@@ -59,6 +59,8 @@ class ChatView(QWidget):
     """The user asked for a new version of the last reply."""
     sig_edit_resend = Signal(int, str)
     """The user edited a sent message: its id and the new text (resend from there)."""
+    sig_think = Signal(bool)
+    """The user switched this chat's thinking on or off (models that think in a <think> block)."""
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -92,9 +94,14 @@ class ChatView(QWidget):
         self.input.document().contentsChanged.connect(self._fit_input)
         self.send_button = QPushButton("Send", objectName="sendButton")
         self.send_button.clicked.connect(lambda: self.sig_stop.emit() if self._busy else self._submit())
+        self.think_button = QPushButton("Think", objectName="thinkButton", checkable=True, checked=True)
+        self.think_button.setToolTip("Let the model think before it answers (its thinking shows collapsed).")
+        self.think_button.toggled.connect(self.sig_think)
+        self.think_button.hide()  # shown for a model that thinks
         row = QHBoxLayout()
         row.setContentsMargins(12, 0, 12, 0)
         row.addWidget(self.input, 1)
+        row.addWidget(self.think_button, 0, Qt.AlignmentFlag.AlignBottom)
         row.addWidget(self.send_button, 0, Qt.AlignmentFlag.AlignBottom)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 8)
@@ -131,12 +138,15 @@ class ChatView(QWidget):
         self._follow = True
         self._after_change()
 
-    def append_reply_text(self, text: str) -> None:
-        """Buffer streamed text; the bubble is re-rendered by a timer, not here."""
+    def append_reply_text(self, text: str, reasoning: str = "", thinking_label: str = "") -> None:
+        """Buffer streamed text (and thinking, with its header); the bubble is re-rendered by a
+        timer, not here."""
         if self._streaming is None:
             log.debug("reply text with no reply streaming: dropped")
             return
         self._pending.append(text)
+        self._streaming.reasoning += reasoning
+        self._streaming.thinking_label = thinking_label or self._streaming.thinking_label
         if not self._render_timer.isActive():
             self._render_timer.start()
 
@@ -162,6 +172,12 @@ class ChatView(QWidget):
         self._busy = busy
         self.send_button.setText("Stop" if busy else "Send")
         self._update_controls()
+
+    def set_thinking(self, available: bool, on: bool) -> None:
+        """Show the Think toggle (for a model that thinks) in this chat's state; no signal."""
+        self.think_button.setVisible(available)
+        with QSignalBlocker(self.think_button):
+            self.think_button.setChecked(on)
 
     def set_input_enabled(self, enabled: bool, reason: str = "") -> None:
         """Allow or refuse sending; `reason` says why not (shown in the empty input box)."""

@@ -80,8 +80,10 @@ class ReplyText:
     """New text of a reply: the `Token` events of one flush, merged."""
 
     request_id: str
-    text: str
+    text: str  # the answer's
     tokens: int  # how many Token events it merges
+    reasoning: str = ""  # the thinking's (a `<think>` block)
+    reasoning_tokens: int = 0  # how many of the tokens carried thinking
 
 
 @dataclass(frozen=True)
@@ -290,7 +292,9 @@ class EngineClient(QObject):
 
     def _emit_tokens(self, pending: dict[str, list[Token]]) -> None:
         for request_id, tokens in pending.items():
-            self.sig_reply.emit(ReplyText(request_id, "".join(t.text for t in tokens), len(tokens)))
+            text, reasoning = "".join(t.text for t in tokens), "".join(t.reasoning for t in tokens)
+            thinking = sum(1 for t in tokens if t.reasoning)
+            self.sig_reply.emit(ReplyText(request_id, text, len(tokens), reasoning, thinking))
         pending.clear()
 
     def _emit(self, event) -> None:

@@ -193,6 +193,7 @@ class MainWindow(QMainWindow):
             return
         model = {**model, "name": _model_name(model)}
         self.model_info = model
+        self.session.set_model_thinks(bool(model.get("thinks")))
         self.dashboard.set_model(model)
         self.chat_view.set_input_enabled(True)
         self.banners.clear("load")
@@ -310,7 +311,7 @@ class MainWindow(QMainWindow):
         if dialog.exec():
             system_prompt, settings = dialog.values()
             self.store.set_system_prompt(conversation.id, system_prompt)
-            self.store.set_settings(conversation.id, settings)
+            self.store.set_settings(conversation.id, {**conversation.settings, **settings})  # keeps "think"
 
     # -- settings and models -----------------------------------------------------------------------
 

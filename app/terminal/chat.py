@@ -24,6 +24,7 @@ import multiprocessing
 import signal
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import TextIO
 
 from app.session_setup import add_session_arguments, open_session, report_start_failure
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 COMMANDS = {
     "/stats": "show the engine's latest telemetry",
     "/reset": "start a new conversation",
+    "/think": "on or off: let a thinking model think before it answers",
     "/help": "list the commands",
     "/quit": "leave (also Ctrl-D)",
 }
@@ -95,8 +97,8 @@ class TerminalChat:
 
     def command(self, line: str) -> bool:
         """Run one /command; False when it asks to leave."""
-        name = line.split()[0].lower()
-        match name:
+        name, *args = line.split()
+        match name.lower():
             case "/quit" | "/exit":
                 return False
             case "/reset":
@@ -105,11 +107,22 @@ class TerminalChat:
                 self._say("[new conversation]")
             case "/stats":
                 self._print(format_stats(self.session.stats(), self.last_reply))
+            case "/think":
+                self.think(args)
             case "/help":
                 self._print("\n".join(f"{cmd:<8} {what}" for cmd, what in COMMANDS.items()))
             case _:
                 self._say(f"Unknown command {name}; /help lists the commands.")
         return True
+
+    def think(self, args: list[str]) -> None:
+        """`/think on|off`: thinking models' `enable_thinking` (off: the template skips the thinking)."""
+        if args not in (["on"], ["off"]):
+            self._say("Use /think on or /think off.")
+            return
+        kwargs = {} if args == ["on"] else {"enable_thinking": False}
+        self.config = replace(self.config, template_kwargs=kwargs)
+        self._say(f"[thinking {args[0]}]")
 
     def reply(self, text: str) -> None:
         """Stream the reply to `text`; keep both in the history only when the reply finished."""
@@ -133,7 +146,17 @@ class TerminalChat:
             self._say(f"[the reply reached the limit of {self.config.max_new_tokens} tokens]")
 
     def _stream(self, stream: Iterator[Token | Finished]) -> Finished:
+        """The answer to stdout as it streams; a thinking model's thinking to stderr, dimmed."""
+        thinking = False
         for event in stream:
+            reasoning = event.reasoning_tail if isinstance(event, Finished) else event.reasoning
+            if reasoning:
+                self.stderr.write(("[thinking] " if not thinking else "") + reasoning)
+                self.stderr.flush()
+                thinking = True
+            if thinking and (event.text or isinstance(event, Finished)):
+                self._say("")  # the thinking's last line ends before the answer
+                thinking = False
             if isinstance(event, Finished):
                 return event
             self.render.add(event.text)

@@ -243,3 +243,33 @@ def test_a_read_only_file_raises_storage_error_on_write(tmp_path, monkeypatch):
     assert raised.value.path == path
     assert store.get(chat.id).messages == ()
     store.close()
+
+
+V1_SCHEMA = """
+CREATE TABLE conversations (id INTEGER PRIMARY KEY AUTOINCREMENT, title TEXT NOT NULL,
+    system_prompt TEXT NOT NULL DEFAULT '', settings TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL, updated_at REAL NOT NULL);
+CREATE TABLE messages (id INTEGER PRIMARY KEY AUTOINCREMENT,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    role TEXT NOT NULL, content TEXT NOT NULL, stats TEXT, created_at REAL NOT NULL);
+INSERT INTO conversations VALUES (1, 'Cows', '', '{}', 1.0, 2.0);
+INSERT INTO messages VALUES (1, 1, 'user', 'Moo?', NULL, 1.0);
+INSERT INTO messages VALUES (2, 1, 'assistant', 'Moo.', '{"generated_tokens": 2}', 2.0);
+PRAGMA user_version = 1;
+"""
+
+
+def test_a_version_1_file_keeps_its_chats_and_gains_the_reasoning_column(tmp_path):
+    path = tmp_path / "conversations.sqlite3"
+    with sqlite3.connect(path) as conn:
+        conn.executescript(V1_SCHEMA)
+    store = ConversationStore(path)
+    try:
+        old = store.get(1).messages
+        assert [(m.content, m.reasoning) for m in old] == [("Moo?", ""), ("Moo.", "")]
+        kept = store.add_message(1, "assistant", "Moo!", {"thinking_tokens": 3}, reasoning="Cows moo.")
+        assert store.get(1).messages[-1] == kept and kept.reasoning == "Cows moo."
+    finally:
+        store.close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2

@@ -270,3 +270,31 @@ def test_the_history_file_is_in_the_data_folder(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MOE_CHAT_DATA_DIR", str(tmp_path))
     assert history_path() == tmp_path / "cli-history"
+
+
+class RecordingSession(ScriptedSession):
+    """A scripted session that also keeps each request's config."""
+
+    def __init__(self, *replies):
+        super().__init__(*replies)
+        self.configs = []
+
+    def generate(self, messages, config):
+        self.configs.append(config)
+        return super().generate(messages, config)
+
+
+def test_thinking_goes_to_stderr_apart_from_the_answer_and_think_off_reaches_the_template():
+    thought = [
+        Token("r", "", 1, 0, 1.0, "Let me"),
+        Token("r", "Moo.", 2, 1, 1.0, " see."),
+        Finished("r", "eos", "Moo.", "", 3, 2, {}, "Let me see."),
+    ]
+    session = RecordingSession(thought, answer("Moo again."))
+    code, out, err = chat(session, f"{COW}\n/think off\n{COW}\n/think maybe\n")
+    assert code == 0 and out == "Moo.\nMoo again.\n"
+    assert "[thinking] Let me see.\n" in err and "[thinking off]" in err
+    assert "Use /think on or /think off." in err
+    assert session.configs[0].template_kwargs == {}
+    assert session.asked[1][1] == ChatMessage("assistant", "Moo.")  # the answer only goes back
+    assert session.configs[1].template_kwargs == {"enable_thinking": False}
