@@ -41,7 +41,8 @@ numpy reference: 3.5 and 5.0 ms). With the other core busy, two threads stall at
 for 100–200 ms (OpenMP waits on it); one thread does not. Scaling the float codes in
 place matters: a fresh float32 temporary per step page-faults its way to ~8 ms.
 `linear` on Q4_K and Q6_K (llama.cpp's Q4_K_M) goes through `engine.offload.ggml_linear`,
-which builds the same weight bit for bit in a reused buffer, with fewer passes.
+which builds the same weight bit for bit in a reused buffer, with fewer passes, `CHUNK_BYTES` of rows
+at a time.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ from engine.offload.ggml_linear import k_scale_min, q4_k_linear, q6_k_linear
 Q = GGMLQuantizationType
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # MXFP4 codes, ×2
+# `linear` builds a type's float32 weight this many bytes of rows at a time: a 1536×2048 Q4_K
+# matrix in 384-row parts is 1.7× faster on one thread than whole (the part stays in cache).
+CHUNK_BYTES = 4 << 20
 
 
 class Field(NamedTuple):
@@ -311,6 +315,11 @@ def linear(
         return F.linear(x, dequantize(data, ggml_type, (out_features, in_features), x.dtype))
     if data.dtype != torch.uint8 or data.numel() != row_bytes(traits.ggml_type, in_features) * out_features:
         raise ValueError(f"{traits.name} bytes do not hold a {out_features}×{in_features} weight")
-    fields = split_fields(data.reshape(-1, traits.block_bytes), traits.fields)
-    y = traits.linear(x.reshape(-1, in_features), fields, out_features)
+    rows, tokens = data.reshape(out_features, -1), x.reshape(-1, in_features)
+    step = max(1, CHUNK_BYTES // (4 * in_features))
+    parts = [
+        traits.linear(tokens, split_fields(chunk.reshape(-1, traits.block_bytes), traits.fields), len(chunk))
+        for chunk in rows.split(step)
+    ]
+    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return y.view(*x.shape[:-1], out_features)

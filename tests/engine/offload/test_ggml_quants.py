@@ -214,3 +214,17 @@ def test_k_quant_linear_is_f_linear_on_dequantize_bit_for_bit_whatever_came_befo
             got, got_one = (linear(v, data, ggml_type, rows, in_features) for v in (x, x[0]))
         assert torch.equal(got, F.linear(x, weight))
         assert torch.equal(got_one, F.linear(x[0], weight))
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K])
+def test_k_quant_linear_in_row_parts_is_the_whole_matmul(ggml_type, monkeypatch):
+    """`linear` builds the weight a few rows at a time (`CHUNK_BYTES`): uneven parts, in order."""
+    from engine.model.ggml_encode import quantize
+
+    rows, in_features = 37, 512
+    weight = np.random.default_rng(8).standard_normal((rows, in_features)).astype(np.float32) * 0.02
+    data = torch.from_numpy(quantize(weight, ggml_type)).view(torch.uint8).reshape(rows, -1)
+    x = torch.from_numpy(np.random.default_rng(9).standard_normal((4, in_features)).astype(np.float32))
+    expected = F.linear(x, dequantize(data, ggml_type, (rows, in_features), torch.float32))
+    monkeypatch.setattr(ggml_quants, "CHUNK_BYTES", 10 * 4 * in_features)  # parts of 10, 10, 10, 7 rows
+    torch.testing.assert_close(linear(x, data, ggml_type, rows, in_features), expected, atol=1e-6, rtol=1e-6)
