@@ -24,6 +24,7 @@ from transformers import GenerationConfig as HFGenerationConfig
 from engine.errors import ContextLengthError, InvalidRequestError
 from engine.generation_config import GenerationConfig, is_unicode
 from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot
+from engine.model.prefix_cache import save_point
 from engine.offload.model import OffloadedModel
 from engine.reasoning import splitter_for
 from engine.sampling import Sampler
@@ -138,12 +139,15 @@ def generate(
     reply = _ReplyText(model.tokenizer, config.stop_strings, prompt_ids)
     live.before = cache_snapshot(model.cache)
     live.prompt_tokens = len(prompt_ids)
-    kv_cache = model.new_kv_cache(rewindable=config.spec.mode != "none")
+    rewindable = config.spec.mode != "none"
+    kv_cache, reused = _kv_cache(model, prompt_ids, rewindable)
+    live.cached_prompt_tokens = reused
     decoder = live.decoder = open_decoder(
         model, config.spec, config.prefetch, config.cutoff, sampler, config.cpu_experts
     )
     try:
-        logits = _prefill(model, history, kv_cache, config.prefill_chunk)
+        logits = _prefill(model, history[reused:], kv_cache, config.prefill_chunk)
+        prompt_state = save_point(kv_cache)  # a regenerate or an edited turn goes back to it
         live.prefilled = time.perf_counter()
 
         generated: list[int] = []
@@ -167,10 +171,18 @@ def generate(
         live.finished = time.perf_counter()
     finally:
         decoder.close()  # uninstalls the prefetch policy; unused prefetches are counted as wasted
+    # kept only after a clean end (a cancel comes between steps): a failed step's cache is dropped
+    model.prefix_cache.put(history.tolist(), kv_cache, rewindable, [prompt_state] if prompt_state else [])
 
     reason, (thought_tail, tail) = reply.finish(reason)
     stats = live.stats(model.cache, live.finished, model.simulated_link)  # the run's final figures
     yield FinishedEvent(reason, reply.answer, tail, tuple(generated), stats, reply.reasoning, thought_tail)
+
+
+def _kv_cache(model: OffloadedModel, prompt_ids: list[int], rewindable: bool):
+    """A kept cache holding the longest prefix of the prompt, and its length; else a fresh one."""
+    kv_cache, reused = model.prefix_cache.take(prompt_ids, rewindable)
+    return (kv_cache, reused) if kv_cache is not None else (model.new_kv_cache(rewindable), 0)
 
 
 def _max_new_tokens(model: OffloadedModel, config: GenerationConfig, prompt_tokens: int) -> int:

@@ -102,6 +102,7 @@ class GenerationStats:
     decode: PhaseStats
     draft: PhaseStats
     verify: PhaseStats
+    cached_prompt_tokens: int = 0  # prompt tokens a kept KV cache held: not prefilled again
 
     @classmethod
     def build(
@@ -114,6 +115,7 @@ class GenerationStats:
         phases: dict[str, PhaseCounters],
         simulated_link: bool,
         speculation: SpecSummary | None = None,
+        cached_prompt_tokens: int = 0,
     ) -> GenerationStats:
         spec = speculation or SpecSummary()
         phase = {name: phases.get(name, PhaseCounters()) for name in PHASES}
@@ -125,6 +127,7 @@ class GenerationStats:
             if name != "prefill":
                 after_prefill.add(counters)
         wall = prefill_s + decode_s
+        prefilled = prompt_tokens - cached_prompt_tokens  # a reused prefix is not prefilled again
         recall_phase = phase["verify"] if spec.spec != "none" else phase["decode"]
         return cls(
             prompt_tokens=prompt_tokens,
@@ -133,7 +136,7 @@ class GenerationStats:
             decode_ms=decode_s * 1e3,
             tpot_ms=tpot_ms,
             tokens_per_s=1e3 / tpot_ms if tpot_ms else None,
-            prefill_tokens_per_s=prompt_tokens / prefill_s if prefill_s > 0 else None,
+            prefill_tokens_per_s=prefilled / prefill_s if prefill_s > 0 else None,
             hits=total.hits,
             misses=total.misses,
             hit_rate=total.hit_rate,
@@ -155,6 +158,7 @@ class GenerationStats:
             decode=PhaseStats.of(phase["decode"]),
             draft=PhaseStats.of(phase["draft"]),
             verify=PhaseStats.of(phase["verify"]),
+            cached_prompt_tokens=cached_prompt_tokens,
         )
 
     def to_dict(self) -> dict:
@@ -170,6 +174,7 @@ class LiveGeneration:
 
     started: float
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # held by a reused KV cache
     prefilled: float | None = None  # perf_counter when the prefill ended
     generated: int = 0
     finished: float | None = None
@@ -189,4 +194,5 @@ class LiveGeneration:
             phases={p: phase_delta(before, after, p) for p in PHASES},
             simulated_link=simulated_link,
             speculation=self.decoder.summary() if self.decoder is not None else None,
+            cached_prompt_tokens=self.cached_prompt_tokens,
         )

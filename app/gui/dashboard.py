@@ -103,6 +103,8 @@ def reply_figures(f: dict[str, Any], live: bool, moe_layers: int | None = None) 
     hits = f"{f['hits']:,} hits / {f['misses']:,} misses" if f.get("hits") or f.get("misses") else ""
     cumulative = f"cumulative {fmt_percent(f.get('hit_rate_total'))}" if live else ""
     tokens = f"{'generating' if live else 'last reply'} · {f.get('generated_tokens') or 0:,} tokens"
+    if not live and f.get("prompt_tokens"):  # how much of the prompt a kept KV cache held
+        tokens += f" · prompt {f['prompt_tokens']:,}, {f.get('cached_prompt_tokens') or 0:,} reused"
     out = {
         "link": (fmt_gbps(f.get("h2d_gbps")), tag(*link)),
         "hit_rate": (fmt_percent(f.get("hit_rate")), tag(cumulative, hits)),

@@ -310,9 +310,11 @@ def engine_stats(finished: Finished) -> dict[str, Any]:
     }
 
 
-def _usage(finished: Finished) -> dict[str, int]:
+def _usage(finished: Finished) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: prompt tokens a kept KV cache held (not prefilled again)."""
     return {
         "prompt_tokens": finished.prompt_tokens,
         "completion_tokens": finished.completion_tokens,
         "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": finished.stats.get("cached_prompt_tokens", 0)},
     }

@@ -21,6 +21,7 @@ from engine.errors import DeviceOutOfMemoryError, InvalidRequestError
 from engine.model.adapters.base import Architecture
 from engine.model.hf_calls import with_cache
 from engine.model.kv_cache import new_kv_cache
+from engine.model.prefix_cache import PrefixCache
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertStore
 from engine.offload.moe_layer import ExpertControl, OffloadedExperts, RoutingTrace
@@ -89,6 +90,8 @@ class OffloadedModel:
         # engine.speculative's draft-length controller per speculation setting: the acceptance
         # learnt so far carries over to the next reply (this layer only keeps them)
         self.draft_lengths: dict[tuple, object] = {}
+        # the KV caches of the latest replies: a new turn prefills only what they do not hold
+        self.prefix_cache = PrefixCache()
         self._substitutes: dict[int, ExpertStore] = {}
         self.experts: dict[int, OffloadedExperts] = {}
         for module in hf_model.modules():
@@ -206,4 +209,5 @@ class OffloadedModel:
         return output.logits[0]
 
     def close(self) -> None:
+        self.prefix_cache.clear()
         self.transfer.close()

@@ -6,7 +6,15 @@ from dataclasses import replace
 import pytest
 from PySide6.QtCore import QEvent, QObject
 
-from app.gui.dashboard import NA, SIMULATED_TEXT, Dashboard, fmt_gbps, fmt_used_total, model_summary
+from app.gui.dashboard import (
+    NA,
+    SIMULATED_TEXT,
+    Dashboard,
+    fmt_gbps,
+    fmt_used_total,
+    model_summary,
+    reply_figures,
+)
 from app.gui.engine_state import EngineState, state_line
 from app.gui.sparkline import Sparkline, to_pixels, trim_window, y_scale
 from engine.worker.protocol import Stats
@@ -270,3 +278,10 @@ def test_screenshot_of_a_simulated_run(qtbot, tmp_path):
     path = screenshot_path("dashboard.png", tmp_path)
     assert dash.grab().save(str(path))
     assert path.stat().st_size > 0
+
+
+def test_the_last_reply_says_how_much_of_its_prompt_a_kept_cache_held():
+    reply = {"generated_tokens": 9, "prompt_tokens": 120, "cached_prompt_tokens": 110}
+    detail = reply_figures(reply, live=False)["tokens_per_s"][1]
+    assert detail == "last reply · 9 tokens · prompt 120, 110 reused"
+    assert "reused" not in reply_figures(reply, live=True)["tokens_per_s"][1]
