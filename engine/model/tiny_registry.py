@@ -99,6 +99,21 @@ CONFIG_FIXES: dict[str, dict[str, object]] = {
     "gemma4": _GEMMA4_MOE,  # its default config is dense: the MoE block is opt-in
     "gemma4_text": _GEMMA4_MOE,
     "hunyuan_v1_moe": {"num_experts": 8, "moe_topk": 2},
+    # hybrids whose default pattern the shrink cannot cut: keep an attention layer beside the
+    # recurrent ones (the cache measures its length on one) and an MoE layer beside a dense one
+    "granitemoehybrid": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},
+    "jamba": {
+        "num_hidden_layers": 4,  # mamba+dense, attention+MoE, mamba+dense, mamba+MoE
+        "attn_layer_period": 4,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+    },
+    "lfm2_moe": {
+        "num_hidden_layers": 3,  # its default derives layer_types from full_attn_idxs, which the shrink drops
+        "num_dense_layers": 1,
+        "layer_types": ["conv", "full_attention", "conv"],
+    },
 }
 
 
