@@ -262,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
         "side by side: link bytes per token, memory and speed as ratios",
     )
     parser.add_argument(
+        "--multi-turn",
+        action="store_true",
+        help="a 4-turn conversation: prefill tokens and time per turn with and without prefix reuse",
+    )
+    parser.add_argument(
         "--vs-llama-cpp",
         metavar="FILE.gguf",
         default=None,
@@ -281,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.compare:
         return _main_compare(args)
+    if args.multi_turn:
+        return _main_multi_turn(args)
     if args.tuned:
         return _main_tuned(args)
     try:
@@ -299,6 +306,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _main_multi_turn(args) -> int:
+    from engine.bench.multi_turn import bench_multi_turn, format_turns
+    from engine.loader import load_model
+
+    budget = (args.expert_budget or "all").split(",")[0]
+    model = load_model(model_folder(args), offload_config(args, budget))
+    try:
+        rows = bench_multi_turn(model, args.new_tokens, args.repeats)
+        print(f"{model.path} ({model.info().model_type}), {args.new_tokens} new tokens per turn, greedy")
+    finally:
+        model.close()
+    print(format_turns(rows))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    return 0 if all(r.same_reply for r in rows) else 1
 
 
 def _print_result(result: dict) -> None:

@@ -1,5 +1,6 @@
 """`python -m engine.bench`: the table, the JSON and the side-by-side comparison (not timings)."""
 
+import itertools
 import json
 
 import pytest
@@ -78,3 +79,15 @@ def test_a_plain_run_on_the_calibrated_link_simulates_it(folder, tmp_path):
     assert bench.main([*argv, "--prompts", "1", "--sim-link", "calibrated", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["calibration"]["link_gbps"] > 0 and result["rows"][0]["simulated_link"] is True
+
+
+def test_multi_turn_prefills_less_with_reuse_and_gives_the_same_replies(tmp_path, capsys):
+    out = tmp_path / "turns.json"
+    argv = ["--multi-turn", "--device", "cpu", "--new-tokens", "12", "--repeats", "1", "--json", str(out)]
+    assert bench.main(argv) == 0  # the demo model; 1 would mean a reply differed
+    turns = json.loads(out.read_text())
+    assert [t["turn"] for t in turns] == [1, 2, 3, 4] and all(t["same_reply"] for t in turns)
+    assert turns[0]["cached_tokens"] == 0
+    for before, turn in itertools.pairwise(turns):  # the last turn's prompt is held, at least
+        assert turn["cached_tokens"] >= before["prompt_tokens"]
+    assert "not prefilled again" in capsys.readouterr().out
