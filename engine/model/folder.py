@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import PrefixChange
+from transformers.core_model_loading import PrefixChange, WeightRenaming
 
 from engine.errors import InvalidConfigError, ModelNotFoundError, UnsupportedArchitectureError
 from engine.model.adapters import get_architecture
@@ -41,16 +41,24 @@ def open_checkpoint(folder: Path) -> tuple[object, Checkpoint | GgufCheckpoint]:
 
 
 def language_model_only(hf_config, checkpoint):
-    """A multimodal checkpoint (`Qwen3_5MoeForConditionalGeneration` …) seen as its language model:
-    its tensors under the causal-LM module's names (`model.language_model.layers…` → `model.layers…`,
-    the prefix changes of transformers' conversion mapping). The vision tower's tensors match no
-    parameter of the causal LM, so they are never read."""
-    if not isinstance(checkpoint, Checkpoint) or hf_config.get_text_config() is hf_config:
+    """A checkpoint seen under the causal-LM module's names. A multimodal one
+    (`Qwen3_5MoeForConditionalGeneration` …) as its language model: `model.language_model.layers…`
+    → `model.layers…`, the prefix changes of transformers' conversion mapping; its vision tower's
+    tensors match no parameter of the causal LM, so they are never read. A base model published
+    under another name (Nemotron-H's `backbone.`) under the causal LM's (`model.`)."""
+    if not isinstance(checkpoint, Checkpoint):
         return hf_config, checkpoint
     with torch.device("meta"):  # only for its conversion mapping: no memory
         language_model = AutoModelForCausalLM.from_config(hf_config)
-    mapping = get_model_conversion_mapping(language_model)
-    checkpoint.rename([t for t in mapping if isinstance(t, PrefixChange) and t.prefix_to_remove])
+    base_prefix = f"{language_model.base_model_prefix}."
+    checkpoint.rename(
+        [
+            t
+            for t in get_model_conversion_mapping(language_model)
+            if (isinstance(t, PrefixChange) and t.prefix_to_remove)
+            or (isinstance(t, WeightRenaming) and t.target_patterns == [base_prefix])
+        ]
+    )
     return hf_config, checkpoint
 
 
