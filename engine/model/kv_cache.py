@@ -60,6 +60,18 @@ def is_recurrent(layer) -> bool:
     return isinstance(layer, LinearAttentionCacheLayerMixin)
 
 
+def is_croppable(cache: DynamicCache) -> bool:
+    """Whether `cache`'s attention layers can drop positions: a sliding-window layer past its window
+    keeps only the last positions (transformers' `crop` refuses it), so such a cache is reusable
+    only whole."""
+    return not any(
+        isinstance(layer, DynamicSlidingWindowLayer)
+        and not layer.record_past
+        and layer.get_seq_length() >= layer.sliding_window
+        for layer in cache.layers
+    )
+
+
 def has_recurrent_state(cache: DynamicCache) -> bool:
     """Whether `cache` has layers (linear attention, Mamba) whose state cannot be cropped."""
     return any(is_recurrent(layer) for layer in cache.layers)

@@ -7,11 +7,12 @@ first reply token comes from its logits. `put(ids, cache, rewindable)` keeps a r
 it ended cleanly, `ids` being the tokens it holds. A taken cache is the caller's: it is never
 shared, so a failed generation just drops it.
 
-Attention layers are cropped to the common prefix. A linear-attention or Mamba state cannot be
-cropped: such a cache is reused at the length it holds, or at a length where a `RecurrentState`
-was saved (`save_point`, taken after the prompt's prefill, which is what a regenerate or an edited
-last message reuses). `rewindable` caches (full sliding windows, for speculative decoding) and
-plain ones are not mixed.
+Attention layers are cropped to the common prefix; a sliding window that has passed its window
+cannot be (it keeps only the last positions), so such a cache is reused whole. A linear-attention
+or Mamba state cannot be cropped: such a cache is reused at the length it holds, or at a length
+where a `RecurrentState` was saved (`save_point`, taken after the prompt's prefill, which is what a
+regenerate or an edited last message reuses). `rewindable` caches (full sliding windows, for
+speculative decoding) and plain ones are not mixed.
 
 Kept caches are evicted least recently used first, beyond `max_entries` or `max_bytes`.
 """
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from engine.model.kv_cache import RecurrentState, has_recurrent_state, rewind_cache
+from engine.model.kv_cache import RecurrentState, has_recurrent_state, is_croppable, rewind_cache
 
 DEFAULT_MAX_ENTRIES = 4
 DEFAULT_MAX_BYTES = 2 * 2**30
@@ -42,7 +43,7 @@ class _Entry:
         """How many of the prompt's first tokens this cache can hold for it (one always left)."""
         common = _common_prefix(self.ids, prompt)
         limit = min(common, len(prompt) - 1)
-        if not has_recurrent_state(self.cache):
+        if not has_recurrent_state(self.cache) and is_croppable(self.cache):
             return limit
         whole = (len(self.ids),) if self.cache.get_seq_length() == len(self.ids) else ()
         return max((n for n in (*whole, *self.saved) if n <= limit), default=0)

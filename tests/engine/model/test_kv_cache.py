@@ -7,7 +7,8 @@ import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from engine.model.hf_calls import with_cache
-from engine.model.kv_cache import RecurrentState, new_kv_cache, rewind_cache
+from engine.model.kv_cache import RecurrentState, is_croppable, new_kv_cache, rewind_cache
+from engine.model.prefix_cache import PrefixCache
 from engine.model.tiny import build_tiny_model
 
 
@@ -62,3 +63,20 @@ def test_a_rewindable_cache_keeps_every_position_of_sliding_layers():
     rewindable = new_kv_cache(config, rewindable=True)
     assert not any(isinstance(layer, DynamicSlidingWindowLayer) for layer in rewindable.layers)
     assert RecurrentState.save(rewindable) is None
+
+
+def test_a_sliding_window_past_its_window_is_reused_only_whole():
+    """gpt-oss's plain cache keeps the last window-1 positions of a sliding layer: it cannot be cut
+    back to a shorter prompt (a regenerate), only extended (a new turn)."""
+    model = build_tiny_model("gpt_oss")  # sliding_window 8
+    ids = list(range(1, 13))
+    kv_cache = new_kv_cache(model.config)
+    _next_logits(model, kv_cache, ids[:4])
+    assert is_croppable(kv_cache)
+    _next_logits(model, kv_cache, ids[4:])
+    assert not is_croppable(kv_cache)
+    prefixes = PrefixCache()
+    prefixes.put(ids, kv_cache, rewindable=False)
+    assert prefixes.take(ids, rewindable=False) == (None, 0)  # regenerate: 11 of 12 is not possible
+    prefixes.put(ids, kv_cache, rewindable=False)
+    assert prefixes.take([*ids, 99], rewindable=False) == (kv_cache, len(ids))  # a new turn: whole
