@@ -39,7 +39,7 @@ from engine.errors import (
 )
 from engine.model.adapters import get_architecture
 from engine.model.adapters.base import Architecture, DiskLayout
-from engine.model.adapters.generic import bind
+from engine.model.adapters.generic import bind, experts_per_token
 from engine.model.checkpoint import Checkpoint
 from engine.model.folder import load_tokenizer, open_checkpoint
 from engine.model.gguf_file import GgufCheckpoint
@@ -83,7 +83,7 @@ def load_model(
     try:
         dtype = resolve_dtype(config.dtype, checkpoint, device)
         hf_model, arch, blocks = _skeleton(hf_config, dtype, folder)
-        top_k = hf_model.config.num_experts_per_tok  # the language model's (a multimodal config nests it)
+        top_k = experts_per_token(hf_model.config)  # the language model's (a multimodal config nests it)
         store, disk_layout = _expert_store(
             folder, checkpoint, hf_model, arch, blocks, dtype, device, config, progress
         )

@@ -41,25 +41,50 @@ def open_checkpoint(folder: Path) -> tuple[object, Checkpoint | GgufCheckpoint]:
 
 
 def language_model_only(hf_config, checkpoint):
-    """A checkpoint seen under the causal-LM module's names. A multimodal one
-    (`Qwen3_5MoeForConditionalGeneration` …) as its language model: `model.language_model.layers…`
-    → `model.layers…`, the prefix changes of transformers' conversion mapping; its vision tower's
-    tensors match no parameter of the causal LM, so they are never read. A base model published
-    under another name (Nemotron-H's `backbone.`) under the causal LM's (`model.`)."""
+    """A checkpoint seen as the causal LM of its language model, under that module's names.
+
+    A multimodal one (`Qwen3_5MoeForConditionalGeneration` …): `model.language_model.layers…` →
+    `model.layers…`, the prefix changes of transformers' conversion mapping; its vision tower's
+    tensors match no parameter of the causal LM, so they are never read. Where transformers' causal
+    LM of the type is the multimodal model itself (Gemma 4), the config becomes its text config
+    (`Gemma4ForCausalLM`). A base model published under another name (Nemotron-H's `backbone.`)
+    is read under the causal LM's (`model.`)."""
     if not isinstance(checkpoint, Checkpoint):
         return hf_config, checkpoint
-    with torch.device("meta"):  # only for its conversion mapping: no memory
+    renamings = []
+    with torch.device("meta"):  # only for its module names and conversion mapping: no memory
         language_model = AutoModelForCausalLM.from_config(hf_config)
+        if language_model.get_decoder() is not language_model.base_model:  # a multimodal wrapper
+            renamings.append(_decoder_prefix_change(language_model))
+            hf_config = _text_config(hf_config)
+            language_model = AutoModelForCausalLM.from_config(hf_config)
     base_prefix = f"{language_model.base_model_prefix}."
-    checkpoint.rename(
-        [
-            t
-            for t in get_model_conversion_mapping(language_model)
-            if (isinstance(t, PrefixChange) and t.prefix_to_remove)
-            or (isinstance(t, WeightRenaming) and t.target_patterns == [base_prefix])
-        ]
-    )
+    renamings += [
+        t
+        for t in get_model_conversion_mapping(language_model)
+        if (isinstance(t, PrefixChange) and t.prefix_to_remove)
+        or (isinstance(t, WeightRenaming) and t.target_patterns == [base_prefix])
+    ]
+    checkpoint.rename(renamings)
     return hf_config, checkpoint
+
+
+def _decoder_prefix_change(multimodal) -> PrefixChange:
+    """`model.language_model.x` → `model.x`: the multimodal model's language model under the name
+    its causal LM gives it."""
+    decoder = multimodal.get_decoder()
+    path = next(name for name, module in multimodal.named_modules() if module is decoder)
+    parent, _, name = path.rpartition(".")
+    return PrefixChange(prefix_to_remove=name, model_prefix=parent or None)
+
+
+def _text_config(hf_config):
+    """The language model's config, keeping the checkpoint's quantization (read from the top)."""
+    text = hf_config.get_text_config()
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant is not None and getattr(text, "quantization_config", None) is None:
+        text.quantization_config = quant
+    return text
 
 
 def read_config(folder: Path):

@@ -16,6 +16,8 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
+from engine.model.adapters.generic import TOP_K_KEYS
+
 log = logging.getLogger(__name__)
 
 EXPERT_COUNT_KEYS = (
@@ -25,7 +27,6 @@ EXPERT_COUNT_KEYS = (
     "moe_num_experts",
     "num_routed_experts",
 )
-TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k_experts", "moe_k", "num_selected_experts")
 VOCAB = 259  # 256 bytes and three ChatML specials (engine.model.tiny)
 TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 

@@ -31,12 +31,25 @@ from engine.errors import UnsupportedArchitectureError
 from engine.model.adapters.base import EXPERT, Architecture, DiskLayout
 
 ROUTER_NAMES = ("gate", "router")
+# How configs name the number of experts each token is routed to (Gemma 4: top_k_experts).
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k_experts", "moe_k", "num_selected_experts")
 _PLAIN = re.compile(r"^[\w.]+$")  # a renaming pattern that is a plain name, not a regex
 
 
 def is_routed_experts(module: nn.Module) -> bool:
     """Whether `module` is a transformers experts module on the experts interface."""
     return hasattr(module, "has_gate") and hasattr(module, "down_proj") and hasattr(module, "num_experts")
+
+
+def experts_per_token(config) -> int:
+    """The routed experts per token (top-k) the language model's `config` declares."""
+    for key in TOP_K_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    raise UnsupportedArchitectureError(
+        f"{config.model_type}'s config names no experts-per-token count (one of {', '.join(TOP_K_KEYS)})."
+    )
 
 
 def _moe_attr(layer: nn.Module) -> str | None:
