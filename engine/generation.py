@@ -131,7 +131,7 @@ def generate(
     started = time.perf_counter()
     live = live or LiveGeneration(started)
     live.started = started
-    prompt_ids = encode_prompt(model, prompt, config.template_kwargs)
+    prompt_ids = encode_prompt(model, prompt, config.template_arguments())
     max_new_tokens = _max_new_tokens(model, config, len(prompt_ids))
     eos = set() if config.ignore_eos else eos_token_ids(model)
     sampler = Sampler(config.sampling, device=model.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import InvalidRequestError
 
@@ -154,6 +155,14 @@ class GenerationConfig:
     context_length: int | None = None
     # passed to the chat template: {"enable_thinking": False}, {"reasoning_effort": "low"} …
     template_kwargs: dict[str, TemplateValue] = field(default_factory=dict, hash=False)
+    # functions the model may call, as OpenAI's `tools` ({"type": "function", "function": {…}}):
+    # the chat template writes them into the prompt
+    tools: tuple[dict[str, Any], ...] = field(default=(), hash=False)
+
+    def template_arguments(self) -> dict[str, Any]:
+        """What the chat template is given besides the messages: the request's own arguments and
+        the tools."""
+        return {**self.template_kwargs, **({"tools": list(self.tools)} if self.tools else {})}
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -181,6 +190,7 @@ class GenerationConfig:
                 f"Unknown cpu_experts {self.cpu_experts!r}; choose one of {', '.join(CPU_EXPERT_MODES)}."
             )
         _check_template_kwargs(self.template_kwargs)
+        _check_tools(self.tools)
         self.sampling.validate()
         self.spec.validate()
 
@@ -192,4 +202,13 @@ def _check_template_kwargs(kwargs: dict) -> None:
         if value is not None and not isinstance(value, bool | int | float | str):
             raise InvalidRequestError(
                 f"Chat template argument {name!r} must be a string, number, boolean or null."
+            )
+
+
+def _check_tools(tools: tuple) -> None:
+    for n, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function" or not function.get("name"):
+            raise InvalidRequestError(
+                f"Tool {n} must be {{'type': 'function', 'function': {{'name': …, 'parameters': …}}}}."
             )

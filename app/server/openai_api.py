@@ -5,13 +5,16 @@ the chunks of a streamed response; anything wrong becomes an `ApiError` that
 carries the HTTP status and OpenAI's error body. `app.server.openai_server` only moves
 these dicts over HTTP, so the API is testable without a socket.
 
-Understood: `messages` (system, developer, user, assistant; content as a string
-or as text parts), `model`, `stream`, `stream_options.include_usage`,
-`max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop`
-and `n` (1 only), checked by `app.server.schemas`. What a request leaves out comes
-from the server's command line (`--temperature`, `--max-new-tokens`, `--spec` …).
-Features the engine does not have (tools, logprobs, penalties …) are refused with a
-400, never silently ignored. Each response (a streamed one in its last chunk, the one
+Understood: `messages` (system, developer, user, assistant with `tool_calls`, tool with
+`tool_call_id`; content as a string or as text parts), `model`, `stream`,
+`stream_options.include_usage`, `max_tokens` / `max_completion_tokens`, `temperature`,
+`top_p`, `seed`, `stop`, `n` (1 only), `tools` with `tool_choice` auto or none (the calls the
+model writes in its `<tool_call>` format come back as `tool_calls`), `chat_template_kwargs`
+and `reasoning_effort`, checked by `app.server.schemas`; a thinking model's reasoning is
+`reasoning_content`. What a request leaves out comes from the server's command line
+(`--temperature`, `--max-new-tokens`, `--spec` …). Features the engine does not have (forced
+tool choice, logprobs, penalties, response_format …) are refused with a 400, never silently
+ignored. Each response (a streamed one in its last chunk, the one
 with the finish reason) carries `stats`: the drafter and prefetch policy that ran
 (`auto` by default: the model's drafter with SP-MoE) and the DESIGN.md metrics.
 
@@ -34,6 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.server.schemas import ApiError, ChatCompletionRequest, invalid
+from app.server.tool_calls import ToolCallStream, split_calls, template_calls
 from engine.errors import EngineError
 from engine.generation_config import GenerationConfig
 from engine.worker.client import EngineBusy, EngineSession, WorkerDied
@@ -41,7 +45,7 @@ from engine.worker.protocol import ChatMessage, Finished, Token
 
 log = logging.getLogger(__name__)
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 WATCH_INTERVAL_S = 1.0
 CLIENT_ERRORS = ("invalid_request", "invalid_config", "context_length_exceeded")
@@ -80,7 +84,7 @@ def parse_chat_request(body: object, model_id: str, defaults: GenerationConfig) 
     model = request.model if request.model is not None else model_id
     if model != model_id:
         raise model_not_found(model, model_id)
-    messages = tuple(ChatMessage(ROLES[m.role], m.text) for m in request.messages)
+    messages = tuple(_chat_message(m) for m in request.messages)
     config = _generation_config(request, defaults)
     try:
         config.validate()
@@ -91,6 +95,11 @@ def parse_chat_request(body: object, model_id: str, defaults: GenerationConfig) 
         stream and request.stream_options is not None and request.stream_options.include_usage is True
     )
     return ChatRequest(model, messages, config, stream, include_usage)
+
+
+def _chat_message(message) -> ChatMessage:
+    calls = template_calls([c.model_dump() for c in message.tool_calls or ()])
+    return ChatMessage(ROLES[message.role], message.text, calls, message.tool_call_id)
 
 
 def _generation_config(request: ChatCompletionRequest, defaults: GenerationConfig) -> GenerationConfig:
@@ -109,6 +118,8 @@ def _generation_config(request: ChatCompletionRequest, defaults: GenerationConfi
         kwargs["reasoning_effort"] = request.reasoning_effort
     if kwargs:
         config = replace(config, template_kwargs=kwargs)
+    if request.tools and request.tool_choice != "none":
+        config = replace(config, tools=tuple(t.model_dump(exclude_none=True) for t in request.tools))
     if request.stop is not None:
         stops = [request.stop] if isinstance(request.stop, str) else request.stop
         if not stops or not all(stops):
@@ -175,8 +186,8 @@ class ChatBackend:
             "choices": [
                 {
                     "index": 0,
-                    "message": _message(finished),
-                    "finish_reason": FINISH_REASONS.get(finished.reason, "stop"),
+                    "message": (message := _message(finished, bool(request.config.tools))),
+                    "finish_reason": _finish_reason(finished, "tool_calls" in message),
                     "logprobs": None,
                 }
             ],
@@ -198,8 +209,9 @@ class ChatBackend:
                 if request.include_usage:
                     envelope["usage"] = None
                 yield _chunk(envelope, {"role": "assistant", "content": ""})
+                calls = ToolCallStream() if request.config.tools else None
                 for event in itertools.chain([first], events):
-                    yield from _event_chunks(envelope, event, request.include_usage)
+                    yield from _event_chunks(envelope, event, request.include_usage, calls)
         finally:
             events.close()  # cancels the generation unless it finished
 
@@ -238,13 +250,21 @@ class ChatBackend:
         threading.Thread(target=restart, name="engine-restart", daemon=True).start()
 
 
-def _message(finished: Finished) -> dict[str, Any]:
+def _message(finished: Finished, tools: bool) -> dict[str, Any]:
     """The reply's message; a model's reasoning (its `<think>` block) is `reasoning_content`, as
-    vLLM, SGLang and DeepSeek's API return it."""
-    message = {"role": "assistant", "content": finished.text}
+    vLLM, SGLang and DeepSeek's API return it; the calls it wrote, when it was given tools, are
+    `tool_calls` (content None when nothing else was said)."""
+    content, calls = split_calls(finished.text) if tools else (finished.text, [])
+    message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = calls
     if finished.reasoning:
         message["reasoning_content"] = finished.reasoning
     return message
+
+
+def _finish_reason(finished: Finished, called: bool) -> str:
+    return "tool_calls" if called else FINISH_REASONS.get(finished.reason, "stop")
 
 
 def _deltas(reasoning: str, text: str) -> Iterator[dict[str, str]]:
@@ -254,14 +274,26 @@ def _deltas(reasoning: str, text: str) -> Iterator[dict[str, str]]:
         yield {"content": text}
 
 
-def _event_chunks(envelope: dict, event: Token | Finished, include_usage: bool) -> Iterator[dict[str, Any]]:
+def _event_chunks(
+    envelope: dict, event: Token | Finished, include_usage: bool, calls: ToolCallStream | None
+) -> Iterator[dict[str, Any]]:
+    """A streamed event's chunks; with tools, text from a `<tool_call>` on is held and its calls
+    are sent whole before the last chunk."""
     if isinstance(event, Token):
-        for delta in _deltas(event.reasoning, event.text):
+        text = calls.feed(event.text) if calls is not None else event.text
+        for delta in _deltas(event.reasoning, text):
             yield _chunk(envelope, delta)
         return
-    for delta in _deltas(event.reasoning_tail, event.tail):
+    tail, made = event.tail, []
+    if calls is not None:
+        tail = calls.feed(tail)
+        rest, made = calls.finish()
+        tail += rest
+    for delta in _deltas(event.reasoning_tail, tail):
         yield _chunk(envelope, delta)
-    yield {**_chunk(envelope, {}, FINISH_REASONS.get(event.reason, "stop")), "stats": engine_stats(event)}
+    if made:
+        yield _chunk(envelope, {"tool_calls": [{"index": n, **call} for n, call in enumerate(made)]})
+    yield {**_chunk(envelope, {}, _finish_reason(event, bool(made))), "stats": engine_stats(event)}
     if include_usage:
         yield {**envelope, "choices": [], "usage": _usage(event)}
 

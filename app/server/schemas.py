@@ -20,14 +20,14 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidationInfo,
+    field_validator,
 )
 
 MAX_SEED = 2**63 - 1  # the engine's generators take a signed 64-bit seed
 
 # Fields of OpenAI's API the engine does not have: refused unless they ask for nothing.
 UNSUPPORTED = (
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
     "logprobs",
@@ -81,13 +81,47 @@ class TextPart(_Lenient):
     text: StrictStr
 
 
+class FunctionCall(_Lenient):
+    name: StrictStr
+    arguments: StrictStr  # JSON, as OpenAI sends it
+
+
+class ToolCall(_Lenient):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: StrictStr | None = None  # tool
+    # None: an assistant's turn of tool calls only
+    content: StrictStr | list[TextPart] | None = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_or_calls(cls, content, info: ValidationInfo):
+        if content is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("content is required (only an assistant's tool calls may stand without it)")
+        return content
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class Function(_Lenient):
+    name: StrictStr = Field(min_length=1)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: Function
 
 
 class StreamOptions(_Lenient):
@@ -112,6 +146,9 @@ class ChatCompletionRequest(_Lenient):
     # passed to the chat template, as vLLM and SGLang take them: {"enable_thinking": false} …
     chat_template_kwargs: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr | None] | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    tools: list[Tool] | None = None
+    # the model decides (auto) or calls nothing (none); forcing a call needs constrained decoding
+    tool_choice: Literal["auto", "none"] | None = None
 
     @classmethod
     def parse(cls, body: object) -> ChatCompletionRequest:
@@ -141,7 +178,14 @@ def _first_error(err: ValidationError) -> ApiError:
         )
     if param.startswith("messages[") and param.endswith(".role"):
         return invalid(
-            f"{param} {detail.get('input')!r} is not supported: use system, developer, user or assistant.",
+            f"{param} {detail.get('input')!r} is not supported: use system, developer, user, assistant "
+            "or tool.",
+            param,
+        )
+    if param == "tool_choice":
+        return invalid(
+            "tool_choice must be 'auto' or 'none': forcing a call (required, a named function) is not "
+            "supported by this server.",
             param,
         )
     return invalid(f"{param}: {detail['msg']}.", param or None)

@@ -242,7 +242,7 @@ class Worker:
             config = replace(config, spec=replace(config.spec, draft_model=str(demo_draft_dir())))
         # `auto` (every front-end's default): the model's drafter and SP-MoE, at the tuned settings
         config = resolve_config(self.model, config, stored_choice(self.model))
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        messages = [m.to_template() for m in request.messages]
         self._generating_id = request.request_id
         try:
             self._stream(request.request_id, messages, config, cancel)

@@ -25,7 +25,7 @@ from engine.config import OffloadConfig
 from engine.errors import EngineError
 from engine.generation_config import GenerationConfig
 
-PROTOCOL_VERSION = 3  # 2: Tune, TuneProgress, TuneResult; 3: reasoning apart from the answer
+PROTOCOL_VERSION = 3  # 2: Tune, TuneProgress, TuneResult; 3: reasoning apart from the answer, tools
 
 
 class ProtocolError(EngineError):
@@ -41,8 +41,20 @@ class ProtocolVersionError(ProtocolError):
 
 @dataclass(frozen=True)
 class ChatMessage:
-    role: str  # system | user | assistant
+    role: str  # system | user | assistant | tool
     content: str
+    # an assistant's calls: {"id", "type": "function", "function": {"name", "arguments": {…}}}
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as chat templates read it."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = list(self.tool_calls)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 @dataclass(frozen=True)

@@ -67,9 +67,11 @@ def test_developer_messages_and_text_parts():
         ({"stop": ["ok", ""]}, "stop"),
         ({"stream": "yes"}, "stream"),
         ({"messages": "hi"}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content"),
         ({"logprobs": True}, "logprobs"),
     ],
 )

@@ -43,7 +43,7 @@ HOSTILE = [
     ("not UTF-8", "POST", b'{"messages": "\xff\xfe"}', {}, 400),
     ("a JSON array", "POST", b"[1, 2]", {}, 400),
     ("no messages", "POST", chat(messages=[]), {}, 400),
-    ("a tool role", "POST", chat(messages=[{"role": "tool", "content": "x"}]), {}, 400),
+    ("an unknown role", "POST", chat(messages=[{"role": "robot", "content": "x"}]), {}, 400),
     ("an image part", "POST", chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), {}, 400),
     ("n=2", "POST", chat(n=2), {}, 400),
     (
@@ -54,7 +54,7 @@ HOSTILE = [
         400,
     ),
     ("a bool for max_tokens", "POST", chat(max_tokens=True), {}, 400),
-    ("tools", "POST", chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400),
+    ("forced tool", "POST", chat(tool_choice="required"), {}, 400),
     ("a body over 16 MiB", "POST", b"{}", {"Content-Length": str(17 * 2**20)}, 413),
     (
         "a prompt past the context window",

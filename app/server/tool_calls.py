@@ -1,0 +1,97 @@
+"""Tool calls in a reply, in the format the model writes them, as OpenAI's `tool_calls`.
+
+Qwen2.5/Qwen3, Hermes and the many models trained on their format call a function by writing
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+in their reply (several blocks for parallel calls); their chat templates render `tools` and past
+`tool_calls` the same way. `ToolCallStream` follows the streamed answer: text before the first
+`<tool_call>` streams on as content, holding back only what could be the start of the tag; from
+there on the rest is kept and read at the end. A block that is not a JSON object with a `name`
+is no call: then the whole kept text is content, as the model wrote it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import uuid
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
+
+
+class ToolCallStream:
+    """Streamed answer text in, content deltas out; `finish()` gives the rest and the calls."""
+
+    def __init__(self) -> None:
+        self._held = ""  # a possible start of the tag, or everything from the first tag on
+        self._calling = False
+
+    def feed(self, text: str) -> str:
+        """The content `text` completes (held back from the first tag on)."""
+        self._held += text
+        if self._calling:
+            return ""
+        at = self._held.find(OPEN)
+        if at >= 0:
+            content, self._held, self._calling = self._held[:at], self._held[at:], True
+            return content
+        keep = next((n for n in range(len(OPEN) - 1, 0, -1) if self._held.endswith(OPEN[:n])), 0)
+        content, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
+        return content
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """(the content still held, the calls): no calls when the kept text does not parse."""
+        held, self._held = self._held, ""
+        if not self._calling:
+            return held, []
+        calls = parse_calls(held)
+        if calls is None:
+            return held, []
+        return _BLOCK.sub("", held).strip(), calls
+
+
+def parse_calls(text: str) -> list[dict[str, Any]] | None:
+    """OpenAI `tool_calls` from the `<tool_call>` blocks of `text`; None if a block is no call."""
+    calls = []
+    for block in _BLOCK.findall(text):
+        try:
+            call = json.loads(block)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("arguments", call.get("parameters", {}))
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
+            }
+        )
+    return calls or None
+
+
+def split_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """A whole answer's content and calls."""
+    stream = ToolCallStream()
+    content = stream.feed(text)
+    rest, calls = stream.finish()
+    return content + rest, calls
+
+
+def template_calls(tool_calls: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """An assistant message's `tool_calls` as chat templates read them: arguments as an object
+    (OpenAI sends a JSON string; templates write `arguments | tojson`)."""
+    calls = []
+    for call in tool_calls:
+        function = dict(call["function"])
+        with contextlib.suppress(TypeError, json.JSONDecodeError):  # not JSON: the string as it came
+            function["arguments"] = json.loads(function.get("arguments") or "{}")
+        calls.append({**call, "function": function})
+    return tuple(calls)
