@@ -21,6 +21,7 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "phimoe",
     "granitemoe",
     "afmoe",
+    "aria_text",
     "axk2",
     "beam",
     "cohere2_moe",
@@ -59,7 +60,6 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
 NO_SPECULATION: dict[str, str] = {}
 
 NOT_SUPPORTED: dict[str, str] = {
-    "aria_text": "not yet exact: its config names top-k `moe_topk`; the loader reads num_experts_per_tok",
     "axk1": "not yet exact: its tiny config fails in transformers itself (MLA head sizes, modeling_axk1.py:361)",
     "bailing_hybrid": "not yet exact: the generic shrink gives a config whose checkpoint and model disagree (linear_attn.in_proj)",
     "deepseek_v4": "not yet exact: its per-expert names come from a regex renaming the generic adapter does not undo (ffn.experts)",
