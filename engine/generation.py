@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig as HFGenerationConfig
 
+from engine.constraints import ConstrainedSampler, json_schema_of
 from engine.errors import ContextLengthError, InvalidRequestError
 from engine.generation_config import GenerationConfig, is_unicode
 from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot
@@ -134,7 +135,7 @@ def generate(
     prompt_ids = encode_prompt(model, prompt, config.template_arguments())
     max_new_tokens = _max_new_tokens(model, config, len(prompt_ids))
     eos = set() if config.ignore_eos else eos_token_ids(model)
-    sampler = Sampler(config.sampling, device=model.device)
+    sampler = _sampler(model, config, eos)
     history = torch.tensor(prompt_ids, dtype=torch.long, device=model.device)
     reply = _ReplyText(model.tokenizer, config.stop_strings, prompt_ids)
     live.before = cache_snapshot(model.cache)
@@ -177,6 +178,19 @@ def generate(
     reason, (thought_tail, tail) = reply.finish(reason)
     stats = live.stats(model.cache, live.finished, model.simulated_link)  # the run's final figures
     yield FinishedEvent(reason, reply.answer, tail, tuple(generated), stats, reply.reasoning, thought_tail)
+
+
+def _sampler(model: OffloadedModel, config: GenerationConfig, eos: set[int]) -> Sampler:
+    """The request's sampler; held to its response_format's JSON schema when it has one."""
+    sampler = Sampler(config.sampling, device=model.device)
+    schema = json_schema_of(config.response_format)
+    if schema is None:
+        return sampler
+    if config.spec.mode != "none":
+        raise InvalidRequestError("A response_format reply decodes plainly: set speculation to none.")
+    if model.tokenizer is None:
+        raise InvalidRequestError(f"{model.path} has no tokenizer: response_format needs one.")
+    return ConstrainedSampler(sampler, model.tokenizer, model.hf_config.vocab_size, eos, schema)
 
 
 def _kv_cache(model: OffloadedModel, prompt_ids: list[int], rewindable: bool):

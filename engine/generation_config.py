@@ -158,6 +158,9 @@ class GenerationConfig:
     # functions the model may call, as OpenAI's `tools` ({"type": "function", "function": {…}}):
     # the chat template writes them into the prompt
     tools: tuple[dict[str, Any], ...] = field(default=(), hash=False)
+    # OpenAI's response_format: {"type": "json_object"} or a json_schema the reply must follow
+    # (engine.constraints; plain decoding only)
+    response_format: dict[str, Any] | None = field(default=None, hash=False)
 
     def template_arguments(self) -> dict[str, Any]:
         """What the chat template is given besides the messages: the request's own arguments and
@@ -191,6 +194,7 @@ class GenerationConfig:
             )
         _check_template_kwargs(self.template_kwargs)
         _check_tools(self.tools)
+        _check_response_format(self.response_format)
         self.sampling.validate()
         self.spec.validate()
 
@@ -212,3 +216,22 @@ def _check_tools(tools: tuple) -> None:
             raise InvalidRequestError(
                 f"Tool {n} must be {{'type': 'function', 'function': {{'name': …, 'parameters': …}}}}."
             )
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _check_response_format(response_format: dict[str, Any] | None) -> None:
+    if response_format is None:
+        return
+    kind = response_format.get("type")
+    if kind not in RESPONSE_FORMATS:
+        raise InvalidRequestError(
+            f"response_format type must be one of {', '.join(RESPONSE_FORMATS)}, not {kind!r}."
+        )
+    if kind == "json_schema" and not isinstance(
+        (response_format.get("json_schema") or {}).get("schema"), dict
+    ):
+        raise InvalidRequestError(
+            "response_format json_schema needs json_schema.schema, a JSON schema object."
+        )

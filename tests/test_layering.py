@@ -68,7 +68,7 @@ ENGINE_ROOMS: tuple[tuple[str, ...], ...] = (
     ("engine.offload",),
     ("engine.metrics",),
     ("engine.speculative",),
-    ("engine.generation", "engine.loader", "engine.prompts", "engine.options"),
+    ("engine.constraints", "engine.generation", "engine.loader", "engine.prompts", "engine.options"),
     ("engine.tune",),
     ("engine.worker",),
     ("engine.bench", "engine.cli", "engine.__main__"),

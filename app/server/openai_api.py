@@ -9,11 +9,12 @@ Understood: `messages` (system, developer, user, assistant with `tool_calls`, to
 `tool_call_id`; content as a string or as text parts), `model`, `stream`,
 `stream_options.include_usage`, `max_tokens` / `max_completion_tokens`, `temperature`,
 `top_p`, `seed`, `stop`, `n` (1 only), `tools` with `tool_choice` auto or none (the calls the
-model writes in its `<tool_call>` format come back as `tool_calls`), `chat_template_kwargs`
+model writes in its `<tool_call>` format come back as `tool_calls`), `response_format`
+(json_object / json_schema, enforced by engine.constraints), `chat_template_kwargs`
 and `reasoning_effort`, checked by `app.server.schemas`; a thinking model's reasoning is
 `reasoning_content`. What a request leaves out comes from the server's command line
 (`--temperature`, `--max-new-tokens`, `--spec` …). Features the engine does not have (forced
-tool choice, logprobs, penalties, response_format …) are refused with a 400, never silently
+tool choice, logprobs, penalties …) are refused with a 400, never silently
 ignored. Each response (a streamed one in its last chunk, the one
 with the finish reason) carries `stats`: the drafter and prefetch policy that ran
 (`auto` by default: the model's drafter with SP-MoE) and the DESIGN.md metrics.
@@ -118,6 +119,10 @@ def _generation_config(request: ChatCompletionRequest, defaults: GenerationConfi
         kwargs["reasoning_effort"] = request.reasoning_effort
     if kwargs:
         config = replace(config, template_kwargs=kwargs)
+    if request.response_format is not None and request.response_format.type != "text":
+        # held to the JSON by the grammar, token by token: plain decoding (engine.constraints)
+        response_format = request.response_format.model_dump(by_alias=True, exclude_none=True)
+        config = replace(config, response_format=response_format, spec=replace(config.spec, mode="none"))
     if request.tools and request.tool_choice != "none":
         config = replace(config, tools=tuple(t.model_dump(exclude_none=True) for t in request.tools))
     if request.stop is not None:

@@ -33,7 +33,6 @@ UNSUPPORTED = (
     "logprobs",
     "top_logprobs",
     "logit_bias",
-    "response_format",
     "presence_penalty",
     "frequency_penalty",
     "audio",
@@ -119,6 +118,17 @@ class Function(_Lenient):
     parameters: dict[str, Any] | None = None
 
 
+class JsonSchemaFormat(_Lenient):
+    name: StrictStr | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class Tool(_Lenient):
     type: Literal["function"]
     function: Function
@@ -149,6 +159,7 @@ class ChatCompletionRequest(_Lenient):
     tools: list[Tool] | None = None
     # the model decides (auto) or calls nothing (none); forcing a call needs constrained decoding
     tool_choice: Literal["auto", "none"] | None = None
+    response_format: ResponseFormat | None = None
 
     @classmethod
     def parse(cls, body: object) -> ChatCompletionRequest:
