@@ -71,6 +71,13 @@ def context_messages(messages: list[StoredMessage]) -> list[StoredMessage]:
     ]
 
 
+def context_text(used: int | None, window: int | None) -> str:
+    """The status bar's "Context 1,234 / 32,768 tokens" ("" before a reply)."""
+    if used is None:
+        return ""
+    return f"Context {used:,} / {window:,} tokens" if window else f"Context {used:,} tokens"
+
+
 @dataclass
 class Reply:
     """One reply, from its request to its end; `reason` stays None while it streams."""
@@ -83,6 +90,7 @@ class Reply:
     reason: FinishReason | None = None
     finished: Finished | None = None  # the engine's end of it, when the engine finished it
     error: str = ""  # why it ended, when the engine did not finish it
+    error_kind: str = ""  # the engine's Error.kind (context_length_exceeded …)
     message: StoredMessage | None = None  # as stored; None when nothing was kept
 
     @property
@@ -100,6 +108,8 @@ class ChatSession(QObject):
     """The open conversation changed or gained messages (its id)."""
     sig_reply_ended = Signal(object)
     """A reply ended, was stored and shown (a `Reply`, its `reason` set): once per reply."""
+    sig_opened = Signal(object)
+    """Another conversation is shown (its id; None: none)."""
 
     def __init__(
         self,
@@ -133,6 +143,7 @@ class ChatSession(QObject):
         self.conversation_id = conversation_id
         self.view.set_conversation(self.store.get(conversation_id))
         self.show_think()
+        self.sig_opened.emit(conversation_id)
 
     def set_model_thinks(self, thinks: bool) -> None:
         self.model_thinks = thinks
@@ -156,6 +167,7 @@ class ChatSession(QObject):
         self._cancel_reply(FinishReason.DISCARDED, "The conversation was deleted.")
         self.conversation_id = None
         self.view.set_conversation(None)
+        self.sig_opened.emit(None)
 
     def abandon_reply(self, why: str) -> None:
         """End the reply in flight now, its worker going away (a restart, the app closing)."""
@@ -190,6 +202,29 @@ class ChatSession(QObject):
         self._refresh()  # the view shows the store: a failed reply's bubble is its stored entry, or gone
         self._generate()
 
+    def context_use(self) -> int | None:
+        """Tokens the open chat's latest reply ended with (its prompt and itself): what the next
+        turn starts from; None before a reply."""
+        conversation = self.conversation()
+        for message in reversed(conversation.messages if conversation else ()):
+            if message.role == "assistant" and "prompt_tokens" in (message.stats or {}):
+                return message.stats["prompt_tokens"] + message.stats.get("generated_tokens", 0)
+        return None
+
+    def drop_oldest_turns(self) -> None:
+        """Leave the older half of the conversation's turns out of what the model is sent (they stay
+        stored and shown), then answer the last message again: what a full context window offers."""
+        conversation = self.conversation()
+        if self.busy or conversation is None:
+            return
+        start = conversation.settings.get("context_from", 0)
+        turns = [m.id for m in conversation.messages if m.role == "user" and m.id >= start]
+        if len(turns) < 2:
+            return  # the last message alone is too long: nothing older to drop
+        keep_from = turns[len(turns) // 2]
+        self.store.set_settings(conversation.id, {**conversation.settings, "context_from": keep_from})
+        self.regenerate()
+
     def edit_resend(self, message_id: int, text: str) -> None:
         if self.busy or self.conversation_id is None or not text.strip():
             return
@@ -201,7 +236,9 @@ class ChatSession(QObject):
     def _generate(self) -> None:
         conversation = self.conversation()
         messages = [ChatMessage("system", conversation.system_prompt)] if conversation.system_prompt else []
-        messages += [ChatMessage(m.role, m.content) for m in context_messages(conversation.messages)]
+        start = conversation.settings.get("context_from", 0)  # earlier turns dropped from the context
+        shown = [m for m in conversation.messages if m.id >= start]
+        messages += [ChatMessage(m.role, m.content) for m in context_messages(shown)]
         sampling, max_new_tokens = sampling_from(conversation.settings)
         config = self._settings().generation_config(sampling, max_new_tokens)
         config = replace(config, template_kwargs=template_kwargs_from(conversation.settings))
@@ -228,7 +265,8 @@ class ChatSession(QObject):
             case Finished(reason=reason):
                 reply.finished = event
                 self._end(FinishReason(reason))
-            case Error(message=message):
+            case Error(message=message, kind=kind):
+                reply.error_kind = kind
                 self._end(FinishReason.ERROR, message)
             case WorkerCrashed(message=message):
                 self._end(FinishReason.CRASHED, message)

@@ -20,7 +20,7 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QDockWidget, QLabel, QMainWindow, QScrollArea, QSplitter, QVBoxLayout, QWidget
 
 from app.gui.banner import BannerArea
-from app.gui.chat_session import ChatSession, FinishReason, Reply
+from app.gui.chat_session import ChatSession, FinishReason, Reply, context_text
 from app.gui.chat_settings import ChatSettingsDialog
 from app.gui.chat_view import ChatView
 from app.gui.conversation_list import ConversationList
@@ -102,6 +102,8 @@ class MainWindow(QMainWindow):
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
         self.dashboard_dock = dock
         self.engine_label = QLabel(self)
+        self.context_label = QLabel(self, objectName="contextUse")  # the open chat's tokens of the window
+        self.statusBar().addPermanentWidget(self.context_label)
         self.statusBar().addPermanentWidget(self.engine_label)
 
     def _first_start_geometry(self) -> None:
@@ -155,6 +157,7 @@ class MainWindow(QMainWindow):
         self.conversations.sig_new_requested.connect(self.new_conversation)
         self.conversations.sig_deleted.connect(self._on_conversation_deleted)
         self.session.sig_conversation_changed.connect(self._on_conversation_changed)
+        self.session.sig_opened.connect(self._show_context)
 
     # -- engine ------------------------------------------------------------------------------------
 
@@ -194,6 +197,7 @@ class MainWindow(QMainWindow):
         model = {**model, "name": _model_name(model)}
         self.model_info = model
         self.session.set_model_thinks(bool(model.get("thinks")))
+        self._show_context()
         self.dashboard.set_model(model)
         self.chat_view.set_input_enabled(True)
         self.banners.clear("load")
@@ -209,7 +213,12 @@ class MainWindow(QMainWindow):
         if self.session.busy and self.state is EngineState.IDLE:
             self._set_state(EngineState.GENERATING)
 
+    def _show_context(self, *_) -> None:
+        window = (self.model_info or {}).get("context_length")
+        self.context_label.setText(context_text(self.session.context_use(), window))
+
     def _on_reply_ended(self, reply: Reply) -> None:
+        self._show_context()
         self.dashboard.reply_ended(reply.finished.stats if reply.finished is not None else None)
         if self.state is EngineState.GENERATING:
             self._set_state(EngineState.IDLE)
@@ -217,6 +226,8 @@ class MainWindow(QMainWindow):
             self.conversations.refresh()
         if reply.reason is FinishReason.ERROR:
             actions = [("Retry", self.session.regenerate)]
+            if reply.error_kind == "context_length_exceeded":  # the older turns can be left out
+                actions = [("Drop oldest turns", self.session.drop_oldest_turns)]
             self.banners.show_banner(reply.error, "error", actions, key="reply")
 
     def _on_error(self, request_id: str, kind: str, message: str) -> None:

@@ -232,3 +232,36 @@ def test_the_window_shows_a_retry_banner_for_an_error_ending_only(qtbot, tmp_pat
     assert [b.message for b in banners] == ["Out of memory."]
     assert [button.text() for button in banners[0].action_buttons] == ["Retry"]
     window.close()
+
+
+def _answer(session, client, text: str, prompt_tokens: int) -> None:
+    stats = {"prompt_tokens": prompt_tokens, "generated_tokens": 5}
+    client.sig_reply.emit(Finished(session.reply.request_id, "eos", text, "", prompt_tokens, 5, stats))
+
+
+def test_a_full_context_window_drops_the_oldest_turns_from_what_is_sent_not_from_the_chat(
+    session, client, store, ended
+):
+    for n in range(4):
+        session.send(f"Question {n}")
+        _answer(session, client, f"Answer {n}", prompt_tokens=100 * (n + 1))
+    assert session.context_use() == 405
+    session.send("Question 4")
+    client.sig_reply.emit(Error(session.reply.request_id, "context_length_exceeded", "Too long."))
+    assert ended[-1].error_kind == "context_length_exceeded"
+
+    session.drop_oldest_turns()  # five turns: the oldest two are left out, and the last is asked again
+    sent = [m.content for m in client.generated[-1]]
+    assert sent == ["Question 2", "Answer 2", "Question 3", "Answer 3", "Question 4"]
+    assert len(store.get(session.conversation_id).messages) == 9  # nothing deleted
+    _answer(session, client, "Answer 4", prompt_tokens=200)
+    session.send("Question 5")  # later turns keep the shorter context
+    assert client.generated[-1][0].content == "Question 2"
+
+
+def test_the_context_line_says_what_the_window_holds():
+    from app.gui.chat_session import context_text
+
+    assert context_text(None, 1024) == ""
+    assert context_text(1234, 32768) == "Context 1,234 / 32,768 tokens"
+    assert context_text(12, None) == "Context 12 tokens"
