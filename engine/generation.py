@@ -27,7 +27,7 @@ from engine.generation_config import GenerationConfig, is_unicode
 from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot
 from engine.model.prefix_cache import save_point
 from engine.offload.model import OffloadedModel
-from engine.reasoning import splitter_for
+from engine.reasoning import harmony_splitter_for, splitter_for
 from engine.sampling import Sampler
 from engine.speculative.auto import refuse_speculation_that_cannot_rewind
 from engine.speculative.decoder import open_decoder
@@ -244,12 +244,13 @@ def _end_reason(stopped: bool, is_eos: bool, generated: int, limit: int, cancel)
 
 class _ReplyText:
     """The reply's text as tokens arrive: whole characters, stop strings held back and matched,
-    the reasoning of a `<think>` block apart from the answer."""
+    the reasoning (a `<think>` block, or gpt-oss's analysis channel) apart from the answer."""
 
     def __init__(self, tokenizer, stop_strings: Sequence[str], prompt_ids: Sequence[int]):
         self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopStringMatcher(stop_strings)
-        self.thoughts = splitter_for(tokenizer, prompt_ids)
+        self.harmony = harmony_splitter_for(tokenizer)  # gpt-oss: channels, not <think> tags
+        self.thoughts = splitter_for(tokenizer, prompt_ids) if self.harmony is None else None
         self.answers: list[str] = []
         self.thinking: list[str] = []
 
@@ -258,7 +259,7 @@ class _ReplyText:
         if self.detok is None or is_eos:
             return "", "", False
         text, stopped = self.stops.feed(self.detok.push(token))
-        return (*self._split(text), stopped)
+        return (*self._split(text, token), stopped)
 
     def finish(self, reason: str) -> tuple[str, tuple[str, str]]:
         """The final reason and the text held back till the end (a partial character or a possible
@@ -276,8 +277,12 @@ class _ReplyText:
             self.answers.append(more_answer)
         return reason, (thought, answer)
 
-    def _split(self, text: str) -> tuple[str, str]:
-        thought, answer = self.thoughts.feed(text) if self.thoughts is not None else ("", text)
+    def _split(self, text: str, token: int = -1) -> tuple[str, str]:
+        """`text` (that `token` completed; -1: the end's held-back text) as (reasoning, answer)."""
+        if self.harmony is not None:
+            thought, answer = self.harmony.push(token, text)
+        else:
+            thought, answer = self.thoughts.feed(text) if self.thoughts is not None else ("", text)
         self.thinking.append(thought)
         self.answers.append(answer)
         return thought, answer

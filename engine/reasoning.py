@@ -89,3 +89,53 @@ def splitter_for(tokenizer: Any, prompt_ids: Sequence[int]) -> ThinkSplitter | N
     tail = tokenizer.decode(list(prompt_ids[-16:]))
     opened, closed = tail.rfind(OPEN), tail.rfind(CLOSE)
     return ThinkSplitter(inside=opened > closed)
+
+
+# gpt-oss's harmony format: each message is <|start|>role<|channel|>name<|message|>text<|end|>; the
+# reply's last one ends with <|return|> (or <|call|> for a tool call). The analysis channel is the
+# model's reasoning, final (and commentary) its answer.
+HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
+REASONING_CHANNELS = ("analysis",)
+
+
+class HarmonySplitter:
+    """Harmony messages split by their control tokens: (reasoning, answer) deltas per token.
+
+    openai-harmony's StreamableParser does this from its own o200k encoding, which it downloads on
+    first use; the model's tokenizer has the same control tokens, so the split needs no download."""
+
+    def __init__(self, control_ids: dict[str, int]):
+        self.control = {token_id: name for name, token_id in control_ids.items()}
+        self.state = "header"  # header (role, channel name) | body | between (after <|end|>)
+        self.channel = ""
+
+    def push(self, token_id: int, text: str) -> tuple[str, str]:
+        """(reasoning, answer) for one token and its text (text a control token releases, such as
+        a character's last bytes, belongs to the message before it)."""
+        split = self._route(text)
+        name = self.control.get(token_id)
+        if name == "<|channel|>":
+            self.channel, self.state = "", "channel"
+        elif name == "<|message|>":
+            self.state = "body"
+        elif name == "<|start|>":
+            self.state = "header"
+        elif name is not None:  # <|end|>, <|return|>, <|call|>
+            self.state = "between"
+        return split
+
+    def _route(self, text: str) -> tuple[str, str]:
+        if self.state == "channel":
+            self.channel += text
+        if self.state != "body" or not text:
+            return "", ""
+        channel = self.channel.split()[0] if self.channel.split() else ""
+        return (text, "") if channel in REASONING_CHANNELS else ("", text)
+
+
+def harmony_splitter_for(tokenizer: Any) -> HarmonySplitter | None:
+    """A splitter for a model whose vocabulary has harmony's control tokens (gpt-oss)."""
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    if not all(token in vocab for token in HARMONY[:4]):
+        return None
+    return HarmonySplitter({token: vocab[token] for token in HARMONY if token in vocab})

@@ -9,7 +9,7 @@ from engine.generation import FinishedEvent, TokenEvent, _ReplyText, encode_prom
 from engine.generation_config import GenerationConfig, SamplingConfig
 from engine.loader import load_model
 from engine.model.tiny_gguf import demo_tokenizer
-from engine.reasoning import ThinkSplitter, splitter_for, thinks
+from engine.reasoning import HARMONY, ThinkSplitter, harmony_splitter_for, splitter_for, thinks
 from tests.engine.thinking_model import save_thinking_model, thinking_tokenizer
 
 # (streamed text, the prompt opened the block) -> (reasoning, answer)
@@ -102,3 +102,33 @@ def test_enable_thinking_false_reaches_the_template_and_the_reply_is_all_answer(
 def test_template_arguments_the_request_may_not_set_are_refused(kwargs):
     with pytest.raises(InvalidRequestError):
         GenerationConfig(template_kwargs=kwargs).validate()
+
+
+def harmony_tokenizer():
+    """The demo tokenizer with gpt-oss's harmony control tokens as special tokens."""
+    tokenizer = demo_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(HARMONY)})
+    return tokenizer
+
+
+def test_harmony_channels_split_into_reasoning_and_answer():
+    tokenizer = harmony_tokenizer()
+    reply = (
+        "<|channel|>analysis<|message|>User says hi. Reply warmly.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Hello! How can I help?"
+    )
+    ids = tokenizer(reply)["input_ids"]
+    assert tokenizer.convert_tokens_to_ids("<|channel|>") in ids  # control tokens are one token each
+    text = _ReplyText(tokenizer, (), prompt_ids=tokenizer("<|start|>assistant")["input_ids"])
+    assert text.harmony is not None and text.thoughts is None
+    streamed = [text.push(token, is_eos=False) for token in ids]
+    _, (thought_tail, tail) = text.finish("eos")
+    assert text.reasoning == "User says hi. Reply warmly." and text.answer == "Hello! How can I help?"
+    assert "".join(t for t, _, _ in streamed) + thought_tail == text.reasoning
+    assert "".join(a for _, a, _ in streamed) + tail == text.answer
+    assert "analysis" not in text.answer + text.reasoning and "assistant" not in text.answer
+
+
+def test_a_model_without_harmony_tokens_is_not_read_as_harmony():
+    assert harmony_splitter_for(demo_tokenizer()) is None
+    assert harmony_splitter_for(harmony_tokenizer()) is not None
