@@ -17,6 +17,10 @@ copied into the interleave (an `out=` into the strided interleave is 3× slower)
 (slower and not bit-exact: it fuses), a broadcast multiply of uint8 codes by float scales
 (several times slower than convert-then-scale), the mins as a small matmul of x's sub-block
 sums and columns in a cheaper order (sums in another order: 3e-5 off on wide-range scales).
+
+`python -m engine.bench` on a Qwen3-30B-A3B-shaped Q4_K_M file (hidden 2048, 128 experts × 768,
+top-8, 2 layers), OMP_NUM_THREADS=1, machine under load, before → after this module and
+`ggml_quants.CHUNK_BYTES`: decode 3.0 → 4.5 tok/s, prefill 8 → 11 tok/s (llama.cpp 37 / 16).
 """
 
 from __future__ import annotations
