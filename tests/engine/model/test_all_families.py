@@ -14,6 +14,8 @@ below with the reason. The count of exact families is printed at the end of the 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -109,3 +111,13 @@ def test_every_moe_family_of_the_registry_is_listed():
     assert set(moe_model_types()) == set(FAMILIES)
     assert set(SPEC_XFAIL) == set(NO_SPECULATION)  # what the engine refuses is what cannot rewind
     assert not set(SUPPORTED_MODEL_TYPES) & set(NOT_SUPPORTED)
+
+
+def test_the_readmes_family_list_names_only_supported_families():
+    """The README's list is written by this file's run (conftest, MOE_CHAT_UPDATE_README=1)."""
+    from tests.engine.model.conftest import END, README, START
+
+    block = README.read_text(encoding="utf-8").split(START)[1].split(END)[0]
+    listed = re.findall(r"`(\w+)`", block)
+    assert listed, "run MOE_CHAT_UPDATE_README=1 python -m pytest tests/engine/model/test_all_families.py"
+    assert set(listed) <= set(SUPPORTED_MODEL_TYPES) and int(block.split()[0]) == len(listed)
