@@ -17,6 +17,7 @@ from PySide6.QtCore import QSize
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import (
     QCheckBox,
+    QComboBox,
     QDialog,
     QDialogButtonBox,
     QDoubleSpinBox,
@@ -35,7 +36,17 @@ from engine.generation_config import SamplingConfig
 
 DEFAULT_MAX_NEW_TOKENS = 1024
 MAX_NEW_TOKENS_LIMIT = 32768
-SETTING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "repetition_penalty", "seed")
+SETTING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_new_tokens",
+    "repetition_penalty",
+    "seed",
+    "reasoning_effort",
+)
+# gpt-oss's harmony templates read `reasoning_effort`; other templates ignore it (as in the server)
+REASONING_EFFORTS = ("low", "medium", "high")
 _HELP = {
     "temperature": "Randomness. 0 always picks the most likely token (greedy); 0.7 is a usual chat value.",
     "top_p": "Sample only from the most likely tokens that together hold this much probability. 1 = off.",
@@ -43,6 +54,7 @@ _HELP = {
     "max_new_tokens": "The reply stops after this many tokens.",
     "repetition_penalty": "Above 1 discourages repeating tokens already in the chat. 1 = off.",
     "seed": "A fixed seed makes sampling repeatable; off draws a new one each time.",
+    "reasoning_effort": "How long a reasoning model (gpt-oss) thinks before answering. Others ignore it.",
 }
 
 
@@ -56,6 +68,7 @@ def default_settings() -> dict[str, Any]:
         "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
         "repetition_penalty": sampling.repetition_penalty,
         "seed": sampling.seed,
+        "reasoning_effort": None,  # the template's own default
     }
 
 
@@ -76,10 +89,13 @@ def sampling_from(settings: dict) -> tuple[SamplingConfig, int]:
     return sampling, max_new_tokens
 
 
-def template_kwargs_from(settings: dict) -> dict[str, bool]:
+def template_kwargs_from(settings: dict) -> dict[str, bool | str]:
     """What a chat's settings pass to the chat template: thinking switched off (Qwen3's
-    `enable_thinking`); nothing when it is on, the template's own default."""
-    return {"enable_thinking": False} if settings.get("think") is False else {}
+    `enable_thinking`) and a reasoning effort (gpt-oss); nothing for the template's own defaults."""
+    kwargs: dict[str, bool | str] = {"enable_thinking": False} if settings.get("think") is False else {}
+    if settings.get("reasoning_effort") in REASONING_EFFORTS:  # a hand-edited store's other value: ignored
+        kwargs["reasoning_effort"] = settings["reasoning_effort"]
+    return kwargs
 
 
 def _double(minimum: float, maximum: float, step: float, decimals: int = 2) -> QDoubleSpinBox:
@@ -107,6 +123,10 @@ class ChatSettingsDialog(QDialog):
         self.use_seed = QCheckBox("Fixed")
         self.seed = QSpinBox(minimum=0, maximum=2**31 - 1)
         self.use_seed.toggled.connect(self.seed.setEnabled)
+        self.reasoning_effort = QComboBox(objectName="reasoningEffort")
+        self.reasoning_effort.addItem("Model default", None)
+        for effort in REASONING_EFFORTS:
+            self.reasoning_effort.addItem(effort.capitalize(), effort)
         self.error = QLabel(objectName="settingsError", wordWrap=True)
         self.error.setStyleSheet("color: #d32f2f;")
         self.buttons = QDialogButtonBox(
@@ -139,6 +159,7 @@ class ChatSettingsDialog(QDialog):
             ("Max new tokens", self.max_new_tokens, "max_new_tokens"),
             ("Repetition penalty", self.repetition_penalty, "repetition_penalty"),
             ("Seed", seed, "seed"),
+            ("Reasoning effort", self.reasoning_effort, "reasoning_effort"),
         )
         for row, (label, field, key) in enumerate(rows):
             grid.addWidget(QLabel(label), row, 0)
@@ -178,6 +199,8 @@ class ChatSettingsDialog(QDialog):
         self.seed.setEnabled(isinstance(seed, int))
         if isinstance(seed, int):
             self.seed.setValue(seed)
+        effort = settings.get("reasoning_effort")
+        self.reasoning_effort.setCurrentIndex(max(0, self.reasoning_effort.findData(effort)))
 
     def settings(self) -> dict[str, Any]:
         """The settings as shown (not validated)."""
@@ -188,6 +211,7 @@ class ChatSettingsDialog(QDialog):
             "max_new_tokens": self.max_new_tokens.value(),
             "repetition_penalty": round(self.repetition_penalty.value(), 4),
             "seed": self.seed.value() if self.use_seed.isChecked() else None,
+            "reasoning_effort": self.reasoning_effort.currentData(),
         }
 
     def error_text(self) -> str:

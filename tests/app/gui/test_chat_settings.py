@@ -9,6 +9,7 @@ from app.gui.chat_settings import (
     ChatSettingsDialog,
     default_settings,
     sampling_from,
+    template_kwargs_from,
 )
 from engine.errors import InvalidRequestError
 from engine.generation_config import SamplingConfig
@@ -20,6 +21,24 @@ def test_sampling_from_fills_missing_keys_with_defaults():
     sampling, max_new_tokens = sampling_from({"temperature": 0, "seed": 7, "max_new_tokens": 64, "x": 1})
     assert sampling.is_greedy and sampling.seed == 7 and max_new_tokens == 64
     assert set(default_settings()) == set(SETTING_KEYS)
+
+
+@pytest.mark.parametrize(
+    ("settings", "kwargs"),
+    [
+        ({}, {}),
+        ({"think": True, "reasoning_effort": None}, {}),
+        ({"think": False}, {"enable_thinking": False}),
+        ({"reasoning_effort": "low"}, {"reasoning_effort": "low"}),
+        (
+            {"think": False, "reasoning_effort": "high"},
+            {"enable_thinking": False, "reasoning_effort": "high"},
+        ),
+        ({"reasoning_effort": "maximal"}, {}),  # a hand-edited store: the template's default
+    ],
+)
+def test_the_chat_template_gets_thinking_and_reasoning_effort(settings, kwargs):
+    assert template_kwargs_from(settings) == kwargs
 
 
 @pytest.mark.parametrize(
@@ -44,11 +63,16 @@ def test_the_dialog_shows_and_returns_the_settings(qtbot):
     qtbot.addWidget(dialog)
     prompt, values = dialog.values()
     assert prompt == "Be brief."
-    assert values == settings | {"repetition_penalty": 1.0}
+    assert values == settings | {"repetition_penalty": 1.0, "reasoning_effort": None}
     assert sampling_from(values)[0].seed == 11
     dialog.use_seed.setChecked(False)
+    dialog.reasoning_effort.setCurrentIndex(dialog.reasoning_effort.findData("high"))
     dialog.system_prompt.setPlainText("  Answer in French.  ")
-    assert dialog.values() == ("Answer in French.", settings | {"repetition_penalty": 1.0, "seed": None})
+    changed = {"repetition_penalty": 1.0, "seed": None, "reasoning_effort": "high"}
+    assert dialog.values() == ("Answer in French.", settings | changed)
+    reopened = ChatSettingsDialog("", dialog.settings())
+    qtbot.addWidget(reopened)
+    assert reopened.reasoning_effort.currentText() == "High"
 
 
 @pytest.mark.gui
