@@ -20,6 +20,7 @@ from transformers.core_model_loading import PrefixChange, WeightRenaming
 from engine.errors import InvalidConfigError, ModelNotFoundError, UnsupportedArchitectureError
 from engine.model.adapters import get_architecture
 from engine.model.checkpoint import Checkpoint
+from engine.model.derived_config import base_model_type, derived_config, remote_code_tokenizer
 from engine.model.gguf_file import GgufCheckpoint, find_gguf
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,11 @@ def read_config(folder: Path):
             f"{config_path} has no model_type; it is not a transformers model config. "
             "Re-download the model's config.json."
         )
-    get_architecture(raw["model_type"])  # unsupported types fail here with the list of supported ones
+    base = base_model_type(raw)
+    get_architecture(base or raw["model_type"])  # unsupported types fail here with the list of supported ones
     try:
+        if base != raw["model_type"]:  # remote code (Kimi-K2): read as the family it derives from
+            return derived_config(raw, base)
         return AutoConfig.from_pretrained(folder)
     except (ValueError, KeyError, TypeError, OSError) as err:
         raise InvalidConfigError(f"{config_path} cannot be read by transformers: {err}") from err
@@ -131,11 +135,18 @@ def _reject_quantized(hf_config) -> None:
 
 def load_tokenizer(folder: Path):
     """The model's tokenizer, or None when the folder has none (token ids still work)."""
+    remote = remote_code_tokenizer(folder)
     has_files = any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
     if not has_files:
-        log.warning("%s has no tokenizer files; only token-id prompts will work.", folder)
+        why = f"its tokenizer is remote code ({remote}), which MoE Chat does not run" if remote else "none"
+        log.warning("%s has no tokenizer files (%s); only token-id prompts will work.", folder, why)
         return None
     try:
         return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as err:
+        if remote:
+            raise InvalidConfigError(
+                f"The tokenizer in {folder} is remote code ({remote}); MoE Chat does not run a "
+                "repository's code. Use a release of the model with a tokenizer.json."
+            ) from err
         raise InvalidConfigError(f"The tokenizer in {folder} cannot be loaded: {err}") from err
