@@ -13,7 +13,7 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 
-SPEC_MODES = ("none", "draft", "self", "substitute")
+SPEC_MODES = ("none", "draft", "self", "substitute", "mtp")
 ACCEPTANCE_RULES = ("lossless", "adaptive")
 PREFETCH_POLICIES = ("none", "next-layer", "hybrimoe", "spmoe")
 # "auto": the best setting for the model and machine, chosen when the decoder opens
@@ -94,7 +94,7 @@ def derived_seed(seed: int | None, offset: int) -> int | None:
 class SpecConfig:
     """Speculative decoding settings (mode 'none' decodes one token per target forward)."""
 
-    mode: str = "none"  # auto | none | draft | self | substitute
+    mode: str = "none"  # auto | none | draft | self | substitute | mtp (the checkpoint's MTP layer)
     draft_model: str | None = None  # folder of the draft model (mode 'draft')
     draft_len: int = 4  # γ: draft tokens per verify step (the start value when adapting)
     adapt_draft_len: bool = True  # adapt γ online from the acceptance seen

@@ -7,7 +7,7 @@ frozen configs. Imports no torch; may import only the engine's base modules.
 One name, one meaning, in every command:
 
 - `--spec` and `--prefetch` default to `auto`: the model's drafter (its bundled
-  draft, else `self`) with SP-MoE prefetch, at the stored auto-tune result's
+  draft, else the checkpoint's MTP layer, else `self`) with SP-MoE prefetch, at the stored auto-tune result's
   settings where there is one (`engine.speculative.auto`); `none` turns each off.
 - `--sim-link LINK` (no GPU): the simulated host→device link, either a bandwidth
   in GB/s (`16`) or `calibrated` (one expert's copy takes 3× one layer's decode,
@@ -102,9 +102,9 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
         "--spec",
         default=AUTO,
         choices=SPEC_CHOICES,
-        help="speculative decoding: auto (default: the model's draft model, else self), a draft model, "
-        "the target's own top-r experts (SS-MoE self), resident low-bit substitute experts (SubSpec), "
-        "or none",
+        help="speculative decoding: auto (default: the model's draft model, else its MTP layer, else self), "
+        "a draft model, the target's own top-r experts (SS-MoE self), resident low-bit substitute experts "
+        "(SubSpec), the checkpoint's multi-token-prediction layer (mtp), or none",
     )
     parser.add_argument(
         "--draft-model", default=None, help="draft model folder (default: the demo draft for the demo model)"

@@ -1,6 +1,7 @@
 """Speculative decoding and expert prefetch (DESIGN.md layers 7–8).
 
-`drafters` (a draft model, SS-MoE self-draft, SubSpec substitutes) propose tokens;
+`drafters` (a draft model, SS-MoE self-draft, SubSpec substitutes) and `mtp` (the
+checkpoint's own multi-token-prediction layer) propose tokens;
 `decoder` runs one step top to bottom (draft → verify in one forward → accept →
 rewind both caches) with `acceptance` (greedy, rejection sampling, adaptive) and
 `draft_len` (MoESD's N(t) and the adaptive draft length); `prefetch` predicts the

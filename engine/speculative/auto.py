@@ -3,8 +3,9 @@
 Every front-end asks for `auto` when the user chose nothing, and the decoder
 resolves it here, against the loaded model:
 
-- speculation: the draft model given, else the model's bundled draft (the demo's),
-  else the target itself with fewer experts per token (SS-MoE `self`), else none
+- speculation: the draft model given, else the checkpoint's own MTP layer (`mtp`:
+  DeepSeek-V3, GLM-4.5, Qwen3.5/3.6 and Qwen3-Next ship one), else the model's bundled
+  draft (the demo's), else the target itself with fewer experts per token (SS-MoE `self`), else none
   (a model routing each token to one expert cannot draft with fewer);
 - prefetch: SP-MoE from that draft, or none when nothing drafts (SP-MoE predicts
   from the draft's hidden states);
@@ -26,6 +27,7 @@ from engine.errors import InvalidRequestError
 from engine.generation_config import AUTO, GenerationConfig, SpecConfig
 from engine.model.adapters.families import NO_SPECULATION
 from engine.resources import demo_draft_dir, demo_model_dir
+from engine.speculative.mtp import has_mtp_layer
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,11 @@ def _auto_spec(model, spec: SpecConfig, tuned: TunedChoice | None, reasons: list
         spec = replace(spec, draft_len=min(tuned.draft_len, spec.max_draft_len))
     draft = spec.draft_model or bundled_draft(model)
     top_k = getattr(model, "top_k", 1)
+    if not spec.draft_model and (tuned is None or tuned.drafter in ("", "mtp")) and _has_mtp(model):
+        reasons.append(
+            f"{Path(model.path).name} carries a multi-token-prediction layer: drafting with it (mtp)"
+        )
+        return replace(spec, mode="mtp")
     if draft and tuned is not None and tuned.drafter == "self" and 1 <= spec.top_r < top_k:
         reasons.append("the stored auto-tune result measured self-drafting faster than the draft model")
         return replace(spec, mode="self")
@@ -117,6 +124,10 @@ def _auto_spec(model, spec: SpecConfig, tuned: TunedChoice | None, reasons: list
         f"token than the model's {top_k}: no speculation"
     )
     return replace(spec, mode="none")
+
+
+def _has_mtp(model) -> bool:
+    return hasattr(model, "draft_models") and has_mtp_layer(model)
 
 
 def _auto_prefetch(

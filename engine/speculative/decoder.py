@@ -46,6 +46,7 @@ from engine.speculative.auto import resolve as resolve_auto
 from engine.speculative.cutoff import CutoffInputs, choose_cutoff
 from engine.speculative.draft_len import DraftLengthController, unique_experts
 from engine.speculative.drafters import Drafter, ModelDrafter, SelfDrafter, SubstituteDrafter
+from engine.speculative.mtp import MtpDrafter
 from engine.speculative.prefetch import Prefetch, SpMoePredictor, install_prefetch
 
 log = logging.getLogger(__name__)
@@ -274,7 +275,8 @@ def _build_decoder(model, spec: SpecConfig, prefetch_policy: str, cutoff: int | 
         return PlainDecoder(model, sampler, install_prefetch(model, prefetch_policy, cutoff=cutoff))
     draft_sampler = Sampler(_draft_sampling(sampler.config), device=model.device)
     drafter = make_drafter(model, spec, draft_sampler)
-    draft_model = drafter.model if isinstance(drafter, ModelDrafter) else None
+    # SP-MoE routes a separate draft's (or the MTP layer's) residual stream through the target's routers
+    draft_model = drafter.model if isinstance(drafter, ModelDrafter | MtpDrafter) else None
     prefetch = install_prefetch(
         model, prefetch_policy, cutoff=cutoff, speculative=True, draft_model=draft_model
     )
@@ -313,6 +315,8 @@ def make_drafter(model, spec: SpecConfig, sampler: Sampler) -> Drafter:
     tau = spec.confidence_tau
     if spec.mode == "draft":
         return ModelDrafter(model, spec.draft_model, sampler, tau)
+    if spec.mode == "mtp":
+        return MtpDrafter(model, sampler, tau)
     if spec.mode == "self":
         return SelfDrafter(model, sampler, spec.top_r, spec.cached_only, tau)
     return SubstituteDrafter(model, model.substitutes(spec.substitute_bits), sampler, tau)
