@@ -17,5 +17,6 @@ holds the order):
 - `generation`, `loader`, `prompts`, `options` — the engine's public API (10);
 - `tune/` — hardware auto-tune (9);
 - `worker/` — the worker process and its protocol;
+- `remote/` — a remote OpenAI-compatible engine behind the worker's interface (11);
 - `bench/`, `cli` — `python -m engine.bench` and `python -m engine`.
 """

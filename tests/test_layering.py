@@ -71,6 +71,7 @@ ENGINE_ROOMS: tuple[tuple[str, ...], ...] = (
     ("engine.constraints", "engine.generation", "engine.loader", "engine.prompts", "engine.options"),
     ("engine.tune",),
     ("engine.worker",),
+    ("engine.remote",),
     ("engine.bench", "engine.cli", "engine.__main__"),
 )
 APP_ROOMS: tuple[tuple[str, ...], ...] = (

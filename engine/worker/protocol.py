@@ -25,7 +25,8 @@ from engine.config import OffloadConfig
 from engine.errors import EngineError
 from engine.generation_config import GenerationConfig
 
-PROTOCOL_VERSION = 3  # 2: Tune, TuneProgress, TuneResult; 3: reasoning apart from the answer, tools
+# 2: Tune, TuneProgress, TuneResult; 3: reasoning apart from the answer, tools; 4: Finished.tool_calls
+PROTOCOL_VERSION = 4
 
 
 class ProtocolError(EngineError):
@@ -170,7 +171,7 @@ class Token:
 @dataclass(frozen=True)
 class Finished:
     request_id: str
-    reason: str  # eos | stop | length | cancelled
+    reason: str  # eos | stop | length | cancelled; a remote engine's also tool_calls | interrupted
     text: str  # the whole answer
     tail: str  # text not yet sent in a Token event: a streaming client appends it
     prompt_tokens: int
@@ -178,6 +179,11 @@ class Finished:
     stats: dict[str, Any]  # GenerationStats.to_dict()
     reasoning: str = ""  # the whole reasoning; its part not yet sent in a Token is `reasoning_tail`
     reasoning_tail: str = ""
+    # calls written in a model's own call format (gpt-oss's harmony): {"name", "arguments" (JSON text)}
+    tool_calls: tuple[dict[str, str], ...] = ()
+    # the calls a remote engine returned as OpenAI tool_calls, in ChatMessage.tool_calls' form
+    # (arguments an object); the local engine leaves its calls in `text`, as the model wrote them
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
