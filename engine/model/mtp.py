@@ -112,6 +112,7 @@ class MtpHead(nn.Module):
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.layers = nn.ModuleList([layer])
         self.norm = norm_cls(hidden, eps=eps)
+        self.kept = None  # the latest reply's MTP cache (engine.speculative.mtp.KeptMtpCache)
 
     def get_decoder(self) -> MtpHead:
         return self

@@ -11,9 +11,12 @@ them over without another forward. A proposal
     chain      feeds its own output hidden state with d_i to get d_{i+1} (vLLM's MTP proposer)
 
 and `rewind` drops the chained entries: they were made from the MTP's hidden states, not the
-target's, so the next proposal recomputes those positions from verification's. A position the
-target never showed the drafter (a prompt prefix reused from an earlier reply) starts the MTP
-cache afresh from the first one it did show: the draft sees less context, the output is the same.
+target's, so the next proposal recomputes those positions from verification's. When a reply ends
+its MTP cache is kept with the head (`MtpHead.kept`), and the next reply reuses the entries of the
+tokens it shares with it, as the target reuses its prefix cache: a prompt prefix the target does
+not run again is not lost to the draft (a seeded reply stays the same). A position the target
+never showed the drafter otherwise starts the MTP cache afresh from the first one it did show: the
+draft sees less context, the output is the same.
 
 The MTP head is read once per loaded model (kept in its `draft_models`, counted in
 `drafter_nbytes`) from the safetensors folder the model came from; GGUF files and pre-quantized
@@ -23,6 +26,7 @@ checkpoints are refused with the reason.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,6 +47,20 @@ log = logging.getLogger(__name__)
 
 MTP_KEY = "mtp"  # the head's key in the model's `draft_models`
 CATCH_UP_CHUNK = 512  # positions per MTP forward when catching up on a long prompt
+
+
+@dataclass(frozen=True)
+class KeptMtpCache:
+    """A finished reply's MTP cache: entry j is target position `base + j`, made from `tokens`."""
+
+    kv_cache: DynamicCache
+    base: int
+    tokens: torch.Tensor  # [base + entries + 1] the tokens its entries were made from
+
+    def reusable(self, history: torch.Tensor, committed: int) -> int:
+        """Entries still right for `history`: those whose tokens it shares, short of `committed`."""
+        shared = int((self.tokens[: len(history)] == history[: len(self.tokens)]).cumprod(0).sum())
+        return max(min(self.kv_cache.get_seq_length(), shared - 1 - self.base, committed - 1 - self.base), 0)
 
 
 class TargetHiddenStates:
@@ -99,10 +117,14 @@ class MtpDrafter(Drafter):
         self.kv_cache: DynamicCache = self.model.new_cache()
         self.base = 0  # target position of the MTP cache's first entry
         self.exact = 0  # MTP cache entries made from the target's hidden states (the rest are drafts)
+        self.kept, self.model.kept = self.model.kept, None  # the previous reply's, until the first draft
+        self.tokens: torch.Tensor | None = None  # the latest history proposed from
 
     @torch.inference_mode()
     def propose(self, history: torch.Tensor, n: int, target_kv_cache: DynamicCache) -> Draft:
         committed = target_kv_cache.get_seq_length()  # the target's hidden states exist up to here
+        self.tokens = history
+        self._reuse_kept(history, committed)
         first = self._first_position(committed)
         if first is None:
             log.warning(
@@ -124,6 +146,14 @@ class MtpDrafter(Drafter):
             return self._draw(logits_fn, history, n)
         except torch.OutOfMemoryError as err:
             raise DeviceOutOfMemoryError("Out of device memory running the MTP layer.") from err
+
+    def _reuse_kept(self, history: torch.Tensor, committed: int) -> None:
+        """Start from the previous reply's MTP cache where it holds this history's tokens."""
+        kept, self.kept = self.kept, None
+        if kept is None or (reused := kept.reusable(history, committed)) < 1:
+            return
+        rewind_cache(kept.kv_cache, reused)
+        self.kv_cache, self.base, self.exact = kept.kv_cache, kept.base, reused
 
     def _first_position(self, committed: int) -> int | None:
         """The first committed position to feed the MTP; None when the last one's hidden state is
@@ -153,7 +183,14 @@ class MtpDrafter(Drafter):
         rewind_cache(self.kv_cache, self.exact)
 
     def close(self) -> None:
+        """Keep the entries made from the target's states with the head, for the next reply."""
         self.hidden.close()
+        rewind_cache(self.kv_cache, self.exact)
+        if self.tokens is not None and self.exact > 0:
+            tokens = self.tokens[: self.base + self.exact + 1]
+            self.model.kept = KeptMtpCache(self.kv_cache, self.base, tokens)
+        elif self.kept is not None:  # no draft this reply: the previous one's stays
+            self.model.kept = self.kept
         self.kv_cache = self.model.new_cache()
 
 
