@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from app.download_child.hub_errors import HubError, check_reachable, explain, quiet_hub_logging
+from app.settings.secrets import system_keyring as _keyring
 from engine.model.adapters import SUPPORTED_MODEL_TYPES
 from engine.model.check import config_problems
 
@@ -29,21 +30,6 @@ QUANTIZED_TAGS = {"gguf", "bitsandbytes"}
 
 
 # -- the token for gated models -------------------------------------------------------------------
-
-
-def _keyring():
-    """The system keyring, or None where there is no usable backend."""
-    try:
-        import keyring
-        from keyring.backends import chainer, fail
-    except ImportError:
-        return None
-    backend = keyring.get_keyring()
-    if isinstance(backend, fail.Keyring):
-        return None
-    if isinstance(backend, chainer.ChainerBackend) and not backend.backends:
-        return None
-    return backend
 
 
 def store_token(token: str) -> str:

@@ -5,6 +5,8 @@
 dialog is built from it; `app_settings.AppSettings` is one frozen dataclass whose `validate()`
 names the offending field in a `SettingsError`; `store.SettingsStore` keeps it as JSON and
 never fails to load. The three names most callers need are importable from here.
+`remotes.RemoteStore` keeps the saved remote engines (remotes.json), `secrets` their API keys
+(and the Hugging Face token) in the OS keyring.
 
 No Qt and no torch here: the settings dialog is `app.gui.settings_dialog`.
 """

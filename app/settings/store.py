@@ -37,6 +37,23 @@ def config_dir() -> Path:
     return Path(platformdirs.user_config_dir(APP_NAME, appauthor=False))
 
 
+def write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
+    """`payload` as JSON in `path`, via a temporary file and `os.replace`: readers see the old
+    file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(payload, indent=2, sort_keys=True)
+    fd, temp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        Path(temp).replace(path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
 class SettingsStore:
     """`AppSettings` as JSON on disk; `load` never raises, `save` replaces the file atomically."""
 
@@ -64,18 +81,7 @@ class SettingsStore:
     def save(self, settings: AppSettings) -> None:
         """Write `settings` (validated first) via a temporary file and `os.replace`."""
         settings.validate()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        payload = json.dumps({"version": SCHEMA_VERSION, **asdict(settings)}, indent=2, sort_keys=True)
-        fd, temp = tempfile.mkstemp(prefix=".settings-", suffix=".json", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(payload + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-            Path(temp).replace(self.path)  # atomic: readers see the old file or the new one
-        except BaseException:
-            Path(temp).unlink(missing_ok=True)
-            raise
+        write_json_atomically(self.path, {"version": SCHEMA_VERSION, **asdict(settings)})
 
     def _merge(self, stored: dict[str, Any]) -> AppSettings:
         known = {f.name for f in fields(AppSettings)}

@@ -7,10 +7,8 @@ import hashlib
 import time
 from pathlib import Path
 
-import keyring
 import psutil
 import pytest
-from keyring.backend import KeyringBackend
 
 import app.gui.downloads as downloads
 import app.gui.hub_client as hub_client
@@ -295,32 +293,6 @@ def test_a_gguf_download_that_cannot_load_or_is_gone_fails_with_the_reason(
     )
     assert reason == expected
     assert fetched(hub, GGUF_REPO) == [Q4.files[0]]  # nothing of the second
-
-
-class MemoryKeyring(KeyringBackend):
-    priority = 10
-
-    def __init__(self):
-        super().__init__()
-        self.passwords: dict[tuple[str, str], str] = {}
-
-    def get_password(self, service, username):
-        return self.passwords.get((service, username))
-
-    def set_password(self, service, username, password):
-        self.passwords[(service, username)] = password
-
-    def delete_password(self, service, username):
-        self.passwords.pop((service, username), None)
-
-
-@pytest.fixture
-def memory_keyring():
-    previous = keyring.get_keyring()
-    backend = MemoryKeyring()
-    keyring.set_keyring(backend)
-    yield backend
-    keyring.set_keyring(previous)
 
 
 def test_a_gated_model_needs_the_stored_token(qtbot, hub, library, model_files, memory_keyring, capfd):
