@@ -25,25 +25,30 @@ The public interface (what the GUI, the terminal chat and the Python API use):
   typed with `remote_stats(stats)`; what a server does not export is None, never 0.
 """
 
-from engine.remote.endpoint import RemoteEndpoint, normalize_base_url
-from engine.remote.errors import RETRYABLE, RemoteError
-from engine.remote.metrics import RemoteMetrics, fetch_metrics, parse_metrics
-from engine.remote.session import RemoteSession, connect
-from engine.remote.stats import RemoteStats, remote_stats
-from engine.remote.worker import RemoteTimeouts, RemoteWorker
+import importlib
+from typing import Any
 
-__all__ = [
-    "RETRYABLE",
-    "RemoteEndpoint",
-    "RemoteError",
-    "RemoteMetrics",
-    "RemoteSession",
-    "RemoteStats",
-    "RemoteTimeouts",
-    "RemoteWorker",
-    "connect",
-    "fetch_metrics",
-    "normalize_base_url",
-    "parse_metrics",
-    "remote_stats",
-]
+# name -> module: imported on first use, so `engine.remote.endpoint` (the settings' import) does not
+# pull in the openai client (~1 s) at the GUI's start
+_EXPORTS = {
+    "RemoteEndpoint": "endpoint",
+    "normalize_base_url": "endpoint",
+    "RETRYABLE": "errors",
+    "RemoteError": "errors",
+    "RemoteMetrics": "metrics",
+    "fetch_metrics": "metrics",
+    "parse_metrics": "metrics",
+    "RemoteSession": "session",
+    "connect": "session",
+    "RemoteStats": "stats",
+    "remote_stats": "stats",
+    "RemoteTimeouts": "worker",
+    "RemoteWorker": "worker",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"engine.remote.{_EXPORTS[name]}"), name)
