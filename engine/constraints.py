@@ -1,4 +1,4 @@
-"""Structured output: a reply held to a JSON schema, or to any JSON object, by llguidance.
+"""Structured output: a reply held to a JSON schema, or to a call of a given tool, by llguidance.
 
 OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema":
 {"schema": …}}) becomes an llguidance grammar over the model's own tokenizer. Before each token
@@ -6,6 +6,12 @@ is drawn, the tokens the grammar cannot take next are masked out of the scores (
 bitmask, computed from the grammar's state in well under a millisecond), and the drawn token is
 fed to the grammar; once the JSON is complete only an end-of-turn token is allowed. The reply
 therefore always parses and validates.
+
+A forced `tool_choice` ("required", or a named function) is a grammar too: one call, written in
+the model's own call format, of one of the functions, its arguments held to the function's
+`parameters` schema — Hermes/Qwen's `<tool_call>\n{"name": …, "arguments": …}\n</tool_call>`, or
+for a harmony model (gpt-oss) a commentary message to `functions.NAME` ended by `<|call|>`. A
+prompt that left a `<think>` block open has it closed first: the call is the answer, not a thought.
 
 Constrained replies decode plainly: a speculative step would have to roll the grammar back
 for rejected drafts, which this does not do yet (the request is refused, not silently changed).
@@ -20,7 +26,15 @@ from typing import Any
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.generation_config import GenerationConfig, forced_tool_names
+from engine.reasoning import HARMONY, harmony_splitter_for, splitter_for
 from engine.sampling import Sampler
+
+# OpenAI: "omitting parameters defines a function with an empty parameter list"
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+# compact separators, no free whitespace: a small model would otherwise pad with newlines until its
+# token limit (xgrammar's and vLLM's default too); a schema's own x-guidance may say otherwise
+COMPACT = {"whitespace_flexible": False}
 
 
 def json_schema_of(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -32,10 +46,69 @@ def json_schema_of(response_format: dict[str, Any] | None) -> dict[str, Any] | N
     return response_format["json_schema"]["schema"]
 
 
-class ConstrainedSampler(Sampler):
-    """A `Sampler` whose draws follow a JSON schema."""
+def _compact(schema: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "x-guidance": {**COMPACT, **schema.get("x-guidance", {})}}
 
-    def __init__(self, sampler: Sampler, tokenizer: Any, vocab_size: int, eos: Iterable[int], schema: dict):
+
+def request_grammar(
+    config: GenerationConfig, tokenizer: Any, prompt_ids: list[int]
+) -> tuple[str, str] | None:
+    """The llguidance grammar a request's reply must follow, and what asked for it (for errors);
+    None for free text."""
+    import llguidance
+
+    schema = json_schema_of(config.response_format)
+    forced = forced_tool_names(config.tool_choice, config.tools)
+    if schema is not None:
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(_compact(schema))), "response_format"
+    if not forced:
+        return None
+    parameters = {t["function"]["name"]: t["function"].get("parameters") for t in config.tools}
+    calls = {name: parameters[name] or NO_PARAMETERS for name in forced}
+    if harmony_splitter_for(tokenizer) is not None:
+        lark = harmony_call_lark(calls, "<|constrain|>" in tokenizer.get_vocab())
+    else:
+        thinking = splitter_for(tokenizer, prompt_ids)
+        lark = hermes_call_lark(calls, close_think=thinking is not None and thinking.inside)
+    return llguidance.LLMatcher.grammar_from_lark(lark), "tool_choice"
+
+
+def hermes_call_lark(calls: dict[str, dict], close_think: bool = False) -> str:
+    """One `<tool_call>` block calling one of `calls` (name -> parameters schema)."""
+    schema = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for name, parameters in calls.items()
+        ]
+    }
+    opening = '"</think>\\n\\n" ' if close_think else ""
+    call = json.dumps(_compact(schema))
+    return f'start: {opening}"<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {call}\n'
+
+
+def harmony_call_lark(calls: dict[str, dict], constrain: bool = True) -> str:
+    """One harmony commentary message to `functions.NAME`, one of `calls`, ended by `<|call|>`."""
+    channel, message, call = HARMONY[1], HARMONY[2], HARMONY[5]
+    content_type = f'{HARMONY[6]} "json"' if constrain else '"json"'  # gpt-oss writes <|constrain|>json
+    rules = [f"start: {' | '.join(f'call_{n}' for n in range(len(calls)))}"]
+    for n, (name, parameters) in enumerate(calls.items()):
+        header = json.dumps(f"commentary to=functions.{name} ")
+        rules.append(f"call_{n}: {channel} {header} {content_type} {message} args_{n} {call}")
+        rules.append(f"args_{n}: %json {json.dumps(_compact(parameters))}")
+    return "\n".join(rules) + "\n"
+
+
+class ConstrainedSampler(Sampler):
+    """A `Sampler` whose draws follow an llguidance grammar (`request_grammar`)."""
+
+    def __init__(
+        self, sampler: Sampler, tokenizer: Any, vocab_size: int, eos: Iterable[int], grammar: tuple[str, str]
+    ):
         import llguidance
         import llguidance.hf
         import llguidance.numpy  # llguidance.torch scripts its kernel with the deprecated torch.jit
@@ -45,13 +118,10 @@ class ConstrainedSampler(Sampler):
         self._guidance = llguidance.numpy
         eos_ids = sorted(eos)
         lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_ids or None)
-        # compact separators, no free whitespace: a small model would otherwise pad with newlines
-        # until its token limit (xgrammar's and vLLM's default too); a schema may say otherwise
-        compact = {"whitespace_flexible": False, **schema.get("x-guidance", {})}
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps({**schema, "x-guidance": compact}))
+        grammar, asked_by = grammar
         error = llguidance.LLMatcher.validate_grammar(grammar, lltokenizer)
         if error:
-            raise InvalidRequestError(f"response_format's schema cannot be used: {error}")
+            raise InvalidRequestError(f"{asked_by}'s schema cannot be used: {error}")
         self.matcher = llguidance.LLMatcher(lltokenizer, grammar)
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)  # int32 [1, V / 32]
 

@@ -17,13 +17,14 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import GenerationConfig as HFGenerationConfig
 
-from engine.constraints import ConstrainedSampler, json_schema_of
+from engine.constraints import ConstrainedSampler, request_grammar
 from engine.errors import ContextLengthError, InvalidRequestError
-from engine.generation_config import GenerationConfig, is_unicode
+from engine.generation_config import GenerationConfig, forced_tool_names, is_unicode
 from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot
 from engine.model.prefix_cache import save_point
 from engine.offload.model import OffloadedModel
@@ -57,6 +58,9 @@ class FinishedEvent:
     stats: GenerationStats
     reasoning: str = ""  # the whole reasoning (its held-back tail is `reasoning_tail`)
     reasoning_tail: str = ""
+    # calls the model wrote as messages of their own (gpt-oss's harmony), in a chat message's
+    # `tool_calls` form; a `<tool_call>` block in the text is left to the reader
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
 
 def encode_prompt(
@@ -135,7 +139,7 @@ def generate(
     prompt_ids = encode_prompt(model, prompt, config.template_arguments())
     max_new_tokens = _max_new_tokens(model, config, len(prompt_ids))
     eos = set() if config.ignore_eos else eos_token_ids(model)
-    sampler = _sampler(model, config, eos)
+    sampler = _sampler(model, config, eos, prompt_ids)
     history = torch.tensor(prompt_ids, dtype=torch.long, device=model.device)
     reply = _ReplyText(model.tokenizer, config.stop_strings, prompt_ids)
     live.before = cache_snapshot(model.cache)
@@ -175,22 +179,26 @@ def generate(
     # kept only after a clean end (a cancel comes between steps): a failed step's cache is dropped
     model.prefix_cache.put(history.tolist(), kv_cache, rewindable, [prompt_state] if prompt_state else [])
 
-    reason, (thought_tail, tail) = reply.finish(reason)
     stats = live.stats(model.cache, live.finished, model.simulated_link)  # the run's final figures
-    yield FinishedEvent(reason, reply.answer, tail, tuple(generated), stats, reply.reasoning, thought_tail)
+    yield reply.finished(reason, generated, stats)
 
 
-def _sampler(model: OffloadedModel, config: GenerationConfig, eos: set[int]) -> Sampler:
-    """The request's sampler; held to its response_format's JSON schema when it has one."""
+def _sampler(
+    model: OffloadedModel, config: GenerationConfig, eos: set[int], prompt_ids: list[int]
+) -> Sampler:
+    """The request's sampler; held to a grammar when its response_format or tool_choice asks for one."""
     sampler = Sampler(config.sampling, device=model.device)
-    schema = json_schema_of(config.response_format)
-    if schema is None:
+    constrained = config.response_format is not None or forced_tool_names(config.tool_choice, config.tools)
+    if not constrained:
+        return sampler
+    if model.tokenizer is None:
+        raise InvalidRequestError(f"{model.path} has no tokenizer: response_format and tool_choice need one.")
+    grammar = request_grammar(config, model.tokenizer, prompt_ids)
+    if grammar is None:
         return sampler
     if config.spec.mode != "none":
-        raise InvalidRequestError("A response_format reply decodes plainly: set speculation to none.")
-    if model.tokenizer is None:
-        raise InvalidRequestError(f"{model.path} has no tokenizer: response_format needs one.")
-    return ConstrainedSampler(sampler, model.tokenizer, model.hf_config.vocab_size, eos, schema)
+        raise InvalidRequestError(f"A {grammar[1]} reply decodes plainly: set speculation to none.")
+    return ConstrainedSampler(sampler, model.tokenizer, model.hf_config.vocab_size, eos, grammar)
 
 
 def _kv_cache(model: OffloadedModel, prompt_ids: list[int], rewindable: bool):
@@ -275,7 +283,15 @@ class _ReplyText:
             thought, answer = thought + more_thought, answer + more_answer
             self.thinking.append(more_thought)
             self.answers.append(more_answer)
+        if self.harmony is not None:
+            self.harmony.finish()
         return reason, (thought, answer)
+
+    def finished(self, reason: str, generated: list[int], stats: GenerationStats) -> FinishedEvent:
+        """The reply's last event: its text, with what was held back till the end, and its calls."""
+        reason, (thought_tail, tail) = self.finish(reason)
+        answer, reasoning, ids = self.answer, self.reasoning, tuple(generated)
+        return FinishedEvent(reason, answer, tail, ids, stats, reasoning, thought_tail, self.calls)
 
     def _split(self, text: str, token: int = -1) -> tuple[str, str]:
         """`text` (that `token` completed; -1: the end's held-back text) as (reasoning, answer)."""
@@ -294,6 +310,10 @@ class _ReplyText:
     @property
     def reasoning(self) -> str:
         return "".join(self.thinking)
+
+    @property
+    def calls(self) -> tuple[dict[str, Any], ...]:
+        return self.harmony.tool_calls() if self.harmony is not None else ()
 
 
 def generate_text(model: OffloadedModel, prompt, config: GenerationConfig = GenerationConfig()):

@@ -158,6 +158,10 @@ class GenerationConfig:
     # functions the model may call, as OpenAI's `tools` ({"type": "function", "function": {…}}):
     # the chat template writes them into the prompt
     tools: tuple[dict[str, Any], ...] = field(default=(), hash=False)
+    # OpenAI's tool_choice: "auto" (the model decides), "required" (a call to one of `tools`) or
+    # {"type": "function", "function": {"name": …}}; a forced call is held to the function's
+    # parameters schema by engine.constraints (plain decoding only)
+    tool_choice: str | dict[str, Any] = field(default="auto", hash=False)
     # OpenAI's response_format: {"type": "json_object"} or a json_schema the reply must follow
     # (engine.constraints; plain decoding only)
     response_format: dict[str, Any] | None = field(default=None, hash=False)
@@ -194,7 +198,11 @@ class GenerationConfig:
             )
         _check_template_kwargs(self.template_kwargs)
         _check_tools(self.tools)
+        _check_tool_choice(self.tool_choice, self.tools)
         _check_response_format(self.response_format)
+        json_reply = (self.response_format or {}).get("type", "text") != "text"
+        if json_reply and forced_tool_names(self.tool_choice, self.tools):
+            raise InvalidRequestError("A reply cannot be both a forced tool call and response_format's JSON.")
         self.sampling.validate()
         self.spec.validate()
 
@@ -216,6 +224,36 @@ def _check_tools(tools: tuple) -> None:
             raise InvalidRequestError(
                 f"Tool {n} must be {{'type': 'function', 'function': {{'name': …, 'parameters': …}}}}."
             )
+
+
+TOOL_CHOICES = ("auto", "required")
+
+
+def forced_tool_names(tool_choice: str | dict[str, Any], tools: tuple) -> tuple[str, ...]:
+    """The functions a reply must call one of; () when the model decides for itself."""
+    if tool_choice == "required":
+        return tuple(tool["function"]["name"] for tool in tools)
+    if isinstance(tool_choice, dict):
+        return (tool_choice["function"]["name"],)
+    return ()
+
+
+def _check_tool_choice(tool_choice: object, tools: tuple) -> None:
+    if isinstance(tool_choice, dict):
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise InvalidRequestError(
+                "tool_choice must be 'auto', 'required' or {'type': 'function', 'function': {'name': …}}."
+            )
+        if name not in {tool["function"]["name"] for tool in tools}:
+            raise InvalidRequestError(f"tool_choice names the function {name!r}, which is not a tool.")
+    elif tool_choice not in TOOL_CHOICES:
+        raise InvalidRequestError(
+            f"tool_choice must be 'auto', 'required' or a named function, not {tool_choice!r}."
+        )
+    elif tool_choice == "required" and not tools:
+        raise InvalidRequestError("tool_choice 'required' needs tools to call.")
 
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")

@@ -15,6 +15,8 @@ reply that merely mentions the tag is left alone.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,44 +95,96 @@ def splitter_for(tokenizer: Any, prompt_ids: Sequence[int]) -> ThinkSplitter | N
 
 # gpt-oss's harmony format: each message is <|start|>role<|channel|>name<|message|>text<|end|>; the
 # reply's last one ends with <|return|> (or <|call|> for a tool call). The analysis channel is the
-# model's reasoning, final (and commentary) its answer.
-HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
+# model's reasoning, final (and commentary) its answer. A function call is a commentary message
+# addressed to it, in its header or after its channel name, its content type after <|constrain|>:
+#   <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>
+HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
 REASONING_CHANNELS = ("analysis",)
+FUNCTIONS = "functions."  # the namespace gpt-oss's template gives the request's tools
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 
 class HarmonySplitter:
-    """Harmony messages split by their control tokens: (reasoning, answer) deltas per token.
+    """Harmony messages split by their control tokens: (reasoning, answer) deltas per token, and
+    the function calls (`calls`: {"name", "arguments"}, the arguments as the model wrote them).
 
     openai-harmony's StreamableParser does this from its own o200k encoding, which it downloads on
-    first use; the model's tokenizer has the same control tokens, so the split needs no download."""
+    first use; the model's tokenizer has the same control tokens, so the split needs no download.
+    A message to a built-in tool (`to=browser.search`, `to=python`) is the model's own work, read as
+    reasoning: no client asked for those tools."""
 
     def __init__(self, control_ids: dict[str, int]):
         self.control = {token_id: name for name, token_id in control_ids.items()}
-        self.state = "header"  # header (role, channel name) | body | between (after <|end|>)
+        self.state = "header"  # header (role, recipient) | channel | body | between (after <|end|>)
+        self.header = ""  # the message's header text: role, recipient, channel, content type
         self.channel = ""
+        self.calls: list[dict[str, str]] = []
+        self._call: dict[str, str] | None = None  # the function call whose arguments are arriving
+        self._to_tool = False  # the message is addressed to a built-in tool
 
     def push(self, token_id: int, text: str) -> tuple[str, str]:
         """(reasoning, answer) for one token and its text (text a control token releases, such as
         a character's last bytes, belongs to the message before it)."""
         split = self._route(text)
         name = self.control.get(token_id)
+        if name is not None:
+            self.header += " "  # a control token's own text is skipped: keep the header's words apart
         if name == "<|channel|>":
             self.channel, self.state = "", "channel"
         elif name == "<|message|>":
             self.state = "body"
+            self._open_message()
         elif name == "<|start|>":
-            self.state = "header"
-        elif name is not None:  # <|end|>, <|return|>, <|call|>
+            self.state, self.header, self.channel = "header", "", ""
+        elif name in ("<|end|>", "<|return|>", "<|call|>"):
+            self.finish()
             self.state = "between"
-        return split
+        return split  # <|constrain|> stays in the header: the content type follows it
+
+    def tool_calls(self) -> tuple[dict[str, Any], ...]:
+        """The calls in a chat message's `tool_calls` form: arguments an object, or the text as the
+        model wrote it when that is not JSON (a call cut short)."""
+        return tuple(
+            {
+                "id": f"call_{n}",
+                "type": "function",
+                "function": {"name": c["name"], "arguments": _json(c["arguments"])},
+            }
+            for n, c in enumerate(self.calls)
+        )
+
+    def finish(self) -> None:
+        """End the message being read: a call cut short (at max_tokens) is still a call."""
+        if self._call is not None:
+            self.calls.append(self._call)
+        self._call, self._to_tool = None, False
+
+    def _open_message(self) -> None:
+        found = _RECIPIENT.search(self.header)
+        recipient = found.group(1) if found else ""
+        if recipient.startswith(FUNCTIONS):
+            self._call = {"name": recipient[len(FUNCTIONS) :], "arguments": ""}
+        self._to_tool = bool(recipient) and self._call is None and recipient != "assistant"
 
     def _route(self, text: str) -> tuple[str, str]:
+        if self.state in ("header", "channel"):
+            self.header += text
         if self.state == "channel":
             self.channel += text
         if self.state != "body" or not text:
             return "", ""
+        if self._call is not None:
+            self._call["arguments"] += text
+            return "", ""
         channel = self.channel.split()[0] if self.channel.split() else ""
-        return (text, "") if channel in REASONING_CHANNELS else ("", text)
+        return (text, "") if channel in REASONING_CHANNELS or self._to_tool else ("", text)
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def harmony_splitter_for(tokenizer: Any) -> HarmonySplitter | None:

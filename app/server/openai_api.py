@@ -8,13 +8,15 @@ these dicts over HTTP, so the API is testable without a socket.
 Understood: `messages` (system, developer, user, assistant with `tool_calls`, tool with
 `tool_call_id`; content as a string or as text parts), `model`, `stream`,
 `stream_options.include_usage`, `max_tokens` / `max_completion_tokens`, `temperature`,
-`top_p`, `seed`, `stop`, `n` (1 only), `tools` with `tool_choice` auto or none (the calls the
-model writes in its `<tool_call>` format come back as `tool_calls`), `response_format`
+`top_p`, `seed`, `stop`, `n` (1 only), `tools` with `tool_choice` auto, none, required or a
+named function (the calls the model writes in its `<tool_call>` format, or gpt-oss's harmony
+messages to `functions.NAME`, come back as `tool_calls`; a forced call is held to the function's
+parameters by engine.constraints), `response_format`
 (json_object / json_schema, enforced by engine.constraints), `chat_template_kwargs`
 and `reasoning_effort`, checked by `app.server.schemas`; a thinking model's reasoning is
 `reasoning_content`. What a request leaves out comes from the server's command line
-(`--temperature`, `--max-new-tokens`, `--spec` …). Features the engine does not have (forced
-tool choice, logprobs, penalties …) are refused with a 400, never silently
+(`--temperature`, `--max-new-tokens`, `--spec` …). Features the engine does not have
+(logprobs, penalties …) are refused with a 400, never silently
 ignored. Each response (a streamed one in its last chunk, the one
 with the finish reason) carries `stats`: the drafter and prefetch policy that ran
 (`auto` by default: the model's drafter with SP-MoE) and the DESIGN.md metrics.
@@ -38,7 +40,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.server.schemas import ApiError, ChatCompletionRequest, invalid
-from app.server.tool_calls import ToolCallStream, split_calls, template_calls
+from app.server.tool_calls import ToolCallStream, engine_calls, split_calls, template_calls
 from engine.errors import EngineError
 from engine.generation_config import GenerationConfig
 from engine.worker.client import EngineBusy, EngineSession, WorkerDied
@@ -123,14 +125,35 @@ def _generation_config(request: ChatCompletionRequest, defaults: GenerationConfi
         # held to the JSON by the grammar, token by token: plain decoding (engine.constraints)
         response_format = request.response_format.model_dump(by_alias=True, exclude_none=True)
         config = replace(config, response_format=response_format, spec=replace(config.spec, mode="none"))
-    if request.tools and request.tool_choice != "none":
-        config = replace(config, tools=tuple(t.model_dump(exclude_none=True) for t in request.tools))
+    config = _tool_config(request, config)
     if request.stop is not None:
         stops = [request.stop] if isinstance(request.stop, str) else request.stop
         if not stops or not all(stops):
             raise invalid("stop must be a non-empty string or an array of them.", "stop")
         config = replace(config, stop_strings=tuple(stops))
     return replace(config, sampling=sampling)
+
+
+def _tool_config(request: ChatCompletionRequest, config: GenerationConfig) -> GenerationConfig:
+    """The tools and the tool choice: a forced call ("required", a named function) is held to the
+    function's parameters by a grammar, token by token, so it decodes plainly."""
+    choice = request.tool_choice
+    if choice is None or choice == "auto":
+        return replace(config, tools=tuple(t.model_dump(exclude_none=True) for t in request.tools or ()))
+    if choice == "none":
+        return config  # the template is not shown the tools; the text is not read for calls
+    if not request.tools:
+        raise invalid("tool_choice forces a call, but the request has no tools.", "tool_choice")
+    names = [t.function.name for t in request.tools]
+    if not isinstance(choice, str) and choice.function.name not in names:
+        raise invalid(
+            f"tool_choice names the function {choice.function.name!r}, which is not among the tools "
+            f"({', '.join(names)}).",
+            "tool_choice",
+        )
+    tools = tuple(t.model_dump(exclude_none=True) for t in request.tools)
+    tool_choice = choice if isinstance(choice, str) else choice.model_dump(exclude_none=True)
+    return replace(config, tools=tools, tool_choice=tool_choice, spec=replace(config.spec, mode="none"))
 
 
 class EngineState(enum.Enum):
@@ -260,6 +283,7 @@ def _message(finished: Finished, tools: bool) -> dict[str, Any]:
     vLLM, SGLang and DeepSeek's API return it; the calls it wrote, when it was given tools, are
     `tool_calls` (content None when nothing else was said)."""
     content, calls = split_calls(finished.text) if tools else (finished.text, [])
+    calls += engine_calls(finished.tool_calls)
     message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
     if calls:
         message["tool_calls"] = calls
@@ -294,6 +318,7 @@ def _event_chunks(
         tail = calls.feed(tail)
         rest, made = calls.finish()
         tail += rest
+    made += engine_calls(event.tool_calls)
     for delta in _deltas(event.reasoning_tail, tail):
         yield _chunk(envelope, delta)
     if made:

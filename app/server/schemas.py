@@ -134,6 +134,15 @@ class Tool(_Lenient):
     function: Function
 
 
+class NamedFunction(_Lenient):
+    name: StrictStr = Field(min_length=1)
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class StreamOptions(_Lenient):
     include_usage: StrictBool | None = None
 
@@ -157,8 +166,9 @@ class ChatCompletionRequest(_Lenient):
     chat_template_kwargs: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr | None] | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     tools: list[Tool] | None = None
-    # the model decides (auto) or calls nothing (none); forcing a call needs constrained decoding
-    tool_choice: Literal["auto", "none"] | None = None
+    # the model decides (auto), calls nothing (none), or must call one of the tools (required) or
+    # the named one: a forced call is held to the function's parameters by constrained decoding
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
 
     @classmethod
@@ -193,11 +203,11 @@ def _first_error(err: ValidationError) -> ApiError:
             "or tool.",
             param,
         )
-    if param == "tool_choice":
+    if param.startswith("tool_choice"):
         return invalid(
-            "tool_choice must be 'auto' or 'none': forcing a call (required, a named function) is not "
-            "supported by this server.",
-            param,
+            "tool_choice must be 'auto', 'none', 'required' or "
+            '{"type": "function", "function": {"name": …}}.',
+            "tool_choice",
         )
     return invalid(f"{param}: {detail['msg']}.", param or None)
 

@@ -11,6 +11,9 @@ in their reply (several blocks for parallel calls); their chat templates render 
 `<tool_call>` streams on as content, holding back only what could be the start of the tag; from
 there on the rest is kept and read at the end. A block that is not a JSON object with a `name`
 is no call: then the whole kept text is content, as the model wrote it.
+
+gpt-oss writes its calls as harmony messages to `functions.NAME`, which the engine reads by their
+control tokens and sends apart from the text (`engine_calls`).
 """
 
 from __future__ import annotations
@@ -67,14 +70,25 @@ def parse_calls(text: str) -> list[dict[str, Any]] | None:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None
         arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
-            }
-        )
+        calls.append(openai_call(call["name"], json.dumps(arguments, ensure_ascii=False)))
     return calls or None
+
+
+def openai_call(name: str, arguments: str) -> dict[str, Any]:
+    """One OpenAI tool call, with an id of its own; `arguments` is JSON text."""
+    function = {"name": name, "arguments": arguments}
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
+
+
+def engine_calls(tool_calls: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    """The calls the engine read from a model's own call messages (gpt-oss's harmony messages to
+    `functions.NAME`), in a chat message's form, as OpenAI tool calls: arguments as JSON text."""
+    calls = []
+    for call in tool_calls:
+        arguments = call["function"]["arguments"]
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        calls.append(openai_call(call["function"]["name"], text))
+    return calls
 
 
 def split_calls(text: str) -> tuple[str, list[dict[str, Any]]]:

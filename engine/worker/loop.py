@@ -280,6 +280,7 @@ class Worker:
                             event.stats.to_dict(),
                             event.reasoning,
                             event.reasoning_tail,
+                            event.tool_calls,
                         )
                     )
                 else:

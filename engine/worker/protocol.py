@@ -25,7 +25,8 @@ from engine.config import OffloadConfig
 from engine.errors import EngineError
 from engine.generation_config import GenerationConfig
 
-# 2: Tune, TuneProgress, TuneResult; 3: reasoning apart from the answer, tools; 4: Finished.tool_calls
+# 2: Tune, TuneProgress, TuneResult; 3: reasoning apart from the answer, tools; 4: Finished.tool_calls,
+# GenerationConfig.tool_choice
 PROTOCOL_VERSION = 4
 
 
@@ -179,10 +180,9 @@ class Finished:
     stats: dict[str, Any]  # GenerationStats.to_dict()
     reasoning: str = ""  # the whole reasoning; its part not yet sent in a Token is `reasoning_tail`
     reasoning_tail: str = ""
-    # calls written in a model's own call format (gpt-oss's harmony): {"name", "arguments" (JSON text)}
-    tool_calls: tuple[dict[str, str], ...] = ()
-    # the calls a remote engine returned as OpenAI tool_calls, in ChatMessage.tool_calls' form
-    # (arguments an object); the local engine leaves its calls in `text`, as the model wrote them
+    # the calls a remote engine returned as OpenAI tool_calls, or the local engine read from a model's
+    # own call messages (gpt-oss's harmony), in ChatMessage.tool_calls' form (arguments an object, or
+    # the text as written when it is not JSON); calls a model writes as text (`<tool_call>`) stay in `text`
     tool_calls: tuple[dict[str, Any], ...] = ()
 
 

@@ -9,7 +9,8 @@ from engine.generation import FinishedEvent, TokenEvent, _ReplyText, encode_prom
 from engine.generation_config import GenerationConfig, SamplingConfig
 from engine.loader import load_model
 from engine.model.tiny_gguf import demo_tokenizer
-from engine.reasoning import HARMONY, ThinkSplitter, harmony_splitter_for, splitter_for, thinks
+from engine.reasoning import ThinkSplitter, harmony_splitter_for, splitter_for, thinks
+from tests.engine.harmony_model import harmony_tokenizer
 from tests.engine.thinking_model import save_thinking_model, thinking_tokenizer
 
 # (streamed text, the prompt opened the block) -> (reasoning, answer)
@@ -102,13 +103,6 @@ def test_enable_thinking_false_reaches_the_template_and_the_reply_is_all_answer(
 def test_template_arguments_the_request_may_not_set_are_refused(kwargs):
     with pytest.raises(InvalidRequestError):
         GenerationConfig(template_kwargs=kwargs).validate()
-
-
-def harmony_tokenizer():
-    """The demo tokenizer with gpt-oss's harmony control tokens as special tokens."""
-    tokenizer = demo_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": list(HARMONY)})
-    return tokenizer
 
 
 def test_harmony_channels_split_into_reasoning_and_answer():

@@ -11,6 +11,7 @@ from engine.generation import generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
 from engine.loader import load_model
 from engine.resources import demo_model_dir
+from tests.engine.tool_helpers import CLOCK, WEATHER, WEATHER_QUESTION, check_weather_arguments
 
 PERSON = {
     "type": "object",
@@ -72,3 +73,62 @@ def test_speculation_with_a_response_format_is_refused_not_changed(demo):
     config = GenerationConfig(response_format={"type": "json_object"}, spec=SpecConfig(mode="self"))
     with pytest.raises(InvalidRequestError, match="decodes plainly"):
         generate_text(demo, ASK, config)
+
+
+def _call(text: str) -> dict:
+    """The one `<tool_call>` block a forced reply is."""
+    opening, closing = "<tool_call>\n", "\n</tool_call>"
+    assert text.startswith(opening) and text.endswith(closing), text
+    return json.loads(text[len(opening) : -len(closing)])
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "name"),
+    [
+        ("required", None),
+        ({"type": "function", "function": {"name": "get_time"}}, "get_time"),
+        ({"type": "function", "function": {"name": "get_weather"}}, "get_weather"),
+    ],
+)
+def test_a_forced_tool_choice_is_one_valid_call(demo, tool_choice, name):
+    config = GenerationConfig(
+        max_new_tokens=80,
+        sampling=SamplingConfig(greedy=True),
+        tools=(WEATHER, CLOCK),
+        tool_choice=tool_choice,
+    )
+    reply = generate_text(demo, WEATHER_QUESTION, config)
+    call = _call(reply.text)
+    assert reply.reason == "eos" and set(call) == {"name", "arguments"}
+    assert call["name"] == name or (name is None and call["name"] in ("get_weather", "get_time"))
+    if call["name"] == "get_time":
+        assert call["arguments"] == {}
+    else:
+        check_weather_arguments(call["arguments"])
+
+
+def test_without_a_forced_choice_the_demo_model_calls_nothing(demo):
+    config = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(greedy=True), tools=(WEATHER,))
+    assert "<tool_call>" not in generate_text(demo, WEATHER_QUESTION, config).text
+
+
+@pytest.mark.parametrize(
+    ("tools", "tool_choice", "message"),
+    [
+        ((WEATHER,), {"type": "function", "function": {"name": "get_time"}}, "not a tool"),
+        ((), "required", "needs tools"),
+        ((WEATHER,), "always", "tool_choice must be"),
+        ((WEATHER,), {"function": {"name": "get_weather"}}, "tool_choice must be"),
+    ],
+)
+def test_a_tool_choice_that_cannot_be_met_is_refused(tools, tool_choice, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        GenerationConfig(tools=tools, tool_choice=tool_choice).validate()
+
+
+def test_a_forced_call_and_a_response_format_together_are_refused():
+    config = GenerationConfig(
+        tools=(WEATHER,), tool_choice="required", response_format={"type": "json_object"}
+    )
+    with pytest.raises(InvalidRequestError, match="both"):
+        config.validate()

@@ -1,10 +1,13 @@
 """The official `openai` client's structured-output example against the server: `parse()` with a
 pydantic model sends a strict json_schema, and the reply parses into that model."""
 
+import json
+
 import pytest
 from pydantic import BaseModel, Field
 
 from app.session_setup import DEMO_MODEL_ID
+from tests.engine.tool_helpers import CLOCK, WEATHER, WEATHER_QUESTION, check_weather_arguments
 
 pytestmark = pytest.mark.slow
 
@@ -50,3 +53,56 @@ def test_a_bad_schema_is_a_400(live):
         b' "json_schema": {"name": "x"}}}',
     )
     assert status == 400 and body["error"]["param"].startswith("response_format")
+
+
+def test_a_named_tool_choice_makes_the_demo_model_call_it(live):
+    client = live.client()
+    reply = client.chat.completions.create(
+        model=DEMO_MODEL_ID,
+        messages=WEATHER_QUESTION,
+        tools=[WEATHER, CLOCK],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        max_tokens=80,
+    )
+    choice = reply.choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert call.function.name == "get_weather"
+    check_weather_arguments(json.loads(call.function.arguments))
+    assert reply.stats["drafter"] == "none"  # a forced call decodes plainly
+
+
+def test_a_required_tool_choice_streams_one_call(live):
+    client = live.client()
+    chunks = list(
+        client.chat.completions.create(
+            model=DEMO_MODEL_ID,
+            messages=WEATHER_QUESTION,
+            tools=[CLOCK],
+            tool_choice="required",
+            temperature=0,
+            max_tokens=80,
+            stream=True,
+        )
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    (call,) = [tc for d in deltas for tc in d.tool_calls or []]
+    assert call.function.name == "get_time" and json.loads(call.function.arguments) == {}
+    assert "".join(d.content or "" for d in deltas) == ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"tool_choice": "required"}, "no tools"),
+        ({"tools": [CLOCK], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+        ({"tools": [CLOCK], "tool_choice": "always"}, "tool_choice must be"),
+        ({"tools": [CLOCK], "tool_choice": "required", "response_format": {"type": "json_object"}}, "both"),
+    ],
+)
+def test_a_tool_choice_that_cannot_be_met_is_a_400(live, extra, message):
+    body = json.dumps({"messages": WEATHER_QUESTION, **extra}).encode()
+    status, answer = live.request("POST", "/v1/chat/completions", body)
+    assert status == 400 and message in answer["error"]["message"], answer
