@@ -83,6 +83,7 @@ APP_ROOMS: tuple[tuple[str, ...], ...] = (
         "app.model_library",
         "app.download_child",
         "app.session_setup",
+        "app.remote_setup",
         "app.desktop_entry",
         "app.markdown_render",
     ),

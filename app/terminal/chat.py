@@ -1,4 +1,6 @@
-"""Terminal chat: `moe-chat-cli [--model DIR] [options]`; `moe-chat-cli serve …` runs the local server.
+"""Terminal chat: `moe-chat-cli [--model DIR] [options]`; `moe-chat-cli serve …` runs the local server;
+`moe-chat-cli --remote URL|NAME [--api-key-env VAR] [--model ID]` chats with a remote engine
+(`app.remote_setup`).
 
 A REPL over an `EngineSession`: each line is a user message (a block between
 two `\"\"\"` lines spans several), the reply streams to stdout as it arrives,
@@ -13,7 +15,9 @@ Ctrl-C while a reply streams cancels it and returns to the prompt; the question
 and its partial reply are left out of the history, so the conversation stays as
 it was before (chat templates that require alternating roles keep working).
 Ctrl-C at the prompt leaves with status 0. An error from the engine is shown and
-the chat goes on; a dead engine ends it with status 1.
+the chat goes on; a dead engine ends it with status 1. A reply a remote engine could not give
+(a cut connection, a timeout, a busy server) is shown as far as it came, left out of the history,
+and /retry asks again.
 """
 
 from __future__ import annotations
@@ -27,11 +31,14 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import TextIO
 
+from app.remote_setup import add_remote_arguments, open_remote_session
 from app.session_setup import add_session_arguments, open_session, report_start_failure
 from app.terminal.console import RichLoadProgress, make_console
 from engine.config import format_bytes
 from engine.errors import EngineError
 from engine.generation_config import GenerationConfig
+from engine.remote.errors import RETRYABLE
+from engine.remote.stats import RemoteStats, remote_stats
 from engine.worker.client import EngineSession, RequestFailed, WorkerDied
 from engine.worker.protocol import ChatMessage, Finished, Stats, Token
 
@@ -41,6 +48,7 @@ COMMANDS = {
     "/stats": "show the engine's latest telemetry",
     "/reset": "start a new conversation",
     "/think": "on or off: let a thinking model think before it answers",
+    "/retry": "ask again after a reply a remote engine could not finish",
     "/help": "list the commands",
     "/quit": "leave (also Ctrl-D)",
 }
@@ -64,6 +72,7 @@ class TerminalChat:
         self._read_message, self.render = make_console(stdin, stdout, self.interactive)
         self.history: list[ChatMessage] = []
         self.last_reply: Finished | None = None
+        self.retry_text: str | None = None  # the question of a reply that failed in a way worth retrying
         self.reset()
 
     def reset(self) -> None:
@@ -109,6 +118,11 @@ class TerminalChat:
                 self._print(format_stats(self.session.stats(), self.last_reply))
             case "/think":
                 self.think(args)
+            case "/retry":
+                if self.retry_text is None:
+                    self._say("Nothing to retry.")
+                else:
+                    self.reply(self.retry_text)
             case "/help":
                 self._print("\n".join(f"{cmd:<8} {what}" for cmd, what in COMMANDS.items()))
             case _:
@@ -127,6 +141,7 @@ class TerminalChat:
     def reply(self, text: str) -> None:
         """Stream the reply to `text`; keep both in the history only when the reply finished."""
         question = ChatMessage("user", text)
+        self.retry_text = None
         stream = self.session.generate([*self.history, question], self.config)
         try:
             finished = self._stream(stream)
@@ -138,8 +153,16 @@ class TerminalChat:
         except RequestFailed as err:
             self.render.cut()
             self._say(f"error: {err}")
+            if err.kind in RETRYABLE:
+                self.retry_text = text
+                self._say("[/retry asks again]")
             return
         self.render.finish(finished.tail)
+        if finished.reason == "interrupted":  # a remote's stream was cut: the part shown is all there is
+            self.retry_text = text
+            why = finished.stats.get("error", {}).get("message", "the reply did not finish")
+            self._say(f"[reply interrupted: {why} It is left out of the conversation; /retry asks again]")
+            return
         self.history += [question, ChatMessage("assistant", finished.text)]
         self.last_reply = finished
         if finished.reason == "length":
@@ -186,6 +209,9 @@ def _cancel(stream: Iterator) -> None:
 
 def format_stats(stats: Stats, reply: Finished | None) -> str:
     """Telemetry in two readable lines: the last reply's speed, then the engine's state."""
+    remote = remote_stats(stats)
+    if remote is not None:
+        return format_remote_stats(remote, reply)
     if reply is None:
         last = "none yet"
     else:
@@ -218,6 +244,27 @@ def format_stats(stats: Stats, reply: Finished | None) -> str:
     return f"last reply: {last}\nengine: {engine}"
 
 
+def format_remote_stats(remote: RemoteStats, reply: Finished | None) -> str:
+    """A remote engine's telemetry: the last reply as measured here, then what its /metrics say."""
+    last = "none yet"
+    if reply is not None:
+        s = reply.stats
+        last = (
+            f"{reply.completion_tokens} tokens, {_fmt(s.get('tokens_per_s'), '.1f')} tok/s, "
+            f"time to first token {_fmt(s.get('ttft_ms'), '.0f')} ms, tpot {_fmt(s.get('tpot_ms'), '.1f')} ms"
+        )
+    m = remote.metrics
+    served = f"{remote.model or 'no model'} on {remote.base_url}"
+    if m.error is not None:
+        return f"last reply: {last}\nremote: {served}; no server metrics ({m.error})"
+    return (
+        f"last reply: {last}\nremote: {served} ({m.engine or 'unknown engine'}); "
+        f"KV cache {_pct(m.kv_cache_usage)}, requests running {_fmt(m.requests_running, '.0f')}, "
+        f"waiting {_fmt(m.requests_waiting, '.0f')}, prefix cache hits {_pct(m.prefix_cache_hit_rate)}, "
+        f"accept_len {_fmt(m.accept_len, '.2f')}, expert balance {_fmt(m.ep_balancedness, '.2f')}"
+    )
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -234,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--system", default=None, help="system prompt at the start of every conversation")
     add_session_arguments(parser, max_new_tokens=512)
+    add_remote_arguments(parser)
     return parser
 
 
@@ -250,7 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         progress = RichLoadProgress(sys.stderr) if sys.stderr.isatty() else None
-        session, _, config = open_session(args, progress=progress)
+        if args.remote:
+            session, config = open_remote_session(args)
+        else:
+            session, _, config = open_session(args, progress=progress)
     except (EngineError, KeyboardInterrupt) as err:
         return report_start_failure(err)
     try:

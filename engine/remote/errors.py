@@ -13,11 +13,12 @@ from __future__ import annotations
 import email.utils
 import ssl
 import time
-from typing import Any
-
-import openai
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import EngineError
+
+if TYPE_CHECKING:
+    import openai
 
 UNREACHABLE = "remote_unreachable"  # refused, no route, DNS: nothing answered
 TIMEOUT = "remote_timeout"
@@ -61,6 +62,8 @@ class RemoteError(EngineError):
 def classify(err: BaseException, url: str, during_reply: bool = False) -> RemoteError:
     """The `RemoteError` for what the client raised talking to `url`; `during_reply`: some of a
     reply had arrived, so a lost connection is a cut stream, not an unreachable server."""
+    import openai  # here, not at the top: the kinds above are read where the client is not loaded
+
     if isinstance(err, RemoteError):
         return err
     if isinstance(err, openai.APITimeoutError):

@@ -46,10 +46,11 @@ SILENCE = b""  # answer nothing: the client's read timeout must end the wait
 
 
 class FakeOpenAI:
-    """`answers`: bytes for each chat request in turn (the last one repeats)."""
+    """`answers`: bytes for each chat request in turn (the last one repeats); with `api_key`, a
+    request without `Authorization: Bearer <api_key>` gets a 401."""
 
-    def __init__(self, *answers: bytes):
-        self.answers = list(answers)
+    def __init__(self, *answers: bytes, api_key: str | None = None):
+        self.answers, self.api_key = list(answers), api_key
         self.requests: list[dict] = []
         fake = self
 
@@ -85,6 +86,9 @@ class FakeOpenAI:
         while len(body) < length:
             body += sock.recv(65536)
         path = head.split(b" ")[1].decode()
+        if self.api_key is not None and f"authorization: bearer {self.api_key}".encode() not in head.lower():
+            sock.sendall(http("401 Unauthorized", '{"error": {"message": "Invalid API key"}}'))
+            return
         if path.endswith("/models"):
             sock.sendall(http("200 OK", MODELS))
             return
