@@ -43,6 +43,7 @@ from engine.model.adapters.generic import bind, experts_per_token
 from engine.model.checkpoint import Checkpoint
 from engine.model.folder import load_tokenizer, open_checkpoint
 from engine.model.gguf_file import GgufCheckpoint
+from engine.model.kv_size import kv_element_bytes, kv_reserve_bytes
 from engine.offload.compressed_tensors import compressed_checkpoint
 from engine.offload.eviction import make_policy
 from engine.offload.expert_cache import ExpertCache
@@ -87,7 +88,8 @@ def load_model(
         store, disk_layout = _expert_store(
             folder, checkpoint, hf_model, arch, blocks, dtype, device, config, progress
         )
-        auto_nbytes = _auto_expert_nbytes(hf_model, blocks, device) if config.expert_budget.is_auto else None
+        auto = config.expert_budget.is_auto
+        auto_nbytes = _auto_expert_nbytes(hf_model, blocks, device, config.kv_dtype) if auto else None
         n_slots = cache_slots(
             config.expert_budget, store.expert_nbytes, store.total_experts, top_k, auto_nbytes
         )
@@ -136,11 +138,13 @@ def _expert_store(folder, checkpoint, hf_model, arch, blocks, dtype, device, con
 
     Built in pageable memory; on CUDA a small store is then pinned whole, a big one stays pageable
     and its copies are staged (engine.offload.staging)."""
-    store, disk_layout = _build_store(folder, checkpoint, hf_model, arch, blocks, dtype, config, progress)
+    store, disk_layout = _build_store(
+        folder, checkpoint, hf_model, arch, blocks, dtype, config, progress, device.type == "cpu"
+    )
     return (pinned_if_small(store) if device.type == "cuda" else store), disk_layout
 
 
-def _build_store(folder, checkpoint, hf_model, arch, blocks, dtype, config, progress):
+def _build_store(folder, checkpoint, hf_model, arch, blocks, dtype, config, progress, on_cpu: bool):
     if not isinstance(checkpoint, GgufCheckpoint) and is_mxfp4(hf_model.config):
         return build_mxfp4_store(checkpoint, arch, blocks, dtype, False, config.expert_dtype, progress)
     if isinstance(checkpoint, Fp8Checkpoint | Int4Checkpoint):  # experts kept in the checkpoint's format
@@ -153,7 +157,9 @@ def _build_store(folder, checkpoint, hf_model, arch, blocks, dtype, config, prog
     checkpoint.bind(hf_model)
     _, shapes, num_experts = first_experts(blocks)
     report = (lambda done, total: progress("experts", done, total)) if progress else None
-    store = build_gguf_store(checkpoint, sorted(blocks), num_experts, shapes, False, report)
+    # bfloat16 on the CPU: Q4_K experts repacked for torch's int4 kernel (engine.offload.ggml_int4pack)
+    repack = on_cpu and dtype == torch.bfloat16
+    store = build_gguf_store(checkpoint, sorted(blocks), num_experts, shapes, False, report, repack)
     return store, None
 
 
@@ -269,18 +275,21 @@ def _mib_rounded_up(nbytes: int) -> str:
 
 
 def expert_headroom(total_nbytes: int) -> int:
-    """Device memory an auto budget leaves for activations, the KV cache and the allocator."""
+    """Device memory an auto budget leaves for activations and the allocator (the KV cache apart)."""
     return max(2**30, total_nbytes // 10)
 
 
-def _auto_expert_nbytes(hf_model, blocks, device: torch.device) -> int | None:
-    """Free device memory an auto budget may give the expert cache; None on a CPU device."""
+def _auto_expert_nbytes(hf_model, blocks, device: torch.device, kv_dtype: str = "auto") -> int | None:
+    """Free device memory an auto budget may give the expert cache, after the resident weights, the
+    headroom and a KV cache of KV_RESERVE_TOKENS in --kv-dtype; None on a CPU device."""
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
     routed = {id(p) for _, block in blocks.values() for p in block.experts.parameters()}
     resident = sum(p.numel() * p.element_size() for p in hf_model.parameters() if id(p) not in routed)
-    return free - resident - expert_headroom(total)
+    element = kv_element_bytes(kv_dtype, hf_model.dtype.itemsize)
+    kv = kv_reserve_bytes(hf_model.config.get_text_config().to_dict(), element)
+    return free - resident - expert_headroom(total) - kv
 
 
 def resolve_device(name: str) -> torch.device:

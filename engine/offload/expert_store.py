@@ -32,6 +32,7 @@ from engine.errors import CorruptCheckpointError, DeviceOutOfMemoryError, Missin
 from engine.model.adapters.base import DiskLayout
 from engine.model.checkpoint import Checkpoint
 from engine.offload.fp8 import FP8_DTYPE, Fp8Weight, scale_shape
+from engine.offload.ggml_int4pack import INT4PACK, int4pack_linear
 from engine.offload.ggml_quants import linear as ggml_linear
 from engine.offload.int4 import Int4Weight, packed_shapes
 from engine.offload.quant import QuantSpec, is_weight, quantize_into, quantized_fields
@@ -51,6 +52,7 @@ class ExpertField:
     weight_shape: tuple[int, ...] | None = None  # a ggml field's weight: (out, in), rows of blocks
     block: tuple[int, int] | None = None  # an FP8 field's scale block (its scales: `<name>.scale_inv`)
     int4: str | None = None  # an int4 field's format (its qweight; `<name>.qzeros`, `.scales`, `.g_idx`)
+    packing: str | None = None  # a ggml field repacked for a CPU kernel (`ggml_int4pack.INT4PACK`)
 
     @property
     def nbytes(self) -> int:
@@ -63,9 +65,12 @@ class GgmlWeight(NamedTuple):
     data: torch.Tensor  # uint8 [out, bytes per row]
     ggml_type: int
     shape: tuple[int, int]
+    packing: str | None = None  # INT4PACK: Q4_K repacked at load for the CPU's int4 kernel
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T`: how `engine.offload.quant.linear` computes this format."""
+        if self.packing == INT4PACK:
+            return int4pack_linear(x, self.data, *self.shape)
         return ggml_linear(x, self.data, self.ggml_type, *self.shape)
 
 
@@ -87,12 +92,13 @@ class ExpertLayout:
         )
 
     @classmethod
-    def from_ggml(cls, fields: Iterable[tuple[str, tuple[int, int], int, int]]) -> ExpertLayout:
-        """Fields `(name, (out, in), ggml_type, bytes per row)` of a GGUF file, kept in its blocks."""
+    def from_ggml(cls, fields: Iterable[tuple[str, tuple[int, int], int, int, str | None]]) -> ExpertLayout:
+        """Fields `(name, (out, in), ggml_type, bytes per row, packing)` of a GGUF file, kept in its
+        blocks (packing None) or repacked for a CPU kernel (`INT4PACK`)."""
         return cls._placed(
             [
-                ExpertField(name, (out, row_bytes), torch.uint8, 0, ggml_type, (out, columns))
-                for name, (out, columns), ggml_type, row_bytes in fields
+                ExpertField(name, (out, row_bytes), torch.uint8, 0, ggml_type, (out, columns), packing=pack)
+                for name, (out, columns), ggml_type, row_bytes, pack in fields
             ]
         )
 
@@ -156,7 +162,9 @@ class ExpertLayout:
         views = {}
         for f in self.fields:
             view = buffer[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape)
-            views[f.name] = view if f.ggml_type is None else GgmlWeight(view, f.ggml_type, f.weight_shape)
+            if f.ggml_type is not None:
+                view = GgmlWeight(view, f.ggml_type, f.weight_shape, f.packing)
+            views[f.name] = view
         for f in self.fields:
             if f.block is not None:
                 views[f.name] = Fp8Weight(views[f.name], views.pop(f"{f.name}.scale_inv"), f.block)

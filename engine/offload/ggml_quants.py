@@ -309,8 +309,14 @@ def linear(
     """`x @ W.T` for the quantized `W [out_features, in_features]` (rows along `in_features`).
 
     Float32 x through a type's own `linear` (`engine.offload.ggml_linear`: no float32 matrix
-    of the weight in the file's layout), else `F.linear` on the dequantized weight."""
+    of the weight in the file's layout), else `F.linear` on the dequantized weight. Half-precision
+    x on the CPU goes through the float32 `linear` too, cast back once: bfloat16 matmuls and
+    elementwise ops are slow there (a Q6_K 2048×768 down projection, one token, one thread:
+    dequantize + bfloat16 `F.linear` ~4 ms, this ~1 ms), and the result is the exact product
+    rounded once."""
     traits = ggml_type_traits(ggml_type)
+    if traits.linear is not None and x.dtype != torch.float32 and x.device.type == "cpu":
+        return linear(x.float(), data, ggml_type, out_features, in_features).to(x.dtype)
     if traits.linear is None or x.dtype != torch.float32:
         return F.linear(x, dequantize(data, ggml_type, (out_features, in_features), x.dtype))
     if data.dtype != torch.uint8 or data.numel() != row_bytes(traits.ggml_type, in_features) * out_features:
