@@ -50,6 +50,8 @@ CONFIGURATIONS = (
     Configuration("self-cached+spmoe", spec="self", prefetch="spmoe", cached_only=True),
     Configuration("substitute", spec="substitute"),
     Configuration("substitute+spmoe", spec="substitute", prefetch="spmoe"),
+    Configuration("mtp", spec="mtp"),  # only where the checkpoint has an MTP layer
+    Configuration("mtp+spmoe", spec="mtp", prefetch="spmoe"),
 )
 
 
@@ -176,6 +178,7 @@ def run_compare(args) -> dict:
     from engine.loader import load_model
     from engine.options import model_folder, offload_config
     from engine.prompts import PROMPTS, encode_prompts
+    from engine.speculative.mtp import has_mtp_layer
 
     folder = model_folder(args)
     offload = offload_config(args)
@@ -183,6 +186,7 @@ def run_compare(args) -> dict:
     try:
         prompt_ids = encode_prompts(probe, PROMPTS[: args.prompts])
         total_experts = probe.store.total_experts
+        has_mtp = has_mtp_layer(probe)
     finally:
         probe.close()
     if offload.expert_budget.is_auto:  # the comparison's default: a quarter of the experts cached
@@ -193,7 +197,7 @@ def run_compare(args) -> dict:
         offload = replace(offload, sim_link_gbps=gbps, sim_latency_us=0.0)
         calibration = {"layer_ms": layer_ms, "link_gbps": gbps, "copy_over_layer": LINK_RATIO}
     rows, baseline = [], None
-    for conf in _selected(args):
+    for conf in _selected(args, has_mtp):
         log.info("bench --compare: %s", conf.name)
         row, tokens = bench_configuration(conf, folder, offload, args, prompt_ids)
         baseline = baseline if baseline is not None else tokens
@@ -208,9 +212,13 @@ def run_compare(args) -> dict:
     }
 
 
-def _selected(args) -> list[Configuration]:
+def _selected(args, has_mtp: bool) -> list[Configuration]:
+    """The asked configurations (all by default, the MTP ones only where the checkpoint has an MTP
+    layer); the baseline always first."""
     if not args.configs:
-        return list(CONFIGURATIONS)
+        if not has_mtp:
+            log.info("bench --compare: no MTP layer in this checkpoint, mtp rows left out")
+        return [c for c in CONFIGURATIONS if has_mtp or c.spec != "mtp"]
     names = {c.name: c for c in CONFIGURATIONS}
     unknown = [n for n in args.configs if n not in names]
     if unknown:
