@@ -157,9 +157,9 @@ def _build_store(folder, checkpoint, hf_model, arch, blocks, dtype, config, prog
     checkpoint.bind(hf_model)
     _, shapes, num_experts = first_experts(blocks)
     report = (lambda done, total: progress("experts", done, total)) if progress else None
-    # bfloat16 on the CPU: Q4_K experts repacked for torch's int4 kernel (engine.offload.ggml_int4pack)
-    repack = on_cpu and dtype == torch.bfloat16
-    store = build_gguf_store(checkpoint, sorted(blocks), num_experts, shapes, False, report, repack)
+    # experts computed on the CPU: repacked where it is faster there (engine.offload.ggml_repack)
+    repack_for = dtype if on_cpu else None
+    store = build_gguf_store(checkpoint, sorted(blocks), num_experts, shapes, False, report, repack_for)
     return store, None
 
 

@@ -32,8 +32,8 @@ from engine.errors import CorruptCheckpointError, DeviceOutOfMemoryError, Missin
 from engine.model.adapters.base import DiskLayout
 from engine.model.checkpoint import Checkpoint
 from engine.offload.fp8 import FP8_DTYPE, Fp8Weight, scale_shape
-from engine.offload.ggml_int4pack import INT4PACK, int4pack_linear
 from engine.offload.ggml_quants import linear as ggml_linear
+from engine.offload.ggml_repack import repacked_linear
 from engine.offload.int4 import Int4Weight, packed_shapes
 from engine.offload.quant import QuantSpec, is_weight, quantize_into, quantized_fields
 
@@ -52,7 +52,7 @@ class ExpertField:
     weight_shape: tuple[int, ...] | None = None  # a ggml field's weight: (out, in), rows of blocks
     block: tuple[int, int] | None = None  # an FP8 field's scale block (its scales: `<name>.scale_inv`)
     int4: str | None = None  # an int4 field's format (its qweight; `<name>.qzeros`, `.scales`, `.g_idx`)
-    packing: str | None = None  # a ggml field repacked for a CPU kernel (`ggml_int4pack.INT4PACK`)
+    packing: str | None = None  # a ggml field repacked for the CPU (`engine.offload.ggml_repack`)
 
     @property
     def nbytes(self) -> int:
@@ -65,12 +65,12 @@ class GgmlWeight(NamedTuple):
     data: torch.Tensor  # uint8 [out, bytes per row]
     ggml_type: int
     shape: tuple[int, int]
-    packing: str | None = None  # INT4PACK: Q4_K repacked at load for the CPU's int4 kernel
+    packing: str | None = None  # repacked at load for the CPU (`engine.offload.ggml_repack`)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T`: how `engine.offload.quant.linear` computes this format."""
-        if self.packing == INT4PACK:
-            return int4pack_linear(x, self.data, *self.shape)
+        if self.packing is not None:
+            return repacked_linear(self.packing, x, self.data, *self.shape)
         return ggml_linear(x, self.data, self.ggml_type, *self.shape)
 
 
@@ -94,7 +94,7 @@ class ExpertLayout:
     @classmethod
     def from_ggml(cls, fields: Iterable[tuple[str, tuple[int, int], int, int, str | None]]) -> ExpertLayout:
         """Fields `(name, (out, in), ggml_type, bytes per row, packing)` of a GGUF file, kept in its
-        blocks (packing None) or repacked for a CPU kernel (`INT4PACK`)."""
+        blocks (packing None) or repacked for the CPU (`engine.offload.ggml_repack`)."""
         return cls._placed(
             [
                 ExpertField(name, (out, row_bytes), torch.uint8, 0, ggml_type, (out, columns), packing=pack)

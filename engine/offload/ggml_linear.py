@@ -34,7 +34,9 @@ import torch.nn.functional as F
 _scratch = threading.local()
 
 
-def _buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def scratch_buffer(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """A reused work buffer of `shape` on the CPU (the largest asked for is kept, per thread);
     a fresh tensor elsewhere, where the caching allocator already reuses memory."""
     if device.type != "cpu":
@@ -61,11 +63,11 @@ def q4_k_linear(x: torch.Tensor, fields: dict[str, torch.Tensor], out_features: 
     n = fields["qs"].shape[0]
     sc, mn = k_scale_min(fields["scales"])
     qs = fields["qs"].view(n, 4, 1, 32)  # [n, g, 1, byte]
-    codes = _buffer("codes", (n, 4, 2, 32), torch.uint8, x.device)  # [n, g, h, byte]: the file's order
+    codes = scratch_buffer("codes", (n, 4, 2, 32), torch.uint8, x.device)  # [n, g, h, byte]: the file's order
     # whole-tensor ops, then copies into the interleave: an `out=` into it is 3× slower
     codes[:, :, :1].copy_(qs & 0xF)
     codes[:, :, 1:].copy_(qs >> 4)
-    weight = _buffer("weight", (n, 8, 32), torch.float32, x.device)
+    weight = scratch_buffer("weight", (n, 8, 32), torch.float32, x.device)
     weight.copy_(codes.view(n, 8, 32))
     weight.mul_((fields["d"] * sc).unsqueeze(-1)).sub_((fields["dmin"] * mn).unsqueeze(-1))
     return F.linear(x, weight.view(out_features, -1))
@@ -76,7 +78,7 @@ def q6_k_linear(x: torch.Tensor, fields: dict[str, torch.Tensor], out_features: 
     bits 2k of `qh`; 16 sub-blocks of 16 with signed 8-bit scales."""
     n = fields["ql"].shape[0]
     ql, qh = fields["ql"].view(n, 2, 2, 32), fields["qh"].view(n, 2, 32)  # [n, half, k%2, l], [n, half, l]
-    codes = _buffer("codes", (n, 2, 2, 2, 32), torch.uint8, x.device)  # [n, half, k//2, k%2, l]
+    codes = scratch_buffer("codes", (n, 2, 2, 2, 32), torch.uint8, x.device)  # [n, half, k//2, k%2, l]
     torch.bitwise_and(ql, 0xF, out=codes[:, :, 0])
     torch.bitwise_right_shift(ql, 4, out=codes[:, :, 1])
     quarters = codes.view(n, 2, 4, 32)
@@ -84,7 +86,7 @@ def q6_k_linear(x: torch.Tensor, fields: dict[str, torch.Tensor], out_features: 
         high = qh << (4 - 2 * k) if k < 2 else qh >> (2 * k - 4)
         quarters[:, :, k].bitwise_or_(high.bitwise_and_(0x30))
     signed = codes.sub_(32).view(torch.int8)  # q − 32, two's complement
-    weight = _buffer("weight", (n, 16, 16), torch.float32, x.device)
+    weight = scratch_buffer("weight", (n, 16, 16), torch.float32, x.device)
     weight.copy_(signed.view(n, 16, 16))
     weight.mul_((fields["d"] * fields["scales"].float()).view(n, 16, 1))
     return F.linear(x, weight.view(out_features, -1))

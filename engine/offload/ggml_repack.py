@@ -1,66 +1,91 @@
-"""Q4_K experts repacked once, at load, for torch's CPU int4 kernel: the bfloat16 path.
+"""GGUF expert weights repacked once, at load, into forms the CPU computes fast.
 
-Contract: `repack_q4_k(blocks, out, in)` turns one Q4_K weight `[out, in]` (the file's blocks,
-uint8 `[out, row bytes]`) into `packed_nbytes(out, in)` bytes: first the codes as
-`torch.ops.aten._convert_weight_to_int4pack_for_cpu` lays them out (uint8 `[out, in / 2]`, a
-layout of this CPU's kernel), then bfloat16 scales and zeros `[in / 32, out, 2]`.
-`int4pack_linear(x, packed, out, in)` is `x @ W.T` from those bytes through
-`torch.ops.aten._weight_int4pack_mm_for_cpu`, in bfloat16 (other dtypes are cast to it and back).
+Contract: `packing_for(ggml_type, out, in, dtype)` names the packing a weight of the file gets on
+the CPU for a model computing in `dtype` (None: it stays in the file's blocks);
+`repack(packing, blocks, out, in)` turns the file's bytes of one `[out, in]` weight into
+`packed_nbytes(packing, out, in)` bytes; `repacked_linear(packing, x, packed, out, in)` is
+`x @ W.T` from them, in x's dtype. Each packing is a layout of plain arrays, back to back:
 
-Exact fit of the values, not of their precision: a Q4_K weight is `d·sc·q − dmin·m` for its
-32-weight sub-block, and the kernel computes `(q − 8)·scale + zero` per group of 32, so
-`scale = d·sc` and `zero = 8·scale − dmin·m`. The kernel takes its scales in the activations'
-dtype: in bfloat16 each sub-block's scale and zero are rounded to 8 bits of mantissa (a weight
-moves by at most ~1/64 of its sub-block's step, about what storing W in bfloat16 does to it),
-and the kernel accumulates in float32 and rounds its output to bfloat16. So the path is used
-only where the model computes in bfloat16 on the CPU (`gguf_store`, `repack=True`); float32
-runs keep `ggml_linear`'s bit-exact rebuild. Measured on a 768-wide tiny GGUF model against
-transformers in bfloat16 on the dequantized weights: see tests/engine/offload/test_ggml_int4pack.py.
+    INT4PACK   Q4_K, bfloat16 runs   codes as torch's `_convert_weight_to_int4pack_for_cpu`
+                                     lays them out (uint8 [out, in/2], this CPU's kernel layout),
+                                     then bfloat16 scale and zero [in/32, out, 2]   160 B / 256 w
+    Q6_K_INT8  Q6_K, any dtype       int8 codes q−32 [out, in], int8 sub-block scales
+                                     [out, in/16], f16 d [out, in/256]             274 B / 256 w
 
-Why (this 2-core AVX2 CPU, torch 2.13, one thread, under other jobs' load, median ms, 1536×2048
-Q4_K; then 2048×768): one row 0.48–0.70 (0.31) against 6.6 (2.2) for the float32 rebuild and
-0.61 (0.16) for a native float32 matrix; 16 rows 5.7 (4.3) against 10.9 (6.9). The kernel has
-no vectorised float32 path on x86 (8.6 ms a row: a scalar loop), hence bfloat16 only. Computing
-the scales and zeros from the Q4_K header at each call costs 1.3 ms (3× the kernel), so they are
-stored: 160 bytes per 256 weights against Q4_K's 144 (the store is 1.11× the file's experts).
+INT4PACK goes through `torch.ops.aten._weight_int4pack_mm_for_cpu`. Q4_K's `d·sc·q − dmin·m`
+per 32-weight sub-block is the kernel's `(q − 8)·scale + zero` with `scale = d·sc`,
+`zero = 8·scale − dmin·m`, but the kernel takes scales in x's dtype and has no vectorised
+float32 path on x86 (8.6 ms a row for 1536×2048: a scalar loop), so it serves bfloat16 runs
+only: scale and zero rounded to 8 bits of mantissa (a weight moves by about what storing it in
+bfloat16 does), float32 accumulation, output rounded to bfloat16. Float32 runs keep
+`ggml_linear`'s bit-exact rebuild of Q4_K. Computing scale and zero from the Q4_K header at
+each call costs 3× the kernel (1.3 ms), hence stored: 1.11× Q4_K's bytes.
+
+Q6_K_INT8 rebuilds the float32 weight bit for bit as `ggml_linear.q6_k_linear` does (int8
+codes converted, times float32 `d·sc`), without unpacking 6-bit codes from two bit planes
+(~10 passes over the matrix), `ggml_quants.CHUNK_BYTES` of rows at a time: exact in float32,
+the exact product rounded once in bfloat16; 1.30× Q6_K's bytes.
+
+Measured on this 2-core AVX2 CPU, torch 2.13, one thread, under other jobs' load (load average
+~5), median ms: Q4_K 1536×2048, one row: int4pack 0.5–0.7 against 6.6 for the float32 rebuild
+(native float32 weights 0.6); 16 rows 5.7 against 10.9. Q6_K 2048×768, one row: Q6_K_INT8 1.2
+against 5.7–14.8 for the bit-plane rebuild (native float32 0.6); 16 rows 7.1 against 9.6–17.8.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from engine.offload.ggml_linear import k_scale_min
+from engine.offload.ggml_linear import k_scale_min, scratch_buffer
+from engine.offload.ggml_quants import CHUNK_BYTES, row_bytes, unpack_bits
 
-INT4PACK = "int4pack"  # the packing's name, as an `ExpertField.packing`
-GROUP = 32  # weights per scale and zero: one Q4_K sub-block
-_Q4_K_BLOCK, _Q4_K_BYTES = 256, 144
-_N_BLOCK = 16  # the kernel takes its output rows in blocks of 16, 32, 48 or 64
-
-
-def can_repack(ggml_type: int, out_features: int, in_features: int) -> bool:
-    """Whether a weight of this type and shape has an int4pack form."""
-    return (
-        ggml_type == GGMLQuantizationType.Q4_K
-        and out_features % _N_BLOCK == 0
-        and in_features % _Q4_K_BLOCK == 0
-    )
+Q = GGMLQuantizationType
+INT4PACK = "int4pack"  # an `ExpertField.packing`
+Q6_K_INT8 = "q6_k_int8"
+GROUP = 32  # int4pack: weights per scale and zero, one Q4_K sub-block
+_N_BLOCK = 16  # int4pack: the kernel takes its output rows in blocks of 16, 32, 48 or 64
+_SOURCE = {INT4PACK: Q.Q4_K, Q6_K_INT8: Q.Q6_K}
 
 
-def packed_nbytes(out_features: int, in_features: int) -> int:
-    """Bytes of a repacked `[out, in]` weight: 4-bit codes, then a bfloat16 scale and zero per 32."""
-    return out_features * in_features // 2 + (in_features // GROUP) * out_features * 2 * 2
+def packing_for(ggml_type: int, out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
+    """The packing a CPU model computing in `dtype` gives this weight; None keeps the file's blocks."""
+    if ggml_type == Q.Q4_K and dtype == torch.bfloat16 and out_features % _N_BLOCK == 0:
+        return INT4PACK
+    if ggml_type == Q.Q6_K:
+        return Q6_K_INT8
+    return None
 
 
-def repack_q4_k(blocks: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """Q4_K blocks (uint8, `out * in / 256 * 144` bytes) -> the int4pack bytes of the same weight."""
-    if not can_repack(GGMLQuantizationType.Q4_K, out_features, in_features):
-        raise ValueError(f"A {out_features}×{in_features} Q4_K weight has no int4pack form.")
-    expected = out_features * in_features // _Q4_K_BLOCK * _Q4_K_BYTES
+def packed_nbytes(packing: str, out_features: int, in_features: int) -> int:
+    """Bytes of a repacked `[out, in]` weight."""
+    weights = out_features * in_features
+    if packing == INT4PACK:
+        return weights // 2 + weights // GROUP * 2 * 2
+    if packing == Q6_K_INT8:
+        return weights + weights // 16 + weights // 256 * 2
+    raise ValueError(f"Unknown packing {packing!r}.")
+
+
+def repack(packing: str, blocks: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The file's blocks of one `[out, in]` weight (uint8) -> its `packing` bytes (a new tensor)."""
+    source = _SOURCE.get(packing)
+    if source is None or packing_for(source, out_features, in_features, torch.bfloat16) != packing:
+        raise ValueError(f"A {out_features}×{in_features} weight has no {packing} form.")
+    expected = row_bytes(source, in_features) * out_features
     if blocks.dtype != torch.uint8 or blocks.numel() != expected:
-        raise ValueError(f"Q4_K {out_features}×{in_features} takes {expected} bytes; got {blocks.numel()}.")
-    blocks = blocks.reshape(-1, _Q4_K_BYTES)  # [n, 144]: d f16 | dmin f16 | scales[12] | qs[128]
-    n = blocks.shape[0]
+        raise ValueError(
+            f"{source.name} {out_features}×{in_features} takes {expected} bytes; got {blocks.numel()}."
+        )
+    out = torch.empty(packed_nbytes(packing, out_features, in_features), dtype=torch.uint8)
+    fill = _repack_q4_k if packing == INT4PACK else _repack_q6_k
+    fill(blocks.reshape(out_features * in_features // 256, -1), out, out_features, in_features)
+    return out
+
+
+def _repack_q4_k(blocks: torch.Tensor, out: torch.Tensor, out_features: int, in_features: int) -> None:
+    n = blocks.shape[0]  # [n, 144]: d f16 | dmin f16 | scales[12] | qs[128]
     qs = blocks[:, 16:].reshape(n, 4, 1, 32)  # sub-block 2g+h: nibble h of bytes 32g..32g+31
     codes = torch.cat([qs & 0xF, qs >> 4], dim=2).reshape(out_features, in_features)
     packed_codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
@@ -71,25 +96,53 @@ def repack_q4_k(blocks: torch.Tensor, out_features: int, in_features: int) -> to
     zero = 8 * scale - dmin * mn
     # [in/32, out, 2]: the kernel reads one group's scales and zeros for a block of rows at once
     scale_zero = torch.stack([scale, zero], dim=-1).view(out_features, -1, 2).transpose(0, 1)
-    out = torch.empty(packed_nbytes(out_features, in_features), dtype=torch.uint8)
     split = out_features * in_features // 2
     out[:split].copy_(packed_codes.reshape(-1))
     out[split:].view(torch.bfloat16).view(scale_zero.shape).copy_(scale_zero)
-    return out
 
 
-def int4pack_linear(
-    x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int
+def _repack_q6_k(blocks: torch.Tensor, out: torch.Tensor, out_features: int, in_features: int) -> None:
+    n = blocks.shape[0]  # [n, 210]: ql[128] | qh[64] | scales i8[16] | d f16
+    codes = unpack_bits(blocks[:, :128], 4, 64).bitwise_or_(unpack_bits(blocks[:, 128:192], 2, 32) << 4)
+    weights = out_features * in_features
+    out[:weights].copy_(codes.sub_(32).view(-1))  # q − 32 wraps to its int8 value
+    out[weights : weights + n * 16].copy_(blocks[:, 192:208].reshape(-1))
+    out[weights + n * 16 :].copy_(blocks[:, 208:210].reshape(-1))
+
+
+def repacked_linear(
+    packing: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int
 ) -> torch.Tensor:
-    """`x @ W.T` for a weight `repack_q4_k` packed, `x [..., in]`; bfloat16 inside, x's dtype out."""
+    """`x @ W.T` for a weight `repack` packed, `x [..., in]`, in x's dtype."""
     if packed.device.type != "cpu":
-        raise ValueError(f"int4pack experts are computed on the CPU only, not on {packed.device}.")
-    if packed.dtype != torch.uint8 or packed.numel() != packed_nbytes(out_features, in_features):
-        raise ValueError(f"int4pack bytes do not hold a {out_features}×{in_features} weight")
-    flat = packed.reshape(-1)
-    split = out_features * in_features // 2
-    codes = flat[:split].view(out_features, in_features // 2)
-    scale_zero = flat[split:].view(torch.bfloat16).view(in_features // GROUP, out_features, 2)
-    tokens = x.reshape(-1, in_features).to(torch.bfloat16).contiguous()
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(tokens, codes, GROUP, scale_zero)
+        raise ValueError(f"Repacked ({packing}) experts compute on the CPU only, not on {packed.device}.")
+    if packed.dtype != torch.uint8 or packed.numel() != packed_nbytes(packing, out_features, in_features):
+        raise ValueError(f"{packing} bytes do not hold a {out_features}×{in_features} weight")
+    tokens, flat = x.reshape(-1, in_features), packed.reshape(-1)
+    if packing == INT4PACK:
+        split = out_features * in_features // 2
+        codes = flat[:split].view(out_features, in_features // 2)
+        scale_zero = flat[split:].view(torch.bfloat16).view(in_features // GROUP, out_features, 2)
+        tokens = tokens.to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(tokens, codes, GROUP, scale_zero)
+    else:
+        y = _q6_k_int8_linear(tokens.float(), flat, out_features, in_features)
     return y.to(x.dtype).view(*x.shape[:-1], out_features)
+
+
+def _q6_k_int8_linear(
+    x: torch.Tensor, flat: torch.Tensor, out_features: int, in_features: int
+) -> torch.Tensor:
+    weights, subs = out_features * in_features, in_features // 16
+    codes = flat[:weights].view(torch.int8).view(out_features, subs, 16)
+    sub_scales = flat[weights : weights + weights // 16].view(torch.int8).view(out_features, -1, 16)
+    d = flat[weights + weights // 16 :].view(torch.float16).view(out_features, -1, 1)
+    step = max(1, CHUNK_BYTES // (4 * in_features))  # rows whose float32 weight stays in cache
+    parts = []
+    for start in range(0, out_features, step):
+        rows = slice(start, min(start + step, out_features))
+        weight = scratch_buffer("weight", (rows.stop - start, subs, 16), torch.float32, x.device)
+        weight.copy_(codes[rows])
+        weight.mul_((d[rows].float() * sub_scales[rows].float()).view(-1, subs, 1))  # as ggml: d·sc
+        parts.append(F.linear(x, weight.view(-1, in_features)))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)

@@ -8,10 +8,10 @@ as Q4_K bytes and is dequantized only where it is computed (`engine.offload.ggml
 Layers may differ in type (Q4_K_M gives some down projections Q6_K): each layer has its own
 layout, and a device slot is as wide as the widest.
 
-With `repack` (the loader asks for it when the model computes in bfloat16 on the CPU), Q4_K
-fields are repacked as they are read for torch's CPU int4 kernel (`engine.offload.ggml_int4pack`:
-~10× faster a token than rebuilding the float32 weight, 1.11× the bytes); other types stay
-as the file has them.
+With `repack_for` (the compute dtype, when the experts are computed on the CPU), fields are
+repacked as they are read where `engine.offload.ggml_repack` has a faster form: Q4_K for torch's
+int4 kernel in bfloat16 runs (1.11× the bytes), Q6_K as int8 codes in any (bit-exact, 1.30×);
+other types stay as the file has them.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch
 from engine.errors import CorruptCheckpointError, MissingTensorsError, UnsupportedQuantizationError
 from engine.model.gguf_file import GgufCheckpoint
 from engine.offload.expert_store import ExpertLayout, ExpertStore, allocate_layer
-from engine.offload.ggml_int4pack import INT4PACK, can_repack, packed_nbytes, repack_q4_k
 from engine.offload.ggml_quants import row_bytes
+from engine.offload.ggml_repack import packed_nbytes, packing_for, repack
 
 
 def build_gguf_store(
@@ -35,17 +35,17 @@ def build_gguf_store(
     shapes: dict[str, tuple[int, ...]],
     pin: bool,
     progress: Callable[[int, int], None] | None = None,
-    repack: bool = False,
+    repack_for: torch.dtype | None = None,
 ) -> ExpertStore:
     """Pack every routed expert of `moe_layers` from the file's blocks, without dequantizing
-    (Q4_K repacked for the CPU's int4 kernel with `repack`).
+    (repacked for the CPU computing in `repack_for`, if given).
 
     `shapes` are transformers' per-expert field shapes (`gate_up_proj` [2I, H], `down_proj` [H, I])."""
     layouts, layers = {}, {}
     total, done = len(moe_layers) * num_experts, 0
     for layer in moe_layers:
         tensors = _layer_tensors(gguf, layer, num_experts, shapes)
-        layout = layer_layout(tensors, repack)
+        layout = layer_layout(tensors, repack_for)
         packed = allocate_layer(num_experts, layout.nbytes, pin, layer)
         if any(f.packing for f in layout.fields):
             _repack_layer(gguf, packed, layout, tensors)
@@ -85,9 +85,9 @@ def _layer_tensors(gguf: GgufCheckpoint, layer: int, num_experts: int, shapes) -
     return tensors
 
 
-def layer_layout(tensors: dict, repack: bool = False) -> ExpertLayout:
+def layer_layout(tensors: dict, repack_for: torch.dtype | None = None) -> ExpertLayout:
     """One expert of a layer: gate and up rows as `gate_up_proj`, then `down_proj`, in ggml blocks
-    (Q4_K ones repacked for the CPU's int4 kernel with `repack`)."""
+    (repacked for the CPU computing in `repack_for`, where `ggml_repack` has a form)."""
     gate, down = tensors["gate"], tensors["down"]
     _, inter, hidden = (int(d) for d in reversed(gate.shape))
     fields = []
@@ -95,10 +95,12 @@ def layer_layout(tensors: dict, repack: bool = False) -> ExpertLayout:
         ("gate_up_proj", (2 * inter, hidden), int(gate.tensor_type)),
         ("down_proj", (hidden, inter), int(down.tensor_type)),
     ):
-        if repack and can_repack(ggml_type, out, columns):
-            fields.append((name, (out, columns), ggml_type, packed_nbytes(out, columns) // out, INT4PACK))
+        packing = packing_for(ggml_type, out, columns, repack_for) if repack_for is not None else None
+        if packing is not None:
+            per_row = packed_nbytes(packing, out, columns) // out
         else:
-            fields.append((name, (out, columns), ggml_type, row_bytes(ggml_type, columns), None))
+            per_row = row_bytes(ggml_type, columns)
+        fields.append((name, (out, columns), ggml_type, per_row, packing))
     return ExpertLayout.from_ggml(fields)
 
 
@@ -119,8 +121,8 @@ def _repack_layer(gguf: GgufCheckpoint, packed: torch.Tensor, layout: ExpertLayo
         source, target = file_layout.views(staging[0]), layout.views(packed[expert])
         for field in layout.fields:
             blocks, row = source[field.name].data, target[field.name].data
-            if field.packing == INT4PACK:
-                row.copy_(repack_q4_k(blocks, *field.weight_shape).view(row.shape))
+            if field.packing is not None:
+                row.copy_(repack(field.packing, blocks, *field.weight_shape).view(row.shape))
             else:
                 row.copy_(blocks)
 
