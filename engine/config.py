@@ -36,6 +36,10 @@ CACHE_POLICIES: tuple[str, ...] = ("lru", "lfu", "mrs")  # engine.offload.evicti
 # Routed experts as the checkpoint has them, or group-wise quantized (engine.offload.quant): opt-in,
 # because quantized experts change the model's outputs.
 EXPERT_DTYPES = ("native", "int8", "int4")
+# The KV cache's storage precision, apart from the compute dtype (engine.model.kv_cache): auto keeps
+# the compute dtype; float8_e4m3fn stores a byte per element with a per-head scale.
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")
+KV_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,7 @@ class OffloadConfig:
     sim_latency_us: float = 10.0
     mrs_alpha: float = 0.5
     expert_dtype: str = "native"  # native | int8 | int4
+    kv_dtype: str = "auto"  # auto (the compute dtype) | float32 | bfloat16 | float16 | float8_e4m3fn
 
     def validate(self) -> None:
         if self.device.split(":")[0] not in DEVICES:
@@ -135,6 +140,10 @@ class OffloadConfig:
             raise InvalidRequestError(
                 f"Unknown expert dtype {self.expert_dtype!r}; choose one of {', '.join(EXPERT_DTYPES)} "
                 "(native keeps the checkpoint's precision; int8 and int4 quantize the routed experts)."
+            )
+        if self.kv_dtype not in KV_DTYPES:
+            raise InvalidRequestError(
+                f"Unknown KV cache dtype {self.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}."
             )
         if self.policy.lower() not in CACHE_POLICIES:
             raise InvalidRequestError(

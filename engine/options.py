@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 
+from engine.config import KV_DTYPE_ALIASES, KV_DTYPES
 from engine.errors import InvalidRequestError
 from engine.generation_config import (
     AUTO,
@@ -50,6 +51,14 @@ def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "--kv-dtype",
+        default="auto",
+        type=lambda name: KV_DTYPE_ALIASES.get(name, name),
+        choices=KV_DTYPES,
+        help="KV cache storage precision (fp32, bf16, fp16, fp8 = float8_e4m3fn with per-head scales); "
+        "auto: the compute dtype. Smaller leaves more device memory for experts",
+    )
     parser.add_argument("--policy", default="lru", choices=("lru", "lfu", "mrs"), help="cache eviction")
     parser.add_argument(
         "--expert-dtype",
@@ -223,4 +232,5 @@ def offload_config(args: argparse.Namespace, expert_budget: str | None = None):
         sim_link_gbps=sim_link_gbps(args),
         sim_latency_us=args.sim_latency_us,
         expert_dtype=args.expert_dtype,
+        kv_dtype=args.kv_dtype,
     )

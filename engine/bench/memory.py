@@ -13,7 +13,7 @@ import sys
 
 import psutil
 
-from engine.model.kv_size import KvShape
+from engine.model.kv_size import KvShape, kv_element_bytes
 
 
 def peak_rss_bytes() -> int:
@@ -29,8 +29,9 @@ def current_rss_bytes() -> int:
 
 
 def kv_cache_bytes(model, tokens: int) -> int:
-    """The model's KV cache after `tokens` tokens, in its compute dtype."""
-    element = model.dtype.itemsize if hasattr(model.dtype, "itemsize") else 2
+    """The model's KV cache after `tokens` tokens, as --kv-dtype stores it (auto: the compute dtype)."""
+    compute = model.dtype.itemsize if hasattr(model.dtype, "itemsize") else 2
+    element = kv_element_bytes(model.config.kv_dtype, compute)
     return KvShape.from_config(model.hf_config.to_dict()).nbytes(tokens, element)
 
 

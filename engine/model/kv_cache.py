@@ -6,6 +6,13 @@ indexer keys of sparse attention, and the conv and recurrent state of linear-att
 DeltaNet) and Mamba layers. `rewindable` keeps every position of sliding-window layers (the window
 is still applied by the attention mask) so speculative decoding can crop rejected drafts.
 
+`kv_dtype` stores the attention layers' keys and values in another precision than the model
+computes in (bf16 or fp16 halves a float32 cache; float8_e4m3fn quarters it, each head scaled so
+its largest value at the first write sits well inside e4m3's range): `update` stores the new
+positions in that dtype and gives the attention every position back in the compute dtype, as
+transformers' QuantizedCache does (no fused low-precision attention here). Linear-attention and
+Mamba state stays in the compute dtype: it is a running sum, not a list of positions.
+
 `rewind_cache(cache, length, saved)` drops every position from `length` on. Attention layers are
 cropped; a recurrent state sums every position it has seen and cannot be cropped, so it goes back
 to a `RecurrentState` saved when the cache held exactly `length` positions. Keeping a longer prefix
@@ -18,6 +25,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import (
     DynamicLayer,
@@ -39,12 +47,81 @@ _STATE_FIELDS = (
 )
 
 
-def new_kv_cache(config: PretrainedConfig, rewindable: bool = False) -> DynamicCache:
-    """The model's own cache for `config`; `rewindable`: sliding layers keep every position."""
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+# the first write's largest value per head maps to 448 / FP8_HEADROOM: later positions up to that
+# many times larger still fit (beyond it they saturate); e4m3 keeps its 3-bit mantissa down to 2**-6
+FP8_HEADROOM = 8.0
+
+
+def new_kv_cache(
+    config: PretrainedConfig, rewindable: bool = False, kv_dtype: torch.dtype | None = None
+) -> DynamicCache:
+    """The model's own cache for `config`; `rewindable`: sliding layers keep every position;
+    `kv_dtype`: keys and values stored in that dtype (None: as computed)."""
     cache = DynamicCache(config=config)
     if rewindable:
         cache.layers = [_unwindowed(layer) for layer in cache.layers]
+    if kv_dtype is not None:
+        cache.layers = [_stored_as(layer, kv_dtype) for layer in cache.layers]
     return cache
+
+
+class _StoredKV:
+    """An attention layer cache whose keys and values are kept in `storage` (a mixin over
+    transformers' DynamicLayer and DynamicSlidingWindowLayer, whose cat/crop/slicing it reuses)."""
+
+    storage: torch.dtype
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # fp8: keys', values' [1, heads, 1, 1]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        compute = key_states.dtype
+        if self.storage == FP8 and self.scales is None:
+            self.scales = (_head_scale(key_states), _head_scale(value_states))
+        keys, values = super().update(
+            self._encode(key_states, 0), self._encode(value_states, 1), *args, **kwargs
+        )
+        return self._decode(keys, 0, compute), self._decode(values, 1, compute)
+
+    def _encode(self, states: torch.Tensor, which: int) -> torch.Tensor:  # [B, heads, T, head_dim]
+        if self.storage != FP8:
+            return states.to(self.storage)
+        return (states / self.scales[which]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+    def _decode(self, stored: torch.Tensor, which: int, compute: torch.dtype) -> torch.Tensor:
+        if self.storage != FP8:
+            return stored.to(compute)
+        return stored.to(compute) * self.scales[which].to(compute)
+
+
+def _head_scale(states: torch.Tensor) -> torch.Tensor:
+    """Per head: the first write's largest magnitude over FP8_MAX / FP8_HEADROOM (never 0)."""
+    amax = states.detach().abs().float().amax(dim=(0, 2, 3), keepdim=True)  # [1, heads, 1, 1]
+    return (amax * FP8_HEADROOM / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+class StoredLayer(_StoredKV, DynamicLayer):
+    def __init__(self, storage: torch.dtype):
+        super().__init__()
+        self.storage = storage
+
+
+class StoredSlidingWindowLayer(_StoredKV, DynamicSlidingWindowLayer):
+    def __init__(self, sliding_window: int, storage: torch.dtype):
+        super().__init__(sliding_window=sliding_window)
+        self.storage = storage
+
+
+def _stored_as(layer, storage: torch.dtype):
+    """`layer` keeping its keys and values in `storage`; layers with recurrent state are left as
+    they are (their attention part too: they are one object)."""
+    if type(layer) is DynamicLayer:
+        return StoredLayer(storage)
+    if type(layer) is DynamicSlidingWindowLayer:
+        stored = StoredSlidingWindowLayer(layer.sliding_window, storage)
+        stored.record_past = layer.record_past
+        return stored
+    return layer
 
 
 def _unwindowed(layer):

@@ -4,6 +4,8 @@ The catalog's fit estimate and the bench count it the same way: every attention 
 and a value of `kv_heads × head_dim` per token, except that a sliding-window layer keeps at most
 `window - 1` tokens (transformers' `DynamicCache(config=…)` drops the rest), and DeepSeek's MLA
 layers keep their compressed latent (one head: `kv_lora_rank` wide keys, `qk_rope_head_dim` values).
+An element is as wide as `--kv-dtype` stores it (`kv_element_bytes`): the compute dtype's width
+unless another is chosen (an fp8 cache's per-head scales are a few bytes a layer, not counted).
 """
 
 from __future__ import annotations
@@ -46,3 +48,24 @@ class KvShape:
         window = config.get("sliding_window") if sliding else None
         kv_heads = config.get("num_key_value_heads") or heads
         return cls(config["num_hidden_layers"], kv_heads, head_dim, sliding, window)
+
+
+KV_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+# an auto expert budget keeps device room for a KV cache this long (or the model's window, if shorter)
+KV_RESERVE_TOKENS = 32768
+
+
+def kv_element_bytes(kv_dtype: str, compute_bytes: int) -> int:
+    """Bytes per stored key or value element: --kv-dtype's, or the compute dtype's for auto."""
+    return compute_bytes if kv_dtype == "auto" else KV_ELEMENT_BYTES[kv_dtype]
+
+
+def kv_reserve_bytes(config: Mapping, element_bytes: int, tokens: int = KV_RESERVE_TOKENS) -> int:
+    """The KV cache of `tokens` tokens of context (the model's window when shorter); 0 for a
+    config whose attention shape this cannot read (the auto budget's headroom then stands alone)."""
+    try:
+        shape = KvShape.from_config(config)
+    except (KeyError, TypeError, ValueError):
+        return 0
+    window = config.get("max_position_embeddings") or tokens
+    return shape.nbytes(min(tokens, window), element_bytes)

@@ -187,10 +187,17 @@ class OffloadedModel:
         drafts = sum(p.numel() * p.element_size() for m in self.draft_models.values() for p in m.parameters())
         return drafts + sum(store.nbytes for store in self._substitutes.values())
 
+    @property
+    def kv_dtype(self) -> torch.dtype | None:
+        """The KV cache's storage dtype when --kv-dtype sets one apart from the compute dtype."""
+        name = self.config.kv_dtype
+        return None if name == "auto" or getattr(torch, name) == self.dtype else getattr(torch, name)
+
     def new_kv_cache(self, rewindable: bool = False) -> DynamicCache:
         """The model's own KV cache (linear-attention and Mamba state included); `rewindable` keeps
-        every position of sliding-window layers so speculative decoding can crop rejected drafts."""
-        return new_kv_cache(self.hf_config, rewindable)
+        every position of sliding-window layers so speculative decoding can crop rejected drafts;
+        keys and values in --kv-dtype."""
+        return new_kv_cache(self.hf_config, rewindable, self.kv_dtype)
 
     @torch.inference_mode()
     def forward(

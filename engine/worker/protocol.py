@@ -26,7 +26,7 @@ from engine.errors import EngineError
 from engine.generation_config import GenerationConfig
 
 # 2: Tune, TuneProgress, TuneResult; 3: reasoning apart from the answer, tools; 4: Finished.tool_calls,
-# GenerationConfig.tool_choice
+# GenerationConfig.tool_choice, OffloadConfig.kv_dtype
 PROTOCOL_VERSION = 4
 
 
