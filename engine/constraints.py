@@ -32,6 +32,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.generation_config import GenerationConfig, forced_tool_names
+from engine.reasoning import CLOSE as THINK_CLOSE
 from engine.reasoning import HARMONY, harmony_splitter_for, splitter_for
 from engine.sampling import Sampler
 
@@ -40,6 +41,7 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 # compact separators, no free whitespace: a small model would otherwise pad with newlines until its
 # token limit (xgrammar's and vLLM's default too); a schema's own x-guidance may say otherwise
 COMPACT = {"whitespace_flexible": False}
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"  # Hermes/Qwen's, as app.server.tool_calls reads them
 
 
 def json_schema_of(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -74,11 +76,13 @@ def request_grammar(
         lark = harmony_call_lark(calls, "<|constrain|>" in tokenizer.get_vocab())
     else:
         thinking = splitter_for(tokenizer, prompt_ids)
-        lark = hermes_call_lark(calls, close_think=thinking is not None and thinking.inside)
+        lark = hermes_call_lark(
+            calls, tokenizer.get_vocab(), close_think=thinking is not None and thinking.inside
+        )
     return llguidance.LLMatcher.grammar_from_lark(lark), "tool_choice"
 
 
-def hermes_call_lark(calls: dict[str, dict], close_think: bool = False) -> str:
+def hermes_call_lark(calls: dict[str, dict], vocab: dict[str, int], close_think: bool = False) -> str:
     """One `<tool_call>` block calling one of `calls` (name -> parameters schema)."""
     schema = {
         "anyOf": [
@@ -91,9 +95,17 @@ def hermes_call_lark(calls: dict[str, dict], close_think: bool = False) -> str:
             for name, parameters in calls.items()
         ]
     }
-    opening = '"</think>\\n\\n" ' if close_think else ""
+    opening = f"{_tag(THINK_CLOSE, vocab)} " + '"\\n\\n" ' if close_think else ""
     call = json.dumps(_compact(schema))
-    return f'start: {opening}"<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {call}\n'
+    start = f'start: {opening}{_tag(CALL_OPEN, vocab)} "\\n" call "\\n" {_tag(CALL_CLOSE, vocab)}'
+    return f"{start}\ncall: %json {call}\n"
+
+
+def _tag(tag: str, vocab: dict[str, int]) -> str:
+    """A tag in a lark grammar: the token of its own a vocabulary gives it (Qwen's `<tool_call>`,
+    `</think>`: added tokens, which the model writes as one token and llguidance reads as special),
+    else its text."""
+    return f"<[{vocab[tag]}]>" if tag in vocab else json.dumps(tag)
 
 
 def harmony_call_lark(calls: dict[str, dict], constrain: bool = True) -> str:

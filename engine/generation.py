@@ -28,7 +28,7 @@ from engine.generation_config import GenerationConfig, forced_tool_names, is_uni
 from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot
 from engine.model.prefix_cache import save_point
 from engine.offload.model import OffloadedModel
-from engine.reasoning import harmony_splitter_for, splitter_for
+from engine.reasoning import harmony_splitter_for, one_call_per_message, splitter_for
 from engine.sampling import Sampler
 from engine.speculative.auto import refuse_speculation_that_cannot_rewind
 from engine.speculative.decoder import open_decoder
@@ -79,6 +79,8 @@ def encode_prompt(
             raise InvalidRequestError(f"{model.path} has no tokenizer: give the prompt as token ids.")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         _check_unicode(messages)
+        if harmony_splitter_for(tokenizer) is not None:
+            messages = one_call_per_message(messages)  # as gpt-oss's template renders them
         if tokenizer.chat_template:
             ids = encode_chat(tokenizer, messages, **(template_kwargs or {}))
         elif isinstance(prompt, str):

@@ -11,6 +11,11 @@ neither.
 
 A model whose vocabulary has no `<think>`/`</think>` tokens is not parsed (`splitter_for`), so a
 reply that merely mentions the tag is left alone.
+
+gpt-oss writes harmony messages instead: `HarmonySplitter` reads them by their control-token ids,
+its analysis channel as reasoning, its final channel as the answer, and a message addressed to
+`functions.NAME` as a tool call (`tool_calls()`); `one_call_per_message` lays out a history with
+parallel calls the way gpt-oss's chat template can render it.
 """
 
 from __future__ import annotations
@@ -193,3 +198,35 @@ def harmony_splitter_for(tokenizer: Any) -> HarmonySplitter | None:
     if not all(token in vocab for token in HARMONY[:4]):
         return None
     return HarmonySplitter({token: vocab[token] for token in HARMONY if token in vocab})
+
+
+def one_call_per_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A history as gpt-oss's chat template can render it: the template writes one call per
+    assistant message and names a tool's result after the call before it, so an assistant message
+    with parallel calls becomes one message per call, each followed by its result (matched by
+    `tool_call_id`; unmatched results keep their order after the calls)."""
+    history: list[dict[str, Any]] = []
+    at = 0
+    while at < len(messages):
+        message = messages[at]
+        at += 1
+        calls = message.get("tool_calls") or []
+        if message.get("role") != "assistant" or len(calls) < 2:
+            history.append(message)
+            continue
+        results = []
+        while at < len(messages) and messages[at].get("role") == "tool":
+            results.append(messages[at])
+            at += 1
+        for n, call in enumerate(calls):
+            part = {**message, "tool_calls": [call]}
+            if n > 0:  # what the model said (or thought) before its calls is written once
+                part["content"] = ""
+                part.pop("thinking", None)
+            history.append(part)
+            answer = next((r for r in results if r.get("tool_call_id") == call.get("id")), None)
+            if answer is not None:
+                results.remove(answer)
+                history.append(answer)
+        history.extend(results)
+    return history

@@ -8,6 +8,7 @@ from engine.config import OffloadConfig
 from engine.generation import _ReplyText, generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig
 from engine.loader import load_model
+from engine.reasoning import one_call_per_message
 from engine.textstream import encode_chat
 from engine.worker.protocol import ChatMessage
 from tests.engine.harmony_model import harmony_tokenizer, save_harmony_model
@@ -98,3 +99,29 @@ def test_a_forced_call_on_a_gpt_oss_model_is_a_valid_call(harmony_model, tool_ch
     assert reply.reason == "eos" and reply.text == "" and reply.reasoning == ""
     assert call["function"]["name"] == "get_weather"
     check_weather_arguments(call["function"]["arguments"])
+
+
+def test_parallel_calls_are_rendered_one_a_message_each_with_its_result(tokenizer):
+    def call(n: int, city: str) -> dict:
+        function = {"name": "get_weather", "arguments": {"city": city}}
+        return {"id": f"call_{n}", "type": "function", "function": function}
+
+    messages = [
+        {"role": "user", "content": "Weather in Paris and Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [call(1, "Paris"), call(2, "Oslo")]},
+        {"role": "tool", "content": "5 °C", "tool_call_id": "call_2"},  # results in another order
+        {"role": "tool", "content": "18 °C", "tool_call_id": "call_1"},
+    ]
+    split = one_call_per_message(messages)
+    assert [(m["role"], m.get("tool_call_id") or m.get("tool_calls", [{}])[0].get("id")) for m in split] == [
+        ("user", None),
+        ("assistant", "call_1"),
+        ("tool", "call_1"),
+        ("assistant", "call_2"),
+        ("tool", "call_2"),
+    ]
+    prompt = tokenizer.decode(encode_chat(tokenizer, split, tools=[WEATHER]))
+    paris, oslo = prompt.index('{"city": "Paris"}'), prompt.index('{"city": "Oslo"}')
+    assert paris < prompt.index('"18 °C"') < oslo < prompt.index('"5 °C"')
+    assert one_call_per_message(split) == split  # a history already one call a message is kept
+    assert split[3]["content"] == "" and split[1]["content"] == messages[1]["content"]

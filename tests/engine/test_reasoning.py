@@ -126,3 +126,11 @@ def test_harmony_channels_split_into_reasoning_and_answer():
 def test_a_model_without_harmony_tokens_is_not_read_as_harmony():
     assert harmony_splitter_for(demo_tokenizer()) is None
     assert harmony_splitter_for(harmony_tokenizer()) is not None
+
+
+def test_a_forced_call_closes_the_think_block_the_prompt_opened(thinking_model):
+    tool = {"type": "function", "function": {"name": "get_time"}}
+    config = GenerationConfig(max_new_tokens=80, sampling=GREEDY, tools=(tool,), tool_choice="required")
+    _, finished = _run(thinking_model, config)
+    assert finished.reason == "eos" and finished.reasoning == ""  # the call is the answer, not a thought
+    assert finished.text == '<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>'
