@@ -21,6 +21,8 @@ sums and columns in a cheaper order (sums in another order: 3e-5 off on wide-ran
 `python -m engine.bench` on a Qwen3-30B-A3B-shaped Q4_K_M file (hidden 2048, 128 experts × 768,
 top-8, 2 layers), OMP_NUM_THREADS=1, machine under load, before → after this module and
 `ggml_quants.CHUNK_BYTES`: decode 3.0 → 4.5 tok/s, prefill 8 → 11 tok/s (llama.cpp 37 / 16).
+Experts computed on the CPU no longer come here for Q6_K, nor for Q4_K in bfloat16 runs: the
+store repacks them at load (`engine.offload.ggml_repack`, several times faster).
 """
 
 from __future__ import annotations

@@ -30,6 +30,14 @@ Measured on this 2-core AVX2 CPU, torch 2.13, one thread, under other jobs' load
 ~5), median ms: Q4_K 1536×2048, one row: int4pack 0.5–0.7 against 6.6 for the float32 rebuild
 (native float32 weights 0.6); 16 rows 5.7 against 10.9. Q6_K 2048×768, one row: Q6_K_INT8 1.2
 against 5.7–14.8 for the bit-plane rebuild (native float32 0.6); 16 rows 7.1 against 9.6–17.8.
+
+`python -m engine.bench --vs-llama-cpp Q4_K_M.gguf --device cpu --expert-budget all --prompts 2
+--new-tokens 32 --repeats 2`, OMP_NUM_THREADS=1, on the issue-21 shape (hidden 2048, 128 experts
+× 768, top-8, 2 layers; layer 1's down projections Q6_K), load average 4–6, tok/s MoE Chat vs
+llama.cpp in the same run, before → after int4pack and Q6_K_INT8:
+  --dtype bfloat16  decode 1.8 vs 41.9 (0.04×) → 13.7 vs 52.6 (0.26×); prefill 4 vs 9 → 28 vs 19
+  float32 (auto)    decode 1.4 vs 30.0 (0.05×) → 4.0 vs 60.8 (0.07×);  prefill 4 vs 31 → 16 vs 81
+(llama.cpp's own figures swing 2× between runs on this loaded machine: compare the ratios.)
 """
 
 from __future__ import annotations
