@@ -61,6 +61,7 @@ from engine.worker.protocol import (
 log = logging.getLogger(__name__)
 
 METRICS_EVERY_S = 2.0
+CLOSE_QUIET_AFTER_S = 2.0  # a cancelled reply whose server sends nothing this long is cut off
 _CLOSED = object()  # put in the event queue when the worker closes: a blocked poll wakes up
 
 
@@ -77,13 +78,20 @@ class _Reply:
     def __init__(self, assembler: ReplyAssembler):
         self.assembler = assembler
         self.cancelled = threading.Event()
+        self.ended = threading.Event()  # the reader left the stream
         self.stream: Any = None
 
     def cancel(self) -> None:
+        """Mark the reply cancelled: the reader stops at the next chunk. A server quiet for
+        `CLOSE_QUIET_AFTER_S` (a long prefill) gets its stream closed from another thread, which
+        ends the wait; not at once, because closing under a reading thread stalls both (measured
+        with llama.cpp's server: 7-15 s instead of the next chunk's few ms)."""
         self.cancelled.set()
-        stream = self.stream
-        if stream is not None:
-            stream.close()  # wakes a read blocked on the socket
+        threading.Thread(target=self._close_if_quiet, name="remote-cancel", daemon=True).start()
+
+    def _close_if_quiet(self) -> None:
+        if not self.ended.wait(CLOSE_QUIET_AFTER_S) and self.stream is not None:
+            self.stream.close()
 
 
 class RemoteWorker:
@@ -261,6 +269,7 @@ class RemoteWorker:
         try:
             self._events.put(self._stream(request, reply))
         finally:
+            reply.ended.set()
             with self._lock:
                 self._replies.pop(rid, None)
             self.last_reply = reply.assembler.timing()
