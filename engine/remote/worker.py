@@ -73,24 +73,48 @@ class RemoteTimeouts:
 
 
 class _Reply:
-    """A reply in flight: the stream to close on cancel, and whether it was cancelled."""
+    """A reply in flight: its events go out through `put` until its one last event (`end`)."""
 
-    def __init__(self, assembler: ReplyAssembler):
-        self.assembler = assembler
+    def __init__(self, assembler: ReplyAssembler, events: queue.Queue):
+        self.assembler, self.events = assembler, events
         self.cancelled = threading.Event()
-        self.ended = threading.Event()  # the reader left the stream
         self.stream: Any = None
+        self._ended = False
+        self._lock = threading.Lock()
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def put(self, event: Event) -> None:
+        with self._lock:
+            if not self._ended:
+                self.events.put(event)
+
+    def end(self, event: Event) -> None:
+        """The reply's last event (Finished or Error), sent once: a later one is dropped."""
+        with self._lock:
+            if not self._ended:
+                self._ended = True
+                self.events.put(event)
 
     def cancel(self) -> None:
         """Mark the reply cancelled: the reader stops at the next chunk. A server quiet for
-        `CLOSE_QUIET_AFTER_S` (a long prefill) gets its stream closed from another thread, which
-        ends the wait; not at once, because closing under a reading thread stalls both (measured
-        with llama.cpp's server: 7-15 s instead of the next chunk's few ms)."""
+        `CLOSE_QUIET_AFTER_S` (a long prefill, a wedged server) is not waited for: the reply ends
+        cancelled and its stream is closed from here. Not at once, because closing under a reading
+        thread stalls both (measured with llama.cpp's server: 7-15 s instead of the next chunk's ms)."""
         self.cancelled.set()
-        threading.Thread(target=self._close_if_quiet, name="remote-cancel", daemon=True).start()
+        threading.Thread(target=self._end_if_quiet, name="remote-cancel", daemon=True).start()
 
-    def _close_if_quiet(self) -> None:
-        if not self.ended.wait(CLOSE_QUIET_AFTER_S) and self.stream is not None:
+    def _end_if_quiet(self) -> None:
+        deadline = time.monotonic() + CLOSE_QUIET_AFTER_S
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._ended:
+                    return
+            time.sleep(0.05)
+        self.end(self.assembler.finish("cancelled"))
+        if self.stream is not None:
             self.stream.close()
 
 
@@ -263,13 +287,12 @@ class RemoteWorker:
         except EngineError as err:
             self._events.put(Error(rid, err.kind, str(err)))
             return
-        reply = _Reply(ReplyAssembler(rid))
+        reply = _Reply(ReplyAssembler(rid), self._events)
         with self._lock:
             self._replies[rid] = reply
         try:
-            self._events.put(self._stream(request, reply))
+            reply.end(self._stream(request, reply))
         finally:
-            reply.ended.set()
             with self._lock:
                 self._replies.pop(rid, None)
             self.last_reply = reply.assembler.timing()
@@ -287,7 +310,7 @@ class RemoteWorker:
                         break
                     token = assembler.feed(chunk)
                     if token is not None:
-                        self._events.put(token)
+                        reply.put(token)
         except Exception as err:  # classified below: every failure ends the reply with a clear event
             if reply.cancelled.is_set():
                 return assembler.finish("cancelled")
@@ -312,7 +335,7 @@ class RemoteWorker:
 
     def _stats(self, request_id: str):
         with self._lock:
-            live = [r.assembler for r in self._replies.values()]
+            live = [r.assembler for r in self._replies.values() if not r.ended]
         reply = live[0].timing() if live else self.last_reply
         memory = psutil.virtual_memory()
         return remote_stats_event(
@@ -335,5 +358,5 @@ class RemoteWorker:
                 self._stats_waiting.set()
                 self._events.put(self._stats(""))
             with self._lock:
-                generating = bool(self._replies)
+                generating = any(not r.ended for r in self._replies.values())
             self._closed.wait(0.25 if generating else 1.0)

@@ -2,15 +2,17 @@
 text (reason "interrupted"), and the worker serves the next request (the retry) as usual."""
 
 import socket
+import time
 
 import pytest
 
 from engine.generation_config import GenerationConfig
 from engine.remote import RemoteEndpoint, RemoteError, RemoteTimeouts, RemoteWorker, connect
 from engine.remote import errors as kinds
-from engine.worker.protocol import Error, Finished, Token
+from engine.remote.worker import CLOSE_QUIET_AFTER_S
+from engine.worker.protocol import Cancel, Error, Finished, Generate, Token
 from tests.engine.remote.fake_openai import SILENCE, FakeOpenAI, chunked, full_reply, http, sse_chunk
-from tests.engine.remote.helpers import reply
+from tests.engine.remote.helpers import HI, events_until_end, reply
 
 
 @pytest.fixture
@@ -104,6 +106,23 @@ def test_a_silent_server_times_out(fake):
     try:
         (error,) = reply(worker, "r1")
         assert error.kind == kinds.TIMEOUT and kinds.TIMEOUT in kinds.RETRYABLE
+    finally:
+        worker.kill()
+
+
+@pytest.mark.parametrize("fake", [(SILENCE, full_reply("Back"))], indirect=True)
+def test_cancel_does_not_wait_for_a_silent_server(fake):
+    worker = _worker(fake.url)
+    try:
+        worker.send(Generate("g1", HI))
+        time.sleep(0.2)
+        cancelled_at = time.monotonic()
+        worker.send(Cancel("c1", "g1"))
+        (end,) = events_until_end(worker, "g1", timeout_s=10)
+        assert end.reason == "cancelled" and end.text == ""
+        assert time.monotonic() - cancelled_at < CLOSE_QUIET_AFTER_S + 1.5
+        *_, again = reply(worker, "g2")  # the worker goes on
+        assert again.text == "Back"
     finally:
         worker.kill()
 
