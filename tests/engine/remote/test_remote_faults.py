@@ -7,10 +7,10 @@ import time
 import pytest
 
 from engine.generation_config import GenerationConfig
-from engine.remote import RemoteEndpoint, RemoteError, RemoteTimeouts, RemoteWorker, connect
+from engine.remote import RemoteEndpoint, RemoteError, RemoteTimeouts, RemoteWorker, connect, remote_stats
 from engine.remote import errors as kinds
 from engine.remote.worker import CLOSE_QUIET_AFTER_S
-from engine.worker.protocol import Cancel, Error, Finished, Generate, Token
+from engine.worker.protocol import Cancel, Error, Finished, Generate, GetStats, Token, Tune
 from tests.engine.remote.fake_openai import SILENCE, FakeOpenAI, chunked, full_reply, http, sse_chunk
 from tests.engine.remote.helpers import HI, events_until_end, reply
 
@@ -171,3 +171,20 @@ def test_a_closed_worker_says_so():
             worker.poll(0.1)
     finally:
         fake.stop()
+
+
+@pytest.mark.parametrize("fake", [(full_reply("a"),)], indirect=True)
+def test_auto_tune_is_refused_and_stats_answer_at_once(fake):
+    worker = _worker(fake.url)
+    try:
+        worker.send(Tune("t1"))
+        (refused,) = events_until_end(worker, "t1")
+        assert refused.kind == kinds.UNSUPPORTED and "local engine" in refused.message
+        worker.send(GetStats("s1"))
+        stats = worker.poll(5)
+        while stats.request_id != "s1":
+            stats = worker.poll(5)
+        record = remote_stats(stats)
+        assert record.base_url == fake.url and record.ttft_ms is None and stats.vram_used_bytes is None
+    finally:
+        worker.kill()
