@@ -20,7 +20,15 @@ from engine.loader import load_model
 from engine.model.ggml_encode import quantize
 from engine.model.tiny_gguf import gguf_config, write_tiny_gguf
 from engine.offload.ggml_quants import dequantize, linear
-from engine.offload.ggml_repack import INT4PACK, Q6_K_INT8, packed_nbytes, repack, repacked_linear
+from engine.offload.ggml_repack import (
+    INT4PACK,
+    Q6_K_INT8,
+    _pack_codes,
+    _row_block,
+    packed_nbytes,
+    repack,
+    repacked_linear,
+)
 
 OUT, IN = 64, 512
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 64]
@@ -127,3 +135,13 @@ def test_float32_runs_keep_q4_k_in_its_blocks(tiny_q4_k_m):
         assert fields["gate_up_proj"].packing is None and fields["down_proj"].packing == Q6_K_INT8
     finally:
         model.close()
+
+
+def test_the_whole_tensor_packer_lays_codes_out_as_torchs_op_does():
+    row_block = _row_block()  # checked once on a 128×64 probe; here a wider, taller matrix
+    if row_block is None:
+        pytest.skip("this CPU's int4pack layout is not one the packer knows: the op is used")
+    generator = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (3 * row_block, 768), dtype=torch.int32, generator=generator)
+    expected = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert torch.equal(_pack_codes(codes.to(torch.uint8), row_block).reshape(-1), expected.reshape(-1))
