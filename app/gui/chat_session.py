@@ -48,6 +48,8 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # a stop string
     LENGTH = "length"  # the token limit
     CANCELLED = "cancelled"  # the user pressed Stop
+    TOOL_CALLS = "tool_calls"  # a remote engine's model called a tool (the chat window offers none)
+    CUT = "interrupted"  # a remote engine's stream was cut: the part received is kept, marked
     ERROR = "error"  # the engine failed the request
     CRASHED = "crashed"  # the worker died mid-reply
     ABANDONED = "abandoned"  # the app let it go: another conversation, a restart, closing the app
@@ -264,7 +266,8 @@ class ChatSession(QObject):
                 self.view.append_reply_text(text, reasoning, reply.thinking.label())
             case Finished(reason=reason):
                 reply.finished = event
-                self._end(FinishReason(reason))
+                cause = event.stats.get("error") or {}  # a cut stream's cause (engine.remote)
+                self._end(FinishReason(reason), cause.get("message", "") if isinstance(cause, dict) else "")
             case Error(message=message, kind=kind):
                 reply.error_kind = kind
                 self._end(FinishReason.ERROR, message)
@@ -294,6 +297,8 @@ class ChatSession(QObject):
         (a crash even when nothing streamed: the conversation records that it happened)."""
         if reply.finished is not None:
             stats = dict(reply.finished.stats, finish_reason=reply.finished.reason) | reply.thinking.stats()
+            if reply.error:  # a cut remote stream: its cause as the bubble's stats line shows it
+                stats["error"] = reply.error
         elif (
             reply.text or reply.reason is FinishReason.CRASHED
         ) and reply.reason is not FinishReason.DISCARDED:

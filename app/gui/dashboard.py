@@ -42,7 +42,9 @@ from app.gui.dashboard_parts import (
     model_summary,
 )
 from app.gui.engine_state import IN_PLACE_NOTE, SIMULATED_LINK_NOTE, EngineState
+from app.gui.remote_dashboard import RemotePanel
 from engine.config import format_bytes
+from engine.remote.stats import remote_stats
 from engine.worker.protocol import Stats
 
 __all__ = [
@@ -185,6 +187,7 @@ class Dashboard(QWidget):
         self.cache_title.setText("Expert cache occupancy")
         self.cache_bar = OccupancyBar(self)
         self.cache_bar.setToolTip("Device cache slots holding an expert / all slots.")
+        self.remote_panel = RemotePanel(self)  # instead of the local tiles while a remote answers
         self._build_layout(columns)
         self.set_model(None)
 
@@ -200,6 +203,7 @@ class Dashboard(QWidget):
         layout.addLayout(self._grid)
         layout.addWidget(self.cache_title)
         layout.addWidget(self.cache_bar)
+        layout.addWidget(self.remote_panel)
         layout.addStretch(1)
 
     def _reflow(self, columns: int) -> None:
@@ -247,6 +251,7 @@ class Dashboard(QWidget):
         if info is not None and not self.state.has_model:
             self.state = EngineState.IDLE
         self._show_title()
+        self._show_remote(bool(info and info.get("remote")))
         self._set_simulated(bool(info and info.get("simulated_link")))
         if info is None:
             self._show_empty()
@@ -279,6 +284,10 @@ class Dashboard(QWidget):
                 if tile.sparkline is not None:
                     tile.sparkline.clear()
         self._last_time = stats.time_s
+        remote = remote_stats(stats)
+        if remote is not None:  # a remote engine: its own panel, none of the local tiles
+            self.remote_panel.show_stats(remote, stats.time_s)
+            return
         if stats.simulated_link is not None:
             self._set_simulated(stats.simulated_link)
         self._show_memory(stats)
@@ -360,6 +369,14 @@ class Dashboard(QWidget):
             tile.show_figures(NA, "no model loaded" if key in REPLY_TILES else "", muted=key in REPLY_TILES)
         self.tiles["link"].title.setText("Host → device")
         self.cache_bar.set_slots(None, None)
+
+    def _show_remote(self, remote: bool) -> None:
+        """The remote panel instead of the local engine's tiles (VRAM, link, expert cache), or back."""
+        for widget in (*self.tiles.values(), self.cache_title, self.cache_bar):
+            widget.setVisible(not remote)
+        self.remote_panel.setVisible(remote)
+        if remote:
+            self.remote_panel.show_stats(None)
 
     def _set_simulated(self, simulated: bool) -> None:
         if simulated != self.simulated_label.isVisibleTo(self):

@@ -57,6 +57,9 @@ def fmt_number(value: float | None, unit: str = "", digits: int = 1) -> str:
 
 def model_summary(info: dict[str, Any]) -> str:
     """One line about the loaded model from the Loaded event's dict; parts it lacks are left out."""
+    if info.get("remote"):  # a remote engine's model: where it is served, what the server says of it
+        context = f"context {info['max_model_len']:,}" if info.get("max_model_len") else ""
+        return " · ".join(p for p in (f"served by {info.get('base_url')}", context) if p)
     parts = []
     if info.get("model_type"):
         parts.append(str(info["model_type"]))

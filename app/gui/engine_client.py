@@ -131,6 +131,7 @@ class EngineClient(QObject):
         super().__init__(parent)
         self._worker_factory = worker_factory
         self._standby_factory = standby_factory  # None: no standby worker, a restart starts cold
+        self._local_factories = (worker_factory, standby_factory)  # what `use_engine(None)` returns to
         self._standby: WorkerProcess | None = None
         self._model_dir: str | None = None  # the last model asked for: the standby imports its code
         self._worker: WorkerProcess | None = None
@@ -160,9 +161,22 @@ class EngineClient(QObject):
         self._reader.start()
         self._timer.start()
 
+    def use_engine(self, worker_factory: Callable[[], WorkerProcess] | None = None) -> None:
+        """Talk to another engine from the next `start()`/`restart()`: a remote's worker factory
+        (`app.settings.remotes.RemoteStore.worker_factory`; no standby: nothing to warm up), or None
+        for the local worker this client was made with."""
+        if worker_factory is None:
+            self._worker_factory, self._standby_factory = self._local_factories
+        else:
+            self._worker_factory, self._standby_factory = worker_factory, None
+        standby, self._standby = self._standby, None
+        if standby is not None:  # the local standby is of no use to a remote
+            standby.kill()
+
     def restart(self) -> None:
         """Kill any worker and start a new one (a model must then be loaded again)."""
         self._stop_worker(kill=True)
+        self._set_state(ConnectionState.STOPPED)  # else `start()` takes a READY client for running
         self.start()
 
     def shutdown(self, timeout_s: float = 5.0) -> None:

@@ -72,3 +72,9 @@ class ErrorPanel(QFrame):
     def _show_details(self, shown: bool) -> None:
         self.details_view.setVisible(shown)
         self.details_button.setText("Hide details" if shown else "Details…")
+
+
+def error_details(error: Exception) -> str:
+    """The technical account of `error` for "Details…": a HubError's own, else its type and text."""
+    failure = getattr(error, "failure", None)
+    return failure.details if failure is not None else f"{type(error).__name__}: {error}"

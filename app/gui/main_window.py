@@ -12,8 +12,6 @@ model loaded again.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
-from pathlib import Path
 
 from PySide6.QtCore import QSize, Qt, QTimer
 from PySide6.QtGui import QAction, QKeySequence
@@ -28,8 +26,10 @@ from app.gui.dashboard import Dashboard
 from app.gui.engine_client import ConnectionState, EngineClient
 from app.gui.engine_state import SIMULATED_LINK, EngineState, state_line
 from app.gui.settings_dialog import SettingsDialog
+from app.gui.window_engine import TUNE_REMOTE, EngineChoice, model_name
 from app.gui.window_state import WindowMemory, available_geometry, fit_to_screen
 from app.settings import AppSettings, SettingsStore
+from app.settings.remotes import REMOTES_FILE, RemoteStore
 from app.storage import ConversationStore, title_from
 from engine.worker.protocol import Stats
 
@@ -38,12 +38,13 @@ log = logging.getLogger(__name__)
 FIRST_SIZE = QSize(1280, 800)  # the window's size on a first start, shrunk to fit a smaller screen
 
 
-class MainWindow(QMainWindow):
+class MainWindow(EngineChoice, QMainWindow):
     def __init__(
         self,
         store: ConversationStore | None = None,
         settings_store: SettingsStore | None = None,
         client: EngineClient | None = None,
+        remotes: RemoteStore | None = None,
     ):
         super().__init__()
         self.setWindowTitle("MoE Chat")
@@ -51,6 +52,9 @@ class MainWindow(QMainWindow):
         self.settings_store = settings_store or SettingsStore()
         self.settings: AppSettings = self.settings_store.load()
         self.client = client or EngineClient(self)
+        # the remote engines beside settings.json; the one in use (if any) answers instead of the worker
+        self.remotes = remotes or RemoteStore(self.settings_store.path.parent / REMOTES_FILE)
+        self._engine_from_store()
         self.model_info: dict | None = None
         self._load_id: str | None = None
         self.downloads = None  # app.gui.downloads.DownloadManager, made when the model picker first opens
@@ -171,7 +175,7 @@ class MainWindow(QMainWindow):
         self.dashboard.set_model(None)  # never the old model's name while another one loads
         self.dashboard.set_decoding(self.settings.spec_mode, self.settings.prefetch)
         self.chat_view.set_input_enabled(False, "Loading the model…")
-        self._load_id = self.client.load_model(self.settings.model_path, self.settings.to_offload_config())
+        self._load_id = self.client.load_model(*self._load_target())
         if self.state not in (EngineState.STARTING, EngineState.RESTARTING):  # those wait for Ready
             self._set_state(EngineState.LOADING)
 
@@ -194,7 +198,7 @@ class MainWindow(QMainWindow):
     def _on_loaded(self, request_id: str, model: dict) -> None:
         if request_id != self._load_id:
             return
-        model = {**model, "name": _model_name(model)}
+        model = {**model, "name": model_name(model)}
         self.model_info = model
         self.session.set_model_thinks(bool(model.get("thinks")))
         self._show_context()
@@ -224,6 +228,10 @@ class MainWindow(QMainWindow):
             self._set_state(EngineState.IDLE)
         if reply.message is not None:  # the conversation gained a reply: its preview and order change
             self.conversations.refresh()
+        if reply.reason is FinishReason.CUT:  # a remote's stream was cut: the part received is kept
+            why = reply.error or "The connection was cut mid-reply."
+            why += "" if "kept" in why else " The part received is kept."
+            self.banners.show_banner(why, "error", [("Retry", self.session.regenerate)], key="reply")
         if reply.reason is FinishReason.ERROR:
             actions = [("Retry", self.session.regenerate)]
             if reply.error_kind == "context_length_exceeded":  # the older turns can be left out
@@ -264,15 +272,24 @@ class MainWindow(QMainWindow):
     def _set_state(self, state: EngineState, detail: str = "") -> None:
         """The one place the engine's state changes: the status bar and the dashboard say the same."""
         self.state = state
-        if state.has_model and self.model_info is not None and not detail:
+        if state.has_model and self.model_info is not None and self.model_info.get("remote") and not detail:
+            detail = f"remote {self.model_info.get('base_url')}"
+        elif state.has_model and self.model_info is not None and not detail:
             link = SIMULATED_LINK if self.model_info.get("simulated_link") else self.model_info.get("device")
             detail = " · ".join(
                 p for p in (f"{self.model_info.get('cache_slots')} cached experts", link) if p
             )
-        name = self.model_info["name"] if self.model_info else _model_name({"path": self._model_path()})
+        name = self.model_info["name"] if self.model_info else self._wanted_name()
         line = state_line(state, name, detail)
         self.engine_label.setText(line)
         self.dashboard.set_state(state, line)
+
+    def _wanted_name(self) -> str:
+        """The name of the model being loaded: a remote's, or the model folder's."""
+        active = self.remotes.active()
+        if active is not None:
+            return f"{active.model or 'a model'} · {active.name}"
+        return model_name({"path": self._model_path()})
 
     def _model_path(self) -> str:
         from engine.resources import demo_model_dir
@@ -328,8 +345,10 @@ class MainWindow(QMainWindow):
 
     def open_settings(self) -> None:
         gpu = self.client.ready is not None and self.client.ready.device.kind == "cuda"
-        dialog = SettingsDialog(self.settings, self, gpu_available=gpu)
+        dialog = SettingsDialog(self.settings, self, gpu_available=gpu, remotes=self.remotes)
         dialog.sig_applied.connect(self.apply_settings)
+        dialog.sig_engine_chosen.connect(self.use_engine)
+        dialog.sig_remotes_requested.connect(lambda: self.open_model_picker(remote_tab=True))
         dialog.set_tune_available(self.model_info is not None)
         dialog.sig_tune_requested.connect(lambda: (dialog.reject(), self.open_tune_wizard()))
         dialog.exec()
@@ -338,39 +357,26 @@ class MainWindow(QMainWindow):
         """The auto-tune wizard for the loaded model; its result is applied like settings."""
         from app.gui.tune_wizard import TuneWizard
 
-        if self.model_info is None:
-            self.banners.show_banner("Load a model before tuning.", "warning", key="tune")
+        if self.model_info is None or self.model_info.get("remote"):
+            why = TUNE_REMOTE if self.model_info else "Load a model before tuning."
+            self.banners.show_banner(why, "warning", key="tune")
             return
         wizard = TuneWizard(self.client, self.settings, self, stats=self.latest_stats)
         wizard.sig_apply.connect(self.apply_settings)
         wizard.exec()
 
-    def apply_settings(self, settings: AppSettings) -> None:
+    def apply_settings(self, settings: AppSettings, reload: bool = True) -> None:
         old, self.settings = self.settings, settings
         self.settings_store.save(settings)
         self.dashboard.set_decoding(settings.spec_mode, settings.prefetch)
-        if AppSettings.needs_reload(old, settings) and self.client.state is ConnectionState.READY:
+        local = self.remotes.active() is None  # a remote's model does not use the local settings
+        if (
+            reload
+            and local
+            and AppSettings.needs_reload(old, settings)
+            and self.client.state is ConnectionState.READY
+        ):
             self.load_model()
-
-    def open_model_picker(self) -> None:
-        from app.gui.downloads import DownloadManager
-        from app.gui.model_picker import ModelPicker
-
-        if self.downloads is None:  # one manager for the app: downloads go on when the picker closes
-            self.downloads = DownloadManager(self)
-        vram = self.client.ready.device.total_memory_bytes if self.client.ready else None
-        picker = ModelPicker(self, manager=self.downloads, vram_bytes=vram)
-        picker.sig_model_chosen.connect(self._use_model)
-        picker.exec()
-
-    def _use_model(self, path: str) -> None:
-        from engine.resources import demo_model_dir
-
-        model_path = None if Path(path) == demo_model_dir() else path
-        same = model_path == self.settings.model_path
-        self.apply_settings(replace(self.settings, model_path=model_path))
-        if same and self.model_info is None and self.client.state is ConnectionState.READY:
-            self.load_model()  # the same model again, after it failed to load
 
     # -- window ------------------------------------------------------------------------------------
 
@@ -388,12 +394,3 @@ class MainWindow(QMainWindow):
             self.downloads.shutdown()
         self.store.close()
         super().closeEvent(event)
-
-
-def _model_name(model: dict) -> str:
-    from engine.resources import demo_model_dir
-
-    path = Path(str(model.get("path", "")))
-    if path == demo_model_dir():
-        return "MoE Chat Demo"
-    return path.name or model.get("model_type", "model")

@@ -49,7 +49,7 @@ from app.catalog import (
     system_ram_bytes,
 )
 from app.gui.downloads import DownloadManager, DownloadProgress, DownloadState
-from app.gui.error_panel import ErrorPanel
+from app.gui.error_panel import ErrorPanel, error_details
 from app.gui.hub_client import load_token, store_token
 from app.gui.hub_search_page import HubSearchPage
 from app.gui.picker_widgets import (
@@ -63,8 +63,10 @@ from app.gui.picker_widgets import (
     make_table,
     status_label,
 )
+from app.gui.remote_page import RemotePage
 from app.gui.window_state import available_geometry, fit_to_screen  # tests replace available_geometry
 from app.model_library import ModelLibrary, ModelSource
+from app.settings.remotes import RemoteStore
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,8 @@ SCROLLBAR_ROOM = 40  # the table's frame and vertical scrollbar, and the page's 
 class ModelPicker(QDialog):
     sig_model_chosen = Signal(str)
     """The user chose a model: its local folder (the demo's folder for the demo)."""
+    sig_engine_chosen = Signal(object)
+    """The user chose an engine on the Remote tab: a saved remote's name, or None for the local one."""
 
     def __init__(
         self,
@@ -101,8 +105,10 @@ class ModelPicker(QDialog):
         manager: DownloadManager | None = None,
         library: ModelLibrary | None = None,
         vram_bytes: int | None = None,
+        remotes: RemoteStore | None = None,
     ):
         super().__init__(parent)
+        self.remotes = remotes if remotes is not None else RemoteStore()
         self.setWindowTitle("Models")
         self.library = library or (manager.library if manager is not None else ModelLibrary())
         self._owns_manager = manager is None
@@ -143,13 +149,16 @@ class ModelPicker(QDialog):
         self.search_page = HubSearchPage(
             lambda: self.manager.endpoint, self._add_download_row, self._forget_search_rows, ROW_HEIGHT
         )
-        self.search_page.sig_failed.connect(lambda error: self.show_error(str(error), _details(error)))
+        self.search_page.sig_failed.connect(lambda error: self.show_error(str(error), error_details(error)))
         self.search_page.table.itemSelectionChanged.connect(self._update_use_button)
         self.search_page.table.cellDoubleClicked.connect(lambda *_: self._use_selected())
         self.search_box, self.search_table = self.search_page.search_box, self.search_page.table
         self.search_status = self.search_page.status
         self.tabs.addTab(self.search_page, "Search the Hub")
         self.tabs.addTab(self.local_page, "Local folders")
+        self.remote_page = RemotePage(self.remotes)
+        self.remote_page.sig_engine_chosen.connect(self._use_engine)
+        self.tabs.addTab(self.remote_page, "Remote")
         self.error_panel = ErrorPanel()
         self.message_label = QLabel()
         self.message_label.setWordWrap(True)
@@ -328,7 +337,7 @@ class ModelPicker(QDialog):
 
         def failed(error: Exception) -> None:
             self._say("Token not saved.")
-            self.show_error(f"The token was not saved. {error}", _details(error))
+            self.show_error(f"The token was not saved. {error}", error_details(error))
 
         self._say("Saving the token…")
         BackgroundCall(lambda: store_token(token), stored, failed, owner=self).start()
@@ -358,7 +367,9 @@ class ModelPicker(QDialog):
             repo_id = self.search_page.selected_repo_id()
             model = self.library.find(repo_id) if repo_id is not None else None
             return model.path if model else None
-        return self.local_page.selected_path()
+        if self.tabs.currentWidget() is self.local_page:
+            return self.local_page.selected_path()
+        return None  # the Remote tab chooses engines, with its own buttons
 
     def _entry_path(self, entry: CatalogEntry) -> str | None:
         if entry.bundled:
@@ -372,6 +383,10 @@ class ModelPicker(QDialog):
             self.sig_model_chosen.emit(path)
             self.accept()
 
+    def _use_engine(self, name: str | None) -> None:
+        self.sig_engine_chosen.emit(name)
+        self.accept()
+
     def _update_use_button(self) -> None:
         self.use_button.setEnabled(self.selected_model_path() is not None)
 
@@ -382,9 +397,3 @@ class ModelPicker(QDialog):
         if self._owns_manager:
             self.manager.shutdown()  # nobody else would watch these downloads
         super().done(result)
-
-
-def _details(error: Exception) -> str:
-    """The technical account of `error` for "Details…": a HubError's own, else its type and text."""
-    failure = getattr(error, "failure", None)
-    return failure.details if failure is not None else f"{type(error).__name__}: {error}"

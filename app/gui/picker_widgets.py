@@ -48,6 +48,7 @@ from PySide6.QtWidgets import (
 from app.catalog import CatalogEntry, format_bytes, format_params
 from app.download_child import DownloadProgress, DownloadState, HubError
 from app.model_library import InstalledModel, ModelImportError, ModelLibrary
+from engine.errors import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ INSTALLED_COLOUR = "#1b7f3b"
 SELECTION_COLOUR = "#cfe2f6"
 LOCAL_COLUMNS = ("Model", "Source", "Size", "Folder")
 NBSP = "\u00a0"
-EXPECTED_ERRORS = (HubError, ModelImportError, ValueError)
+EXPECTED_ERRORS = (HubError, ModelImportError, ValueError, EngineError)  # EngineError: a remote's
 STATUS_MARGINS = (6, 2, 6, 2)
 
 

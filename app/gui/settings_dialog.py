@@ -47,6 +47,7 @@ from app.gui.window_state import available_geometry, frame_margins
 from app.settings import AppSettings, SettingsError
 from app.settings.app_settings import needs_reload
 from app.settings.fields import FIELDS, RELOAD_FIELDS, FieldInfo
+from app.settings.remotes import RemoteStore
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +152,18 @@ class SettingsDialog(QDialog):
     """The user applied valid settings (the new `AppSettings`)."""
     sig_tune_requested = Signal()
     """The user asked to re-tune the engine for this machine's GPU (the tuning wizard's job)."""
+    sig_engine_chosen = Signal(object)
+    """The user applied another engine: a saved remote's name, or None for this computer's."""
+    sig_remotes_requested = Signal()
+    """The user asked to add or edit remote engines (the model picker's Remote tab)."""
 
-    def __init__(self, settings: AppSettings, parent: QWidget | None = None, gpu_available: bool = False):
+    def __init__(
+        self,
+        settings: AppSettings,
+        parent: QWidget | None = None,
+        gpu_available: bool = False,
+        remotes: RemoteStore | None = None,
+    ):
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self.setMinimumWidth(min(680, available_geometry(parent).width() - 40))
@@ -164,6 +175,9 @@ class SettingsDialog(QDialog):
         self.page = QWidget(self)
         groups = QVBoxLayout(self.page)
         groups.setContentsMargins(0, 0, 0, 0)
+        self.engine = QComboBox(objectName="engineChoice")  # filled when there is a remote store
+        if remotes is not None:
+            groups.addWidget(self._engine_group(remotes))
         groups.addWidget(self._group("Model  (changing these loads the model again)", RELOAD_FIELDS))
         groups.addWidget(self._group("Replies", [n for n in FIELDS if n not in RELOAD_FIELDS]))
         self.scroll = QScrollArea(self, widgetResizable=True, frameShape=QScrollArea.Shape.NoFrame)
@@ -213,6 +227,22 @@ class SettingsDialog(QDialog):
             self._editors[name], self._help[name] = editor, help_line
         return group
 
+    def _engine_group(self, remotes: RemoteStore) -> QGroupBox:
+        """Which engine answers: this computer's, or a saved remote (edited on the picker's Remote tab)."""
+        group = QGroupBox("Engine", self)
+        row = QHBoxLayout(group)
+        self.engine.addItem("This computer (the local engine)", None)
+        for endpoint in remotes.remotes():
+            self.engine.addItem(f"{endpoint.name} — {endpoint.base_url}", endpoint.name)
+        active = remotes.active()
+        self.engine.setCurrentIndex(max(0, self.engine.findData(active.name if active else None)))
+        self._engine_applied = self.engine.currentData()
+        manage = QPushButton("Remote engines…", group)
+        manage.clicked.connect(lambda: (self.reject(), self.sig_remotes_requested.emit()))
+        row.addWidget(self.engine, 1)
+        row.addWidget(manage)
+        return group
+
     def _buttons(self) -> QHBoxLayout:
         row = QHBoxLayout()
         self.tune_button = QPushButton("Re-tune for this GPU…", self)
@@ -258,6 +288,9 @@ class SettingsDialog(QDialog):
         self._applied = settings
         self._on_changed()
         self.sig_applied.emit(settings)
+        if self.engine.count() and self.engine.currentData() != self._engine_applied:
+            self._engine_applied = self.engine.currentData()
+            self.sig_engine_chosen.emit(self._engine_applied)
         return True
 
     def accept(self) -> None:
