@@ -89,10 +89,12 @@ FIELDS: dict[str, FieldInfo] = {
     "spec_mode": FieldInfo(
         "Speculative decoding",
         "Draft several tokens cheaply, verify them in one pass; replies stay the same.",
-        "auto: the model's own draft model where it has one (the demo does), else self. off: one token "
+        "auto: the model's own drafter: its multi-token-prediction layer (mtp) or draft model where it has "
+        "one (the demo has a draft model), else self. off: one token "
         "per forward pass. draft: a small model with the same tokenizer drafts. self: the model drafts "
         "with fewer experts per token (SS-MoE). substitute: low-bit copies of the experts, resident on "
-        "the GPU, draft (SubSpec). Verification is lossless in every mode.",
+        "the GPU, draft (SubSpec). mtp: the checkpoint's own MTP layer drafts from the model's hidden "
+        "states (Qwen3.5/3.6, DeepSeek-V3, GLM-4.5). Verification is lossless in every mode.",
         "choice",
         _choices(
             SPEC_CHOICES,
@@ -101,6 +103,7 @@ FIELDS: dict[str, FieldInfo] = {
                 "none": "off",
                 "self": "self (fewer experts)",
                 "substitute": "substitute",
+                "mtp": "mtp (the model's MTP layer)",
             },
         ),
     ),
