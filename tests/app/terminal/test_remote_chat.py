@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from app.remote_setup import remote_endpoint
+import pytest
+
+from app.remote_setup import open_remote_session, remote_endpoint
 from app.settings.remotes import RemoteStore
-from app.terminal.chat import TerminalChat, format_stats
+from app.terminal.chat import TerminalChat, build_parser, format_stats
 from engine.generation_config import GenerationConfig
 from engine.remote.endpoint import RemoteEndpoint
+from engine.remote.errors import RemoteError
 from engine.remote.metrics import RemoteMetrics
 from engine.remote.session import connect
 from engine.remote.stats import remote_stats_event
@@ -21,25 +24,22 @@ from tests.engine.remote.fake_openai import FakeOpenAI, chunked, full_reply, sse
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_the_cli_chats_with_a_remote_its_key_from_the_environment(tmp_path):
+def test_the_cli_chats_with_a_remote_its_key_from_the_environment(tmp_path, monkeypatch):
     fake = FakeOpenAI(full_reply("Moo", "."), api_key="sk-env")
-    cli = [sys.executable, "-m", "app.terminal.chat", "--remote", fake.url, "--api-key-env", "LAB_KEY"]
+    args = ["--remote", fake.url, "--api-key-env", "LAB_KEY"]
     env = {**os.environ, "LAB_KEY": "sk-env", "MOE_CHAT_CONFIG_DIR": str(tmp_path)}
+    monkeypatch.setenv("MOE_CHAT_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setenv("LAB_KEY", "sk-wrong")
     try:
+        cli = [sys.executable, "-m", "app.terminal.chat", *args]
         ok = subprocess.run(cli, input="Hi\n", capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
-        env["LAB_KEY"] = "sk-wrong"
-        refused = subprocess.run(
-            cli, input="Hi\n", capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
-        )
+        with pytest.raises(RemoteError) as refused:  # the CLI shows this and exits with status 1
+            open_remote_session(build_parser().parse_args(args), io.StringIO())
     finally:
         fake.stop()
     assert ok.returncode == 0 and ok.stdout == "Moo.\n", ok.stderr
     assert "Connected: fake-moe" in ok.stderr and "sk-env" not in ok.stderr + ok.stdout
-    assert (
-        refused.returncode == 1
-        and "refused the API key" in refused.stderr
-        and "sk-wrong" not in refused.stderr
-    )
+    assert "refused the API key" in str(refused.value) and "sk-wrong" not in str(refused.value)
 
 
 def test_a_cut_reply_is_shown_left_out_of_the_history_and_retried():
