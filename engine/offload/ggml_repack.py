@@ -97,46 +97,59 @@ def repack(packing: str, blocks: torch.Tensor, out_features: int, in_features: i
 
 
 def _repack_q4_k(blocks: torch.Tensor, out: torch.Tensor, out_features: int, in_features: int) -> None:
-    n = blocks.shape[0]  # [n, 144]: d f16 | dmin f16 | scales[12] | qs[128]
-    qs = blocks[:, 16:].reshape(n, 4, 1, 32)  # sub-block 2g+h: nibble h of bytes 32g..32g+31
-    codes = torch.cat([qs & 0xF, qs >> 4], dim=2).reshape(out_features, in_features)
+    split = out_features * in_features // 2
+    qs = blocks[:, 16:].reshape(out_features, in_features // 2)  # [n, 144]: d | dmin | scales[12] | qs
     row_block = _row_block()
     if row_block is not None and out_features % row_block == 0:
-        packed_codes = _pack_codes(codes, row_block)
+        _pack_q4_k_nibbles(qs, row_block, out[:split])
     else:
-        packed_codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+        out[:split].copy_(
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(_q4_k_codes(qs).int(), 1).view(-1)
+        )
     d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [n, 1]
     dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
     sc, mn = k_scale_min(blocks[:, 4:16].contiguous())  # [n, 8] each
     scale = d * sc  # as ggml: float32 d·sc, then dmin·m
     zero = 8 * scale - dmin * mn
     # [in/32, out, 2]: the kernel reads one group's scales and zeros for a block of rows at once
-    scale_zero = torch.stack([scale, zero], dim=-1).view(out_features, -1, 2).transpose(0, 1)
-    split = out_features * in_features // 2
-    out[:split].copy_(packed_codes.reshape(-1))
-    out[split:].view(torch.bfloat16).view(scale_zero.shape).copy_(scale_zero)
+    scale_zero = out[split:].view(torch.bfloat16).view(in_features // GROUP, out_features, 2)
+    scale_zero[..., 0].copy_(scale.view(out_features, -1).T)
+    scale_zero[..., 1].copy_(zero.view(out_features, -1).T)
 
 
-def _pack_codes(codes: torch.Tensor, row_block: int) -> torch.Tensor:
-    """uint8 codes [out, in] in the int4pack layout of a CPU whose kernel takes `row_block` rows at
-    a time (32 with AVX2, 64 with AVX-512): per block and column, lane i's 16 rows in the low
-    nibbles and lane i + lanes/2's in the high ones (torch's int4mm_kernel.cpp). Whole-tensor ops:
-    the op itself walks int32 codes down columns, 5× slower (38 ms for 1536×2048)."""
-    out_features, in_features = codes.shape
-    lanes = codes.view(out_features // row_block, row_block // 16, 16, in_features)  # [blocks, lane, d, k]
-    half = lanes.shape[1] // 2
-    pairs = lanes[:, :half] | (lanes[:, half:] << 4)  # [blocks, lane pair, d, k]
-    return pairs.permute(0, 3, 1, 2).contiguous().view(out_features, in_features // 2)  # [blocks, k, pair, d]
+def _q4_k_codes(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K's packed nibbles `[out, in/2]` -> uint8 codes `[out, in]` in weight order (sub-block
+    2g+h of a block: nibble h of its bytes 32g..32g+31)."""
+    grouped = qs.reshape(-1, 4, 1, 32)
+    return torch.cat([grouped & 0xF, grouped >> 4], dim=2).reshape(qs.shape[0], -1)
+
+
+def _pack_q4_k_nibbles(qs: torch.Tensor, row_block: int, out: torch.Tensor) -> None:
+    """Q4_K's nibbles `[out, in/2]` written into `out` (uint8, as many bytes) in the int4pack layout
+    of a CPU whose kernel takes `row_block` rows at a time (32 with AVX2, 64 with AVX-512): per
+    block of rows and per weight column, the 16 rows of lane i in the low nibbles and those of lane
+    i + lanes/2 in the high ones (torch's int4mm_kernel.cpp). Nibbles move from byte to byte
+    without a code tensor in between; torch's own op walks int32 codes down columns, 20× slower."""
+    rows, half_in = qs.shape
+    blocks, lanes = rows // row_block, row_block // 16
+    # [row block, lane, d, Q4_K block, group g, byte l]: weight column (block, g, h, l) is nibble h
+    nibbles = qs.view(blocks, lanes, 16, half_in // 128, 4, 32)
+    low, high = nibbles[:, : lanes // 2], nibbles[:, lanes // 2 :]  # [blocks, pair, d, ...]
+    target = out.view(blocks, half_in // 128, 4, 2, 32, lanes // 2, 16)  # [blocks, k = (b, g, h, l), pair, d]
+    target[:, :, :, 0].copy_(((low & 0xF) | (high << 4)).permute(0, 3, 4, 5, 1, 2))
+    target[:, :, :, 1].copy_(((low >> 4) | (high & 0xF0)).permute(0, 3, 4, 5, 1, 2))
 
 
 @functools.cache
 def _row_block() -> int | None:
-    """The row block `_pack_codes` reproduces torch's own packing with on this CPU, checked once
-    on a probe matrix; None (use the op) where neither does."""
-    probe = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-    expected = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1).reshape(-1)
+    """The row block `_pack_q4_k_nibbles` reproduces torch's own packing with on this CPU, checked
+    once on probe nibbles; None (use the op) where neither does."""
+    probe = torch.randint(0, 256, (128, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    expected = torch.ops.aten._convert_weight_to_int4pack_for_cpu(_q4_k_codes(probe).int(), 1).reshape(-1)
     for row_block in (32, 64):
-        if torch.equal(_pack_codes(probe.to(torch.uint8), row_block).reshape(-1), expected):
+        packed = torch.empty_like(probe).view(-1)
+        _pack_q4_k_nibbles(probe, row_block, packed)
+        if torch.equal(packed, expected):
             return row_block
     log.warning("int4pack: this CPU's packing is not one MoE Chat knows; repacking with torch's slower op")
     return None

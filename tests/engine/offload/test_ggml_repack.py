@@ -23,7 +23,8 @@ from engine.offload.ggml_quants import dequantize, linear
 from engine.offload.ggml_repack import (
     INT4PACK,
     Q6_K_INT8,
-    _pack_codes,
+    _pack_q4_k_nibbles,
+    _q4_k_codes,
     _row_block,
     packed_nbytes,
     repack,
@@ -137,11 +138,13 @@ def test_float32_runs_keep_q4_k_in_its_blocks(tiny_q4_k_m):
         model.close()
 
 
-def test_the_whole_tensor_packer_lays_codes_out_as_torchs_op_does():
-    row_block = _row_block()  # checked once on a 128×64 probe; here a wider, taller matrix
+def test_the_nibble_packer_lays_codes_out_as_torchs_op_does():
+    row_block = _row_block()  # checked once on a 128-row probe; here a taller, wider matrix
     if row_block is None:
         pytest.skip("this CPU's int4pack layout is not one the packer knows: the op is used")
     generator = torch.Generator().manual_seed(3)
-    codes = torch.randint(0, 16, (3 * row_block, 768), dtype=torch.int32, generator=generator)
-    expected = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    assert torch.equal(_pack_codes(codes.to(torch.uint8), row_block).reshape(-1), expected.reshape(-1))
+    nibbles = torch.randint(0, 256, (3 * row_block, 384), dtype=torch.uint8, generator=generator)
+    expected = torch.ops.aten._convert_weight_to_int4pack_for_cpu(_q4_k_codes(nibbles).int(), 1)
+    packed = torch.empty(nibbles.numel(), dtype=torch.uint8)
+    _pack_q4_k_nibbles(nibbles, row_block, packed)
+    assert torch.equal(packed, expected.reshape(-1))
