@@ -37,7 +37,11 @@ against 5.7–14.8 for the bit-plane rebuild (native float32 0.6); 16 rows 7.1 a
 llama.cpp in the same run, before → after int4pack and Q6_K_INT8:
   --dtype bfloat16  decode 1.8 vs 41.9 (0.04×) → 13.7 vs 52.6 (0.26×); prefill 4 vs 9 → 28 vs 19
   float32 (auto)    decode 1.4 vs 30.0 (0.05×) → 4.0 vs 60.8 (0.07×);  prefill 4 vs 31 → 16 vs 81
-(llama.cpp's own figures swing 2× between runs on this loaded machine: compare the ratios.)
+Again at load average ~3 (16:00): bfloat16 decode 3.8 vs 79.7 (0.05×) → 22.5 vs 93.2 (0.24×),
+prefill 8 → 44 tok/s (llama.cpp 24 → 303: its prefill swings most); float32 decode 5.9 vs 88.9.
+(llama.cpp's own figures swing 2× between runs on this loaded machine: compare the ratios.) What
+is left of a bfloat16 prefill step: a third in the attention's bfloat16 matmuls (torch's bfloat16
+GEMM on AVX2 costs each row as much as a one-row product), a quarter in the int4 kernel.
 """
 
 from __future__ import annotations
