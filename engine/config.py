@@ -130,6 +130,9 @@ class OffloadConfig:
     mrs_alpha: float = 0.5
     expert_dtype: str = "native"  # native | int8 | int4
     kv_dtype: str = "auto"  # auto (the compute dtype) | float32 | bfloat16 | float16 | float8_e4m3fn
+    # tokens a chat may hold (prompt + reply), below the model's own window (llama.cpp's -c, Ollama's
+    # num_ctx): requests past it are refused, and the auto expert budget leaves room for its KV cache
+    context_length: int | None = None  # None: the model's window
 
     def validate(self) -> None:
         if self.device.split(":")[0] not in DEVICES:
@@ -140,6 +143,12 @@ class OffloadConfig:
             raise InvalidRequestError(
                 f"Unknown expert dtype {self.expert_dtype!r}; choose one of {', '.join(EXPERT_DTYPES)} "
                 "(native keeps the checkpoint's precision; int8 and int4 quantize the routed experts)."
+            )
+        length = self.context_length
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 16):
+            raise InvalidRequestError(
+                "The context length must be a whole number of tokens >= 16 (none: the model's), "
+                f"got {length!r}."
             )
         if self.kv_dtype not in KV_DTYPES:
             raise InvalidRequestError(

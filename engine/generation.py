@@ -212,7 +212,8 @@ def _kv_cache(model: OffloadedModel, prompt_ids: list[int], rewindable: bool):
 def _max_new_tokens(model: OffloadedModel, config: GenerationConfig, prompt_tokens: int) -> int:
     """`config.max_new_tokens`, capped so the prompt and the reply fit the context window (the
     model's, or the request's when smaller): a model reads garbage past the positions it learnt."""
-    windows = [w for w in (model.context_length, config.context_length) if w is not None]
+    loaded = model.config.context_length  # the context length the model was loaded with
+    windows = [w for w in (model.context_length, loaded, config.context_length) if w is not None]
     if not windows:
         return config.max_new_tokens
     window = min(windows)
@@ -224,6 +225,9 @@ def _max_new_tokens(model: OffloadedModel, config: GenerationConfig, prompt_toke
             model_window = f" (the model's is {model.context_length})" if model.context_length else ""
             limit = f"This request's context limit is {window} tokens{model_window}."
             advice = "Shorten the conversation, start a new one or raise the limit."
+            if window == loaded:  # the user's setting, not this request's
+                limit = f"The model is loaded with a context length of {window} tokens{model_window}."
+                advice = "Shorten the conversation, start a new one or raise the context length setting."
         raise ContextLengthError(
             f"{limit} However, your messages resulted in {prompt_tokens} tokens. {advice}",
             context_length=window,

@@ -7,10 +7,9 @@ the safetensors, one expert at a time) and in the device cache. Everything else
 is allocated on the device and filled from the checkpoint, renamed with
 transformers' own conversion rules (Mixtral's `block_sparse_moe` → `mlp` …).
 
-With `OffloadConfig.expert_dtype` int8 or int4 the routed experts are quantized
-as they are read (opt-in: it changes the outputs), and the converted store is
-cached on disk (`engine.offload.store_cache`) so the next load of the model skips the
-conversion.
+With `OffloadConfig.expert_dtype` int8 or int4 the routed experts are quantized as they are
+read (opt-in: it changes the outputs), and the converted store is cached on disk
+(`engine.offload.store_cache`) so the next load of the model skips the conversion.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from engine.model.adapters.generic import bind, experts_per_token
 from engine.model.checkpoint import Checkpoint
 from engine.model.folder import load_tokenizer, open_checkpoint
 from engine.model.gguf_file import GgufCheckpoint
-from engine.model.kv_size import kv_element_bytes, kv_reserve_bytes
+from engine.model.kv_size import KV_RESERVE_TOKENS, kv_element_bytes, kv_reserve_bytes
 from engine.offload.compressed_tensors import compressed_checkpoint
 from engine.offload.eviction import make_policy
 from engine.offload.expert_cache import ExpertCache
@@ -88,11 +87,7 @@ def load_model(
         store, disk_layout = _expert_store(
             folder, checkpoint, hf_model, arch, blocks, dtype, device, config, progress
         )
-        auto = config.expert_budget.is_auto
-        auto_nbytes = _auto_expert_nbytes(hf_model, blocks, device, config.kv_dtype) if auto else None
-        n_slots = cache_slots(
-            config.expert_budget, store.expert_nbytes, store.total_experts, top_k, auto_nbytes
-        )
+        n_slots = _budget_slots(config, store, hf_model, blocks, device, top_k)
         transfer = make_transfer(device, config.sim_link_gbps, config.sim_latency_us, store)
         policy = make_policy(config.policy, top_k=top_k, alpha=config.mrs_alpha)
         cache = ExpertCache(store, n_slots, device, transfer, policy, in_place=config.sim_link_gbps is None)
@@ -248,6 +243,13 @@ def host_store_quant(native: ExpertLayout, experts: int) -> QuantSpec | None:
     )
 
 
+def _budget_slots(config: OffloadConfig, store, hf_model, blocks, device: torch.device, top_k: int) -> int:
+    """The slots the expert budget buys (an auto one: the device's free memory, see below)."""
+    kv = (config.kv_dtype, config.context_length)
+    auto = _auto_expert_nbytes(hf_model, blocks, device, *kv) if config.expert_budget.is_auto else None
+    return cache_slots(config.expert_budget, store.expert_nbytes, store.total_experts, top_k, auto)
+
+
 def cache_slots(
     budget: ExpertBudget, expert_nbytes: int, total_experts: int, top_k: int, auto_nbytes: int | None
 ) -> int:
@@ -279,16 +281,21 @@ def expert_headroom(total_nbytes: int) -> int:
     return max(2**30, total_nbytes // 10)
 
 
-def _auto_expert_nbytes(hf_model, blocks, device: torch.device, kv_dtype: str = "auto") -> int | None:
+def _auto_expert_nbytes(
+    hf_model, blocks, device: torch.device, kv_dtype: str = "auto", context_length: int | None = None
+) -> int | None:
     """Free device memory an auto budget may give the expert cache, after the resident weights, the
-    headroom and a KV cache of KV_RESERVE_TOKENS in --kv-dtype; None on a CPU device."""
+    headroom and a KV cache of the context length (else KV_RESERVE_TOKENS; at most the model's
+    window) in --kv-dtype; None on a CPU device."""
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
     routed = {id(p) for _, block in blocks.values() for p in block.experts.parameters()}
     resident = sum(p.numel() * p.element_size() for p in hf_model.parameters() if id(p) not in routed)
     element = kv_element_bytes(kv_dtype, hf_model.dtype.itemsize)
-    kv = kv_reserve_bytes(hf_model.config.get_text_config().to_dict(), element)
+    kv = kv_reserve_bytes(
+        hf_model.config.get_text_config().to_dict(), element, context_length or KV_RESERVE_TOKENS
+    )
     return free - resident - expert_headroom(total) - kv
 
 

@@ -59,6 +59,13 @@ def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache storage precision (fp32, bf16, fp16, fp8 = float8_e4m3fn with per-head scales); "
         "auto: the compute dtype. Smaller leaves more device memory for experts",
     )
+    parser.add_argument(
+        "--ctx-size",
+        type=int,
+        default=None,
+        help="context length in tokens (prompt + reply), below the model's window; the auto expert budget "
+        "leaves room for its KV cache (default: the model's)",
+    )
     parser.add_argument("--policy", default="lru", choices=("lru", "lfu", "mrs"), help="cache eviction")
     parser.add_argument(
         "--expert-dtype",
@@ -233,4 +240,5 @@ def offload_config(args: argparse.Namespace, expert_budget: str | None = None):
         sim_latency_us=args.sim_latency_us,
         expert_dtype=args.expert_dtype,
         kv_dtype=args.kv_dtype,
+        context_length=args.ctx_size,
     )

@@ -218,7 +218,9 @@ class MainWindow(EngineChoice, QMainWindow):
             self._set_state(EngineState.GENERATING)
 
     def _show_context(self, *_) -> None:
-        window = (self.model_info or {}).get("context_length")
+        info = self.model_info or {}
+        windows = [w for w in (info.get("context_length"), info.get("context_limit")) if w]
+        window = min(windows) if windows else None
         self.context_label.setText(context_text(self.session.context_use(), window))
 
     def _on_reply_ended(self, reply: Reply) -> None:

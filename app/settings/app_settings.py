@@ -49,6 +49,8 @@ class AppSettings:
     prefetch: str = "auto"
     cpu_experts: str = "never"
     expert_dtype: str = "native"
+    kv_dtype: str = "auto"  # the KV cache's storage precision (auto: the compute dtype)
+    context_length: int | None = None  # tokens a chat may hold; None: the model's window
     policy: str = "lru"
     sim_link_gbps: float | None = None  # only without a GPU
     cutoff_layer: int | None = None  # spmoe: last MoE layer prefetched; None: automatic, -1: no prefetch
@@ -96,6 +98,8 @@ class AppSettings:
             policy=self.policy,
             sim_link_gbps=self.sim_link_gbps,
             expert_dtype=self.expert_dtype,
+            kv_dtype=self.kv_dtype,
+            context_length=self.context_length,
         )
 
     def to_spec_config(self) -> SpecConfig:
@@ -200,4 +204,12 @@ def _check_number(name: str, info: FieldInfo, value: Any) -> None:
     if info.kind == "float" and info.optional and low == 0 and not value > 0:
         raise SettingsError(name, f"must be larger than 0 GB/s (or off), got {value}.")
     if (low is not None and value < low) or (high is not None and value > high):
-        raise SettingsError(name, f"must be between {low:g} and {high:g}, got {value}.")
+        shown = (_bound(low, "-inf"), _bound(high, "inf"))
+        raise SettingsError(name, "must be between {} and {}, got {}.".format(*shown, value))
+
+
+def _bound(value: float | None, unbounded: str) -> str:
+    """A field's bound as the user reads it: 10,485,760 rather than 1.04858e+07."""
+    if value is None:
+        return unbounded
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:g}"

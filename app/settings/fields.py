@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import DEVICES, EXPERT_DTYPES
+from engine.config import DEVICES, EXPERT_DTYPES, KV_DTYPES
 from engine.generation_config import CPU_EXPERT_MODES, PREFETCH_CHOICES, SPEC_CHOICES, SpecConfig
 from engine.offload.eviction import POLICIES
 
 MAX_DRAFT_LEN = SpecConfig().max_draft_len
 MAX_SIM_LINK_GBPS = 1000.0
 MAX_CUTOFF_LAYER = 1000  # no model has this many MoE layers; the engine clamps to its own
+MAX_CONTEXT_LENGTH = 10_485_760  # past every published window; the model's own caps it
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,23 @@ FIELDS: dict[str, FieldInfo] = {
         "copy to the GPU moves fewer bytes and more experts fit in the cache, at some cost in quality: the "
         "replies are no longer exactly the model's.",
         "choice", _choices(EXPERT_DTYPES, {"native": "native (exact)"}), reload=True,
+    ),
+    "kv_dtype": FieldInfo(
+        "KV cache precision",
+        "auto stores the conversation's keys and values like the model computes; smaller leaves more room.",
+        "The KV cache holds every token of the conversation. bfloat16/float16 halve a float32 cache; "
+        "float8 (e4m3, one scale per head) quarters it at a small cost in accuracy. On a GPU the room saved "
+        "goes to the expert cache.",
+        "choice", _choices(KV_DTYPES, {"auto": "auto (the compute dtype)", "float8_e4m3fn": "float8"}),
+        reload=True,
+    ),
+    "context_length": FieldInfo(
+        "Context length",
+        "Tokens a chat may hold (prompt and reply); empty: the model's own window.",
+        "A chat longer than this is refused with the offer to drop its oldest turns. On a GPU the expert "
+        "cache leaves room for a KV cache of this many tokens, so a long chat never runs the GPU out of "
+        "memory halfway. Smaller than the model's window leaves more memory for experts.",
+        "int", minimum=16, maximum=MAX_CONTEXT_LENGTH, optional=True, placeholder="the model's", reload=True,
     ),
     "policy": FieldInfo(
         "Cache eviction",

@@ -50,6 +50,7 @@ class ModelInfo:
     store_nbytes: int
     expert_dtype: str = "native"  # native | int8 | int4: the routed experts' precision in the store
     context_length: int | None = None  # tokens (prompt + reply) the model was built for; None: unknown
+    context_limit: int | None = None  # the context length it was loaded with (None: its own)
     experts_in_place: bool = False  # CPU, no link simulated: the experts are used where the store holds them
 
 
@@ -134,6 +135,7 @@ class OffloadedModel:
             store_nbytes=self.store.nbytes,
             expert_dtype=self._expert_dtype(),
             context_length=self.context_length,
+            context_limit=self.config.context_length,
             experts_in_place=self.cache.in_place,
         )
 

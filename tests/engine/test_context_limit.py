@@ -115,3 +115,39 @@ def test_the_request_window_crosses_the_wire():
     older = encode(Generate("g", (ChatMessage("user", "hi"),)))
     del older["config"]["context_length"]  # a client that does not know the field
     assert decode(older).config.context_length is None
+
+
+def test_a_model_loaded_with_a_smaller_context_length_stops_and_refuses_there(tmp_path, long):
+    """--ctx-size / the Context length setting: below the model's window, for every request."""
+    folder = make_tiny_model(tmp_path, seed=5, max_position_embeddings=512)
+    model = load_model(
+        folder, OffloadConfig(device="cpu", expert_budget=ExpertBudget(experts=8), context_length=56)
+    )
+    try:
+        assert model.info().context_limit == 56 and model.info().context_length == 512
+        capped = generate_text(model, prompt(50), greedy(30))
+        assert (
+            capped.reason == "length"
+            and capped.token_ids == generate_text(long, prompt(50), greedy(6)).token_ids
+        )
+        with pytest.raises(
+            ContextLengthError, match=r"loaded with a context length of 56 tokens \(the model's is 512\)"
+        ):
+            generate_text(model, prompt(60), greedy(4))
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("length", [0, 15, True, 1.5, "64"], ids=repr)
+def test_a_bad_context_length_setting_is_refused(length):
+    with pytest.raises(
+        InvalidRequestError, match=rf"context length must be a whole number of tokens >= 16 .*got {length!r}"
+    ):
+        OffloadConfig(context_length=length).validate()
+
+
+def test_the_context_length_setting_crosses_the_wire():
+    from engine.worker.protocol import LoadModel
+
+    offload = OffloadConfig(device="cpu", context_length=4096, kv_dtype="bfloat16")
+    assert decode(encode(LoadModel("l", None, offload))).offload == offload

@@ -111,6 +111,12 @@ def test_the_kv_estimate_and_the_auto_budget_count_the_stored_width(monkeypatch)
         config, 1
     )
     assert budgets["auto"] < budgets["bfloat16"] < budgets["float8_e4m3fn"]
+    # a context length below the window reserves that many tokens' KV, and frees the rest for experts
+    shorter = loader._auto_expert_nbytes(model, {}, cuda, "auto", context_length=16)
+    element = kv_element_bytes("auto", model.dtype.itemsize)
+    saved = kv_reserve_bytes(config, element) - kv_reserve_bytes(config, element, 16)
+    assert shorter - budgets["auto"] == saved
+    assert shorter > budgets["auto"]
 
 
 def test_the_option_takes_short_names_and_a_wrong_one_is_refused():
@@ -118,5 +124,7 @@ def test_the_option_takes_short_names_and_a_wrong_one_is_refused():
     add_offload_arguments(parser)
     assert offload_config(parser.parse_args(["--kv-dtype", "fp8"])).kv_dtype == "float8_e4m3fn"
     assert offload_config(parser.parse_args([])).kv_dtype == "auto"
+    assert offload_config(parser.parse_args(["--ctx-size", "8192"])).context_length == 8192
+    assert offload_config(parser.parse_args([])).context_length is None
     with pytest.raises(InvalidRequestError, match="KV cache dtype"):
         OffloadConfig(kv_dtype="int4").validate()
