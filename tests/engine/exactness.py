@@ -13,16 +13,16 @@ from engine.generation import generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig
 
 
-def assert_matches_reference(model, reference, prompt: list[int], new_tokens: int = 32) -> None:
+def assert_matches_reference(model, reference, prompt: list[int], new_tokens: int = 32) -> list[int]:
     """`model` (an OffloadedModel) against `reference` (a transformers causal LM, eval, fp32);
-    `new_tokens=0` compares the logits alone."""
+    `new_tokens=0` compares the logits alone. Returns the greedy tokens both gave."""
     ids = torch.tensor(prompt)
     with torch.no_grad():
         expected = reference(ids[None]).logits[0]
     got = model.forward(ids, model.new_kv_cache(), logits_to_keep=0)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
     if not new_tokens:
-        return
+        return []
     greedy = GenerationConfig(
         max_new_tokens=new_tokens, sampling=SamplingConfig(greedy=True), ignore_eos=True
     )
@@ -36,6 +36,7 @@ def assert_matches_reference(model, reference, prompt: list[int], new_tokens: in
             eos_token_id=None,
         )[0, len(prompt) :]
     assert list(tokens) == reference_tokens.tolist()
+    return list(tokens)
 
 
 def quarter_cached(expert_dtype: str = "native") -> OffloadConfig:

@@ -14,8 +14,10 @@ from engine.tune.store import TuneStore
 
 pytestmark = pytest.mark.slow
 
-SLOW = OffloadConfig(device="cpu", expert_budget=ExpertBudget(experts=24), sim_link_gbps=0.1)
-SLOW_SMALL = OffloadConfig(device="cpu", expert_budget=ExpertBudget(experts=12), sim_link_gbps=0.1)
+# a simulated 1 GB/s link: copies still cost (the tune has something to weigh), and the ~40 s a tune
+# spent sleeping on a 0.1 GB/s one go to other tests
+SLOW = OffloadConfig(device="cpu", expert_budget=ExpertBudget(experts=24), sim_link_gbps=1.0)
+SLOW_SMALL = OffloadConfig(device="cpu", expert_budget=ExpertBudget(experts=12), sim_link_gbps=1.0)
 QUICK = TuneConfig(draft_model=str(demo_draft_dir()), new_tokens=8)
 
 
@@ -26,11 +28,11 @@ def store(tmp_path):
 
 def test_the_cli_prints_probe_profile_prediction_measured_and_choice(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MOE_CHAT_CONFIG_DIR", str(tmp_path))
-    argv = ["tune", "--device", "cpu", "--expert-budget", "24", "--sim-link", "0.1", "--new-tokens", "8"]
+    argv = ["tune", "--device", "cpu", "--expert-budget", "24", "--sim-link", "1", "--new-tokens", "8"]
     assert main([*argv, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert {"probe", "profile", "prediction", "measured", "choice"} <= set(report)
-    assert report["probe"]["simulated_link"] and report["probe"]["h2d_gbps"] == 0.1
+    assert report["probe"]["simulated_link"] and report["probe"]["h2d_gbps"] == 1.0
     assert len(report["profile"]["verify_ms"]) == 16
     points = report["measured"]
     fields = {"cutoff_layer", "draft_len", "tpot_ms", "drafter", "tpot_low_ms", "tpot_high_ms", "runs"}

@@ -275,7 +275,7 @@ def test_tune_reports_progress_and_a_result_then_reuses_it(fresh_worker, tmp_pat
     monkeypatch.setenv("MOE_CHAT_CONFIG_DIR", str(tmp_path))
     fresh_worker.send(Tune("early", new_tokens=4))
     assert "No model is loaded" in fresh_worker.next_of(Error, "early").message
-    fresh_worker.load("l", SLOW_LINK)
+    fresh_worker.load("l", replace(SLOW_LINK, sim_link_gbps=1.0))  # slow enough to weigh copies
     fresh_worker.send(Tune("t", new_tokens=4))
     events = fresh_worker.until(lambda e: e.request_id == "t" and isinstance(e, TuneResult | Error), 180)
     result = events[-1]
