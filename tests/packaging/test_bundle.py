@@ -83,7 +83,9 @@ def test_the_bundle_holds_resources_and_every_architecture_but_no_development_fi
             assert modeling in modules
     assert "engine.model.adapters.generic" in modules  # the one adapter every family goes through
     assert "engine.worker.loop" in modules and "app.download_child" in modules
-    development = {"tests", "pytest", "_pytest", "pytestqt", "ruff", "openai"}
+    # remote engines: the OpenAI client and the Prometheus parser are the app's own now
+    assert {"engine.remote.worker", "openai", "prometheus_client.parser"} <= modules
+    development = {"tests", "pytest", "_pytest", "pytestqt", "ruff"}
     assert not {module for module in modules if module.split(".")[0] in development}
     # transformers reads its own source at run time: the .py files ride along
     assert list((internal / "transformers").rglob("modeling_utils.py"))
