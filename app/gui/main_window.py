@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from PySide6.QtCore import QSize, Qt, QTimer
+from PySide6.QtCore import QSize, Qt
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QDockWidget, QLabel, QMainWindow, QScrollArea, QSplitter, QVBoxLayout, QWidget
 
@@ -252,24 +252,6 @@ class MainWindow(EngineChoice, QMainWindow):
             )
         else:
             self.banners.show_banner(message, "error", key="engine-error")
-
-    def _on_worker_died(self, message: str) -> None:
-        """Any reply in flight has ended already (`WorkerCrashed`); start a new worker and load again."""
-        self.model_info = None  # gone with the worker
-        self._set_state(EngineState.CRASHED)
-        self.banners.show_banner(
-            f"{message} It is being restarted; your conversations are safe.",
-            "error",
-            actions=[("Restart again", self.restart_engine), ("Settings…", self.open_settings)],
-            key="engine",
-        )
-        QTimer.singleShot(0, self, self._restart_after_crash)  # "crashed" is shown before "restarting"
-
-    def _restart_after_crash(self) -> None:
-        if self.state is EngineState.CRASHED:  # not restarted by the user meanwhile
-            self._set_state(EngineState.RESTARTING)
-            self.client.restart()
-            self.load_model()
 
     def _set_state(self, state: EngineState, detail: str = "") -> None:
         """The one place the engine's state changes: the status bar and the dashboard say the same."""

@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from PySide6.QtCore import QTimer
+
+from app.gui.engine_state import EngineState
 from app.settings.remotes import RemoteStore
 from engine.config import OffloadConfig
 
@@ -53,6 +56,33 @@ class EngineChoice:
         self._engine_from_store()
         self.banners.clear("reply")
         self.restart_engine()
+
+    def _on_worker_died(self, message: str) -> None:
+        """Any reply in flight has ended already (`WorkerCrashed`); start a new worker and load again.
+        A remote that cannot be reached is not retried in a loop: the user chooses."""
+        self.model_info = None  # gone with the worker
+        self._set_state(EngineState.CRASHED)
+        if self.remotes.active() is not None:
+            actions = [
+                ("Retry", self.restart_engine),
+                ("Use the local engine", lambda: self.use_engine(None)),
+                ("Remote engines…", lambda: self.open_model_picker(remote_tab=True)),
+            ]
+            self.banners.show_banner(message, "error", actions=actions, key="engine")
+            return
+        self.banners.show_banner(
+            f"{message} It is being restarted; your conversations are safe.",
+            "error",
+            actions=[("Restart again", self.restart_engine), ("Settings…", self.open_settings)],
+            key="engine",
+        )
+        QTimer.singleShot(0, self, self._restart_after_crash)  # "crashed" is shown before "restarting"
+
+    def _restart_after_crash(self) -> None:
+        if self.state is EngineState.CRASHED:  # not restarted by the user meanwhile
+            self._set_state(EngineState.RESTARTING)
+            self.client.restart()
+            self.load_model()
 
     def open_model_picker(self, remote_tab: bool = False) -> None:
         from app.gui.downloads import DownloadManager

@@ -119,6 +119,34 @@ def test_a_chat_with_a_remote_engine_keeps_a_cut_reply_and_offers_retry(qtbot, d
     window.close()
 
 
+def test_an_unreachable_remote_is_a_banner_with_choices_not_a_restart_loop(qtbot, dirs, memory_keyring):
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on: connections are refused at once
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    window = MainWindow()
+    qtbot.addWidget(window)
+    window.remotes.save(RemoteEndpoint("down", f"http://127.0.0.1:{port}"))
+    starts = []
+    window.client.sig_state_changed.connect(
+        lambda state: starts.append(state.value) if state.value == "starting" else None
+    )
+    window.show()
+    with qtbot.waitSignal(window.client.sig_worker_died, timeout=30_000) as died:
+        window.use_engine("down")
+    assert "127.0.0.1" in died.args[0]
+    qtbot.wait(1500)  # a restart loop would start again and again meanwhile
+    assert starts == ["starting"] and window.model_info is None
+    banners = [b for b in window.banners.banners() if b.key == "engine"]
+    labels = [button.text() for button in banners[0].action_buttons]
+    assert labels == ["Retry", "Use the local engine", "Remote engines…"]
+    with qtbot.waitSignal(window.client.sig_worker_died, timeout=30_000):
+        banners[0].action_buttons[0].click()  # Retry: one more try, on the user's word
+    assert starts == ["starting", "starting"]
+    window.close()
+
+
 VLLM = """# TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{model_name="m"} 3.0
 # TYPE vllm:num_requests_waiting gauge
