@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from app.download_child.hub_errors import HubError, check_reachable, explain, quiet_hub_logging
+from app.settings.secrets import keyring_store
 from app.settings.secrets import system_keyring as _keyring
 from engine.model.adapters import SUPPORTED_MODEL_TYPES
 from engine.model.check import config_problems
@@ -37,15 +38,10 @@ def store_token(token: str) -> str:
     token = token.strip()
     if not token:
         raise ValueError("The token is empty.")
-    backend = _keyring()
-    if backend is not None:
-        from keyring.errors import KeyringError
-
-        try:
-            backend.set_password(KEYRING_SERVICE, KEYRING_USER, token)
-            return "the system keyring"
-        except KeyringError as err:
-            log.warning("The keyring refused the token (%s); using huggingface_hub's token file", err)
+    where = keyring_store(_keyring(), KEYRING_SERVICE, KEYRING_USER, token)
+    if where is not None:
+        return where
+    log.warning("Using huggingface_hub's token file for the Hugging Face token")
     from huggingface_hub import login
 
     quiet_hub_logging()

@@ -36,6 +36,22 @@ def system_keyring():
     return backend
 
 
+def keyring_store(backend, service: str, user: str, secret: str) -> str | None:
+    """Put `secret` in `backend` (`system_keyring()`'s); None where there is none or it refuses (the
+    reason is logged, never the secret), so the caller falls back to its own place."""
+    if backend is None:
+        log.warning("No system keyring for %s's secret", service)
+        return None
+    from keyring.errors import KeyringError
+
+    try:
+        backend.set_password(service, user, secret)
+    except KeyringError as err:
+        log.warning("The keyring refused %s's secret (%s)", service, err)
+        return None
+    return IN_KEYRING
+
+
 class ApiKeys:
     """API keys by endpoint (its base URL): the keyring's, else this run's memory."""
 
@@ -48,20 +64,10 @@ class ApiKeys:
         key = key.strip()
         if not key:
             raise ValueError("The API key is empty (to remove a key, delete it instead).")
-        backend = system_keyring()
-        if backend is not None:
-            from keyring.errors import KeyringError
-
-            try:
-                backend.set_password(self.service, endpoint, key)
-                self._session.pop(endpoint, None)
-                return IN_KEYRING
-            except KeyringError as err:
-                log.warning(
-                    "The keyring refused the API key for %s (%s); keeping it for this run", endpoint, err
-                )
-        else:
-            log.warning("No system keyring: the API key for %s is kept for this run only", endpoint)
+        if keyring_store(system_keyring(), self.service, endpoint, key) is not None:
+            self._session.pop(endpoint, None)
+            return IN_KEYRING
+        log.warning("The API key for %s is kept for this run only", endpoint)
         self._session[endpoint] = key
         return SESSION_ONLY
 
