@@ -49,7 +49,8 @@ def language_model_only(hf_config, checkpoint):
     tensors match no parameter of the causal LM, so they are never read. Where transformers' causal
     LM of the type is the multimodal model itself (Gemma 4), the config becomes its text config
     (`Gemma4ForCausalLM`). A base model published under another name (Nemotron-H's `backbone.`)
-    is read under the causal LM's (`model.`)."""
+    is read under the causal LM's (`model.`), a causal LM published inside its base-model prefix
+    (Llama 4's `language_model.`) without it."""
     if not isinstance(checkpoint, Checkpoint):
         return hf_config, checkpoint
     renamings = []
@@ -66,8 +67,20 @@ def language_model_only(hf_config, checkpoint):
         if (isinstance(t, PrefixChange) and t.prefix_to_remove)
         or (isinstance(t, WeightRenaming) and t.target_patterns == [base_prefix])
     ]
-    checkpoint.rename(renamings)
+    checkpoint.rename(renamings + _base_prefix_removal(language_model, checkpoint))
     return hf_config, checkpoint
+
+
+def _base_prefix_removal(language_model, checkpoint: Checkpoint) -> list[PrefixChange]:
+    """A causal LM published inside its `base_model_prefix` that names no attribute of it (Llama 4's
+    `language_model.model.…`, read by `Llama4ForCausalLM` as `model.…`): that prefix removed."""
+    prefix = language_model.base_model_prefix
+    if not prefix or hasattr(language_model, prefix):
+        return []
+    published = [f"{prefix}.{child}." for child, _ in language_model.named_children()]
+    if any(name.startswith(tuple(published)) for name in checkpoint):
+        return [PrefixChange(prefix_to_remove=prefix)]
+    return []
 
 
 def _decoder_prefix_change(multimodal) -> PrefixChange:

@@ -22,3 +22,13 @@ def _cache_keyword(model_class: type) -> str:
 def with_cache(model: torch.nn.Module, kv_cache, **kwargs) -> dict:
     """`kwargs` for `model(**…)` plus the KV cache under the name this transformers expects."""
     return {_cache_keyword(type(model)): kv_cache, **kwargs}
+
+
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder of a transformers causal LM (the module holding `layers`): `get_decoder()`,
+    except where that returns the model itself because its class's `base_model_prefix` names no
+    attribute of it (Llama4ForCausalLM: `language_model`, its decoder being `model`)."""
+    found = model.get_decoder()
+    if found is model and isinstance(getattr(model, "model", None), torch.nn.Module):
+        return model.model
+    return found

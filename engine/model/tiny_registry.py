@@ -34,6 +34,7 @@ TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 _SIZES: dict[str, object] = {
     "hidden_size": 64,
     "intermediate_size": 48,  # dense layers (DeepSeek's first layers, shared MLPs)
+    "intermediate_size_mlp": 48,  # Llama 4's dense layers
     "moe_intermediate_size": 32,
     "expert_intermediate_size": 32,
     "shared_expert_intermediate_size": 48,

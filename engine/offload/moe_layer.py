@@ -35,7 +35,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.errors import UnsupportedArchitectureError
 from engine.model.adapters.base import Architecture
+from engine.model.hf_calls import decoder_of
 from engine.offload import quant
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertStore
@@ -145,6 +147,12 @@ class OffloadedExperts(nn.Module):
         self.has_gate = getattr(original, "has_gate", True)
         self.has_bias = getattr(original, "has_bias", False)
         self.is_transposed = getattr(original, "is_transposed", False)
+        # Llama 4 (engine.model.adapters.rewrites): the routing weight scales the expert's input
+        self.scales_input = getattr(original, "scales_input", False)
+        if getattr(original, "has_post_expert_norm", False):
+            raise UnsupportedArchitectureError(
+                f"{type(original).__name__}: a norm after each expert is not supported."
+            )
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -218,13 +226,13 @@ class OffloadedExperts(nn.Module):
         if len(positions) == 1:  # decode: one token, plain slices instead of gathers
             pos = positions[0]
             token = pos // step.top_k
-            y = self.expert_forward(step.hidden[token : token + 1], weights)
-            y = y * step.weights[pos : pos + 1, None]  # [1, 1]: promotes as transformers does
+            # [1, 1] weight: promotes as transformers does
+            y = self._weighted(step.hidden[token : token + 1], step.weights[pos : pos + 1, None], weights)
             step.out[token : token + 1] += y.to(step.out.dtype)
         else:
             flat = torch.tensor(positions, device=step.hidden.device)
             token_idx = flat // step.top_k
-            y = self.expert_forward(step.hidden[token_idx], weights) * step.weights[flat, None]
+            y = self._weighted(step.hidden[token_idx], step.weights[flat, None], weights)
             # index_put_ rather than index_add_: no thread-pool round trip for a few rows.
             step.out.index_put_((token_idx,), y.to(step.out.dtype), accumulate=True)
 
@@ -232,9 +240,9 @@ class OffloadedExperts(nn.Module):
         """A missing expert computed on the CPU from the host store (Fiddler/HybriMoE): no copy."""
         flat = torch.tensor(positions, device=step.hidden.device)
         token_idx = flat // step.top_k
-        x = step.hidden[token_idx].to("cpu")
-        y = self.expert_forward(x, self.cache.store.views(self.layer, expert)).to(step.hidden.device)
-        step.out.index_put_((token_idx,), (y * step.weights[flat, None]).to(step.out.dtype), accumulate=True)
+        x, scale = step.hidden[token_idx].to("cpu"), step.weights[flat, None].to("cpu")
+        y = self._weighted(x, scale, self.cache.store.views(self.layer, expert)).to(step.hidden.device)
+        step.out.index_put_((token_idx,), y.to(step.out.dtype), accumulate=True)
         self.cache.count_cpu_use()
 
     def _forward_substitute(
@@ -276,6 +284,13 @@ class OffloadedExperts(nn.Module):
         picks = torch.tensor(rows, device=index.device)  # [T, r] positions within the ranked top-k
         return index.gather(-1, picks), weights.gather(-1, picks)
 
+    def _weighted(self, x: torch.Tensor, scale: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One expert's routed contribution: `scale · f(x)`, or `f(scale · x)` for a family whose
+        routing weight scales the expert's input (`scales_input`)."""
+        if self.scales_input:
+            return self.expert_forward(x * scale, w)
+        return self.expert_forward(x, w) * scale
+
     def expert_forward(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         """One expert on its tokens `x [n, H]`, exactly as transformers' experts compute it."""
         up = quant.linear(x, w, "gate_up_proj" if self.has_gate else "up_proj", self.is_transposed)
@@ -299,7 +314,7 @@ def expert_field_shapes(original: nn.Module) -> dict[str, tuple[int, ...]]:
 def moe_blocks(model: nn.Module, arch: Architecture) -> dict[int, tuple[str, nn.Module]]:
     """Decoder layer index → (qualified name of the layer, its MoE block), for layers with routed experts."""
     blocks = {}
-    decoder_layers = model.get_decoder().layers
+    decoder_layers = decoder_of(model).layers
     prefix = next(name for name, module in model.named_modules() if module is decoder_layers)
     for index, layer in enumerate(decoder_layers):
         block = getattr(layer, arch.moe_attr, None) if arch.moe_attr else layer

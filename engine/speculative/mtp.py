@@ -37,6 +37,7 @@ from engine.errors import DeviceOutOfMemoryError, EngineError, InvalidRequestErr
 from engine.model.adapters.generic import is_routed_experts
 from engine.model.checkpoint import Checkpoint
 from engine.model.folder import open_checkpoint
+from engine.model.hf_calls import decoder_of
 from engine.model.kv_cache import rewind_cache
 from engine.model.mtp import MtpFormat, MtpHead, build_mtp_head, find_mtp, require_mtp
 from engine.offload.expert_store import find_layout, read_expert
@@ -111,9 +112,9 @@ class MtpDrafter(Drafter):
         self.model = mtp_head(target)  # `model`: SP-MoE hooks its decoder layer like a draft model's
         self.embed = target.hf_model.get_input_embeddings()
         self.lm_head = target.hf_model.get_output_embeddings()
-        self.rotary = target.hf_model.get_decoder().rotary_emb
+        self.rotary = decoder_of(target.hf_model).rotary_emb
         self.resident_nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.hidden = TargetHiddenStates(target.hf_model.get_decoder())
+        self.hidden = TargetHiddenStates(decoder_of(target.hf_model))
         self.kv_cache: DynamicCache = self.model.new_cache()
         self.base = 0  # target position of the MTP cache's first entry
         self.exact = 0  # MTP cache entries made from the target's hidden states (the rest are drafts)

@@ -44,6 +44,7 @@ from torch import nn
 
 from engine.errors import InvalidRequestError
 from engine.generation_config import PREFETCH_POLICIES
+from engine.model.hf_calls import decoder_of
 from engine.offload.eviction import ExpertKey
 from engine.offload.expert_cache import STREAM_DEPTH, ExpertCache
 from engine.offload.moe_layer import moe_blocks
@@ -233,8 +234,8 @@ class SpMoePredictor(_Predictor):
 
     def _hook_draft_model(self, draft_model: nn.Module) -> None:
         """Route the draft's residual stream after attention through the target's norm and router."""
-        draft_layers = draft_model.get_decoder().layers
-        target_layers = self.model.hf_model.get_decoder().layers
+        draft_layers = decoder_of(draft_model).layers
+        target_layers = decoder_of(self.model.hf_model).layers
         by_draft_layer: dict[int, list[int]] = defaultdict(list)
         for position, layer in enumerate(self.layers):
             # Same relative depth: the draft layer whose output is nearest to target layer `layer`'s.

@@ -44,6 +44,8 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "kolibri1",
     "laguna",
     "lfm2_moe",
+    "llama4",  # its MoE block is rewritten onto the experts interface (engine.model.adapters.rewrites)
+    "llama4_text",  # llama4's language model saved alone
     "mellum",
     "mimo_v2_flash",
     "minimax_m2",
@@ -72,7 +74,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "jetmoe": "its experts are not on transformers' experts interface (mixture of attention heads; hand-written module needed)",
     "kimi_linear": "not yet exact: its per-expert names come from a regex renaming the generic adapter does not undo",
     "lara_mini": "not yet exact: the generic shrink gives a config whose checkpoint and model disagree",
-    "llama4": "its experts are not on transformers' experts interface (called as experts(hidden) with the routing applied to the input)",
     "longcat_flash": "its experts are not on transformers' experts interface (zero-computation experts); hand-written module needed",
     "minimax": "not yet exact: it needs its own cache class (MiniMaxCache), the engine builds a DynamicCache",
     "qwen4_exp": "not yet exact: the generic shrink leaves its linear-attention head sizes unset",
@@ -95,7 +96,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "inkling2_loop": NO_CAUSAL_LM,
     "inkling_mm_model": NO_CAUSAL_LM,
     "kimi_k25": NO_CAUSAL_LM,
-    "llama4_text": "the text part of llama4: checkpoints name llama4",
     "minimax_m3_vl": NO_CAUSAL_LM,
     "mistral4": NO_CAUSAL_LM,
     "mistral_large4": NO_CAUSAL_LM,

@@ -15,7 +15,8 @@ top_k_weights)`. `bind` finds, in a model built on the meta device:
   conversion mapping merges into them (`experts.*.w1.weight` + `w3` → `gate_up_proj`), each also
   under the names its renamings undo (Mixtral's `block_sparse_moe`, Granite's `input_linear`).
 
-What truly differs per family is in `overrides.OVERRIDES`, each entry with the test needing it.
+What truly differs per family is in `overrides.OVERRIDES`, each entry with the test needing it;
+a block off the interface (Llama 4's) is rewritten onto it first (`rewrites`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming
 
 from engine.errors import UnsupportedArchitectureError
 from engine.model.adapters.base import EXPERT, Architecture, DiskLayout
+from engine.model.adapters.rewrites import rewrite_moe_blocks
+from engine.model.hf_calls import decoder_of
 
 ROUTER_NAMES = ("gate", "router")
 # How configs name the number of experts each token is routed to (Gemma 4: top_k_experts).
@@ -140,8 +143,10 @@ def disk_layouts(hf_model: nn.Module, experts_path: str, experts: nn.Module) -> 
 
 def bind(arch: Architecture, hf_model: nn.Module) -> Architecture:
     """`arch` completed from `hf_model` (built on the meta device): where its MoE blocks and
-    routers are and how its experts are laid out on disk. Overrides already in `arch` win."""
-    for layer in hf_model.get_decoder().layers:
+    routers are and how its experts are laid out on disk. Overrides already in `arch` win.
+    A MoE block off the experts interface is first rewritten onto it (engine.model.adapters.rewrites)."""
+    rewrite_moe_blocks(hf_model)
+    for layer in decoder_of(hf_model).layers:
         moe_attr = _moe_attr(layer)
         if moe_attr is None:
             continue
