@@ -40,7 +40,7 @@ from transformers.masking_utils import create_causal_mask
 
 from engine.errors import InvalidRequestError, UnsupportedArchitectureError
 from engine.model.adapters.generic import is_routed_experts
-from engine.model.hf_calls import with_cache
+from engine.model.hf_calls import decoder_of, with_cache
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +81,12 @@ def find_mtp(hf_config, names: Iterable[str]) -> MtpFormat | None:
 
 
 def mtp_layer_config(text_config):
-    """The model's text config cut to one full-attention MoE decoder layer (index 0)."""
+    """The model's text config cut to one global-attention MoE decoder layer (index 0): full
+    attention, or the family's own kind of it (DeepSeek-V3.2's and GLM-5's `indexed_attention`)."""
     config = copy.deepcopy(text_config)
     config.num_hidden_layers = 1
     if getattr(config, "layer_types", None) is not None:
-        config.layer_types = ["full_attention"]
+        config.layer_types = [_global_attention(config.layer_types)]
     if getattr(config, "mlp_layer_types", None) is not None:
         config.mlp_layer_types = ["sparse"]
     for dense_first in ("first_k_dense_replace", "first_dense_layers"):
@@ -94,6 +95,12 @@ def mtp_layer_config(text_config):
     if hasattr(config, "mlp_only_layers"):
         config.mlp_only_layers = []
     return config
+
+
+def _global_attention(layer_types: list[str]) -> str:
+    """The model's last layer type that attends to the whole context ("full_attention" if none)."""
+    local = ("linear", "sliding", "chunked", "mamba", "conv")
+    return next((t for t in reversed(layer_types) if not any(k in t for k in local)), "full_attention")
 
 
 class MtpHead(nn.Module):
@@ -128,7 +135,8 @@ class MtpHead(nn.Module):
         # positions count from the MTP cache's first entry: RoPE is relative, so an offset shared by
         # every entry changes nothing
         positions = torch.arange(start, start + x.shape[1], device=x.device)[None]  # [1, T]
-        mask = create_causal_mask(self.config, x, None, cache, positions)
+        # always a mask (DeepSeek-V3.2's indexer reads it, as its model's forward always makes one)
+        mask = create_causal_mask(self.config, x, None, cache, positions, allow_is_causal_skip=False)
         layer = self.layers[0]
         y = layer(
             x,
@@ -144,7 +152,7 @@ class MtpHead(nn.Module):
 
 def build_mtp_head(hf_model: nn.Module, mtp: MtpFormat, dtype: torch.dtype) -> MtpHead:
     """The head's modules on the meta device, shaped by the target model's own classes."""
-    layers = hf_model.get_decoder().layers
+    layers = decoder_of(hf_model).layers
     moe_layer = next((layer for layer in layers if _has_routed_experts(layer)), layers[-1])
     config = mtp_layer_config(hf_model.config)
     with torch.device("meta"):

@@ -6,8 +6,9 @@ saves it (a vision-language family as its published vision-language class, whose
 transformers' causal-LM class reads back as the reference), loaded by the engine with a quarter
 of its routed experts cached on a simulated link. The engine's logits equal transformers' (fp32,
 1e-4), 32 greedy tokens are transformers' own, and greedy self-speculation gives plain greedy's
-tokens. Families the adapter refuses are listed in engine.model.adapters.families.NOT_SUPPORTED
-with the reason; families exact in plain decoding whose speculation is not yet are in SPEC_XFAIL
+tokens, as does greedy MTP speculation where the family publishes MTP layers (`MTP_FAMILIES`).
+Families the adapter refuses are listed in engine.model.adapters.families.NOT_SUPPORTED with the
+reason; families exact in plain decoding whose speculation is not yet are in SPEC_XFAIL
 below with the reason. The count of exact families is printed at the end of the run
 (tests/engine/model/conftest.py).
 """
@@ -30,6 +31,23 @@ from engine.model.adapters.families import NO_SPECULATION
 from engine.model.tiny import TINY_ARCHITECTURES, save_tiny_model, tiny_config
 from engine.model.tiny_registry import is_multimodal, moe_model_types, shrunk_config
 from tests.engine.exactness import assert_matches_reference
+from tests.engine.speculative.mtp_checkpoints import save_with_mtp
+
+# Families whose published checkpoints carry multi-token-prediction layers in a format the engine
+# reads (engine.model.mtp: DeepSeek's nextn, Qwen's mtp.*): `--spec mtp` is checked on each, with
+# the MTP layer saved as those checkpoints have it (tests/engine/speculative/mtp_checkpoints.py).
+# MiMo-V2-Flash, Mellum, MiniMax-M2, EXAONE-MoE, Hunyuan-V3, Nemotron-H and Inkling publish theirs
+# in other layouts, which are not read (`--spec mtp` says so; `self` drafts instead).
+MTP_FAMILIES = (
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "glm_moe_dsa",
+    "qwen3_5_moe",
+    "qwen3_next",
+    "sarvam_mla",
+)
 
 # Exact in plain decoding, not yet in speculative decoding: family -> why (none today: the
 # engine's cache is the model's own, and recurrent state goes back by a saved copy).
@@ -106,6 +124,26 @@ def test_greedy_self_speculation_is_plain_greedy(family):
     assert list(speculative.token_ids) == list(plain)
 
 
+def test_greedy_mtp_speculation_is_plain_greedy(family, tmp_path):
+    """The family's model saved with an MTP layer (the same weights otherwise): `--spec mtp`
+    gives plain greedy's tokens."""
+    model_type, reference, _, shared = family
+    if model_type not in MTP_FAMILIES:
+        pytest.skip("its published checkpoints have no MTP layer the engine reads")
+    folder = save_with_mtp(model_type, tmp_path / model_type)
+    prompt = _prompt(reference.config.get_text_config().vocab_size)
+    greedy = {"max_new_tokens": NEW_TOKENS, "sampling": SamplingConfig(greedy=True), "ignore_eos": True}
+    spec = SpecConfig(mode="mtp", draft_len=3, confidence_tau=0.0)
+    model = load_model(folder, _quarter_cached(reference))
+    try:
+        plain = shared.get("plain") or generate_text(model, prompt, GenerationConfig(**greedy)).token_ids
+        speculative = generate_text(model, prompt, GenerationConfig(**greedy, spec=spec))
+    finally:
+        model.close()
+    assert speculative.stats.verify_steps > 0 and speculative.stats.draft_len > 0
+    assert list(speculative.token_ids) == list(plain)
+
+
 def test_every_moe_family_of_the_registry_is_listed():
     """A family transformers adds is supported or refused with a reason, never silently dropped."""
     assert set(moe_model_types()) == set(FAMILIES)
@@ -117,7 +155,7 @@ def test_the_readmes_family_list_names_only_supported_families():
     """The README's list is written by this file's run (conftest, MOE_CHAT_UPDATE_README=1)."""
     from tests.engine.model.conftest import END, README, START
 
-    block = README.read_text(encoding="utf-8").split(START)[1].split(END)[0]
+    block = README.read_text(encoding="utf-8").split(START)[1].split(END)[0].split("\n\n")[0]
     listed = re.findall(r"`(\w+)`", block)
     assert listed, "run MOE_CHAT_UPDATE_README=1 python -m pytest tests/engine/model/test_all_families.py"
     assert set(listed) <= set(SUPPORTED_MODEL_TYPES) and int(block.split()[0]) == len(listed)

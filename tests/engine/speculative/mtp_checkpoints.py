@@ -55,7 +55,7 @@ def _add_mtp(folder: Path, model, perfect: bool) -> None:
     source = max(
         i
         for i, t in enumerate(getattr(text, "layer_types", None) or ["full_attention"] * 99)
-        if i < text.num_hidden_layers and t == "full_attention"
+        if i < text.num_hidden_layers and t in ("full_attention", "indexed_attention")
     )
     unit = type(decoder.norm)(hidden).weight.detach()  # a norm weight that scales by one (1 or 0)
     noise = torch.Generator().manual_seed(11)
