@@ -18,6 +18,7 @@ from app.settings.secrets import keyring_store
 from app.settings.secrets import system_keyring as _keyring
 from engine.model.adapters import SUPPORTED_MODEL_TYPES
 from engine.model.check import config_problems
+from engine.model.derived_config import base_model_type
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,9 @@ def _search(api, query: str, limit: int) -> list[HubModel]:
     for info in listing:
         config = info.config or {}
         tags = set(info.tags or ())
-        architecture = config.get("model_type") or next((t for t in tags if t in SUPPORTED_MODEL_TYPES), None)
-        if architecture not in SUPPORTED_MODEL_TYPES:
+        # a remote-code derivative is listed as the family it loads as (Kimi-K2: deepseek_v3)
+        architecture = base_model_type(config) or next((t for t in tags if t in SUPPORTED_MODEL_TYPES), None)
+        if architecture is None:
             continue
         found.append(
             HubModel(

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from engine.errors import UnsupportedQuantizationError
 from engine.model.adapters import SUPPORTED_MODEL_TYPES, get_architecture
+from engine.model.derived_config import base_model_type
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +170,12 @@ def _read_config(folder: Path, problems: list[str]) -> dict:
 def config_problems(config: dict) -> list[str]:
     """Why a parsed config.json rules the model out: an unsupported type, or pre-quantized weights."""
     problems = []
-    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+    family = base_model_type(config)  # a remote-code derivative reads as its base (Kimi-K2: deepseek_v3)
+    if family is None:
         problems.append(unsupported_architecture_message(config.get("model_type")))
     quant = config.get("quantization_config")
     method = _quant_method(config) or "?"
-    if quant and not _loadable(config.get("model_type"), method):
+    if quant and not _loadable(family, method):
         problems.append(
             f"This checkpoint is pre-quantized ({method}); MoE Chat loads BF16/FP16/FP32 weights, "
             "FP8, GPTQ/AWQ int4 and MXFP4 checkpoints and GGUF files. "

@@ -10,7 +10,8 @@ own config class instead: the weights carry the family's names, so nothing else 
 Contract: `base_model_type(raw)` gives the supported family a raw config.json reads as (its own
 `model_type` when that is supported) or None; `derived_config(raw, base)` builds the family's
 config from the raw fields. A remote-code tokenizer is refused with its reason by
-`remote_code_tokenizer(folder)`, since running it is the one thing we do not do.
+`remote_code_tokenizer(folder)`, since running it is the one thing we do not do. transformers is
+imported only for a remote-code config, so the GUI's model checks and Hub search stay light.
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-
-from transformers import AutoConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from engine.model.adapters import SUPPORTED_MODEL_TYPES
 
@@ -33,6 +31,8 @@ _CODE_KEYS = ("auto_map", "model_type")
 def _family_of_class() -> dict[str, str]:
     """Causal-LM class name → the supported family whose class it is (`DeepseekV3ForCausalLM` →
     `deepseek_v3`); a class several types share maps to the first supported one."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     found: dict[str, str] = {}
     for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
         if model_type in SUPPORTED_MODEL_TYPES:
@@ -54,6 +54,8 @@ def base_model_type(raw: dict) -> str | None:
 
 def derived_config(raw: dict, base: str):
     """`raw`'s fields read by `base`'s own config class (no `auto_map`: no code to run)."""
+    from transformers import AutoConfig
+
     fields = {key: value for key, value in raw.items() if key not in _CODE_KEYS}
     log.info(
         "%r is remote code; reading it as transformers' %s (no code is run)", raw.get("model_type"), base

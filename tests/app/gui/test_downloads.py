@@ -337,9 +337,16 @@ def test_search_lists_only_supported_architectures_most_downloaded_first(hub, mo
     hub.add_repo(FakeRepo("a/mixtral-moe", {}, model_type="mixtral", downloads=50))
     hub.add_repo(FakeRepo("b/llama-dense", {}, model_type="llama", downloads=999))
     hub.add_repo(FakeRepo("c/qwen-moe-gated", {}, model_type="qwen3_moe", downloads=70, gated=True))
+    remote_code = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "auto_map": {"AutoConfig": "c.DeepseekV3Config"},
+    }
+    hub.add_repo(FakeRepo("d/kimi-moe", {}, model_type="kimi_k2", downloads=40, config=remote_code))
     found = search_models("moe", endpoint=hub.url)
-    assert [m.repo_id for m in found] == ["c/qwen-moe-gated", "a/mixtral-moe", "tiny-org/tiny-moe"]
+    listed = ["c/qwen-moe-gated", "a/mixtral-moe", "d/kimi-moe", "tiny-org/tiny-moe"]
+    assert [m.repo_id for m in found] == listed
     assert found[0].architecture == "qwen3_moe" and found[0].gated and not found[1].gated
+    assert found[2].architecture == "deepseek_v3" and not found[2].quantized  # loads as its base family
     assert search_models("moe", limit=1, endpoint=hub.url)[0].repo_id == "c/qwen-moe-gated"
 
 

@@ -11,6 +11,7 @@ import torch
 from engine.config import OffloadConfig
 from engine.errors import InvalidConfigError, UnsupportedArchitectureError
 from engine.loader import load_model
+from engine.model.check import check_model_folder, config_problems, unsupported_architecture_message
 from engine.model.derived_config import base_model_type
 from engine.model.folder import load_tokenizer, read_config
 from engine.model.tiny import build_tiny_model, save_tiny_model
@@ -64,6 +65,16 @@ def test_a_kimi_k2_folder_reads_as_deepseek_v3_without_running_its_code(kimi):
     finally:
         model.close()
     assert not (folder / "RAN").exists()
+
+
+def test_the_model_check_passes_a_derivative_it_loads(kimi, tmp_path):
+    """The picker's check (no transformers import) agrees with the loader: Kimi-K2 is fine."""
+    _, folder = kimi
+    assert check_model_folder(folder).problems == ()
+    raw = json.loads((folder / "config.json").read_text())
+    assert config_problems(raw | {"architectures": ["SomethingNewForCausalLM"]}) == [
+        unsupported_architecture_message("kimi_k2")
+    ]
 
 
 def test_remote_code_of_no_supported_family_is_refused_by_name(kimi, tmp_path):
