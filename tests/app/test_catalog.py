@@ -189,7 +189,7 @@ SPLIT = ["Q4/Qwen3-30B-A3B-Q4_K_M-00001-of-00002.gguf", "Q4/Qwen3-30B-A3B-Q4_K_M
         (set_field(Q4, "repo_id", "un--sloth/x"), f"'{Q4}': repo_id 'un--sloth/x' is not an 'org/name'"),
         (set_field(Q4, "files", ["a.gguf", 3]), f"'{Q4}': a gguf entry names its 'file', or the 'files'"),
         (split_set([SPLIT[0], 3]), f"'{Q4}': 3 is not the path of a .gguf file"),
-        (lambda models: models.append("oops"), "Catalog entry #23: must be an object"),
+        (lambda models: models.insert(3, "oops"), "Catalog entry #3: must be an object"),
         (set_field("qwen3-30b-a3b", "format", None), "'qwen3-30b-a3b': 'format' is missing or not a str"),
         (set_field("qwen3-30b-a3b", "format", "awq"), "'qwen3-30b-a3b': format 'awq' is not one of"),
         (set_field("qwen3-30b-a3b", "quant", "Q4_K_M"), "'qwen3-30b-a3b': a quant (Q4_K_M, MXFP4, FP8…)"),
