@@ -39,7 +39,9 @@ def reference():
 @pytest.fixture(scope="module")
 def offloaded():
     # A quarter of the 96 routed experts.
-    model = load_model(demo_model_dir(), OffloadConfig(device="cpu", expert_budget=ExpertBudget(experts=24)))
+    model = load_model(
+        demo_model_dir(), OffloadConfig(device="cpu", dtype="float32", expert_budget=ExpertBudget(experts=24))
+    )
     yield model
     model.close()
 
