@@ -318,10 +318,7 @@ def resolve_dtype(name: str, checkpoint: Checkpoint, device: torch.device) -> to
         return getattr(torch, name)
     stored = checkpoint.storage_dtype()
     if device.type == "cuda" or stored != torch.float16:
-        # bfloat16 weights (and GGUF blocks) compute in bfloat16 on the CPU too: upcast to float32
-        # they took twice the RAM and ran slower (engine.bench on the issue-21 shape, one thread:
-        # BF16 decode 8.4 -> 9.7 tok/s, peak RSS 7.3 -> 5.0 GiB; Q4_K_M 5.9 -> 22.5 tok/s)
-        return stored
+        return stored  # bf16 and GGUF on the CPU too: fp32 took 2x the RAM and ran slower (issue 21)
     # CPU, float16 weights: torch's float16 CPU matmuls are slow; float32 when the host has room.
     fp32_bytes = sum(_numel(checkpoint, n) for n in checkpoint) * 4
     return torch.float32 if fp32_bytes < 0.5 * psutil.virtual_memory().available else stored

@@ -4,11 +4,10 @@
 safetensors headers (names, dtypes, shapes; `safe_open` validates that each file is as long as
 its header says) and compares them with `model.safetensors.index.json`. It returns a
 `ModelCheck` that lists every problem in the words the loader would use, so a download or an
-import can be refused before the worker spends minutes on it.
-
-Importing this module is light (no torch, no safetensors): the GUI unpickles `ModelCheck`
-results. Calling `check_model_folder` imports `safetensors` (and numpy), so the GUI runs it
-in a child process (`app.model_library.check_folder`), never in its own.
+import can be refused before the worker spends minutes on it. Importing this module is light
+(no torch, no safetensors): the GUI unpickles `ModelCheck` results. Calling
+`check_model_folder` imports `safetensors` (and numpy), so the GUI runs it in a child process
+(`app.model_library.check_folder`), never in its own.
 """
 
 from __future__ import annotations
@@ -330,11 +329,10 @@ def _check_dtypes(
         )
 
 
-def _loadable(model_type: object, method: str) -> bool:
-    """The loader's rule (engine.model.folder): a method the family's adapter does not refuse."""
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return True  # the unsupported architecture is the problem reported
-    return method.lower() not in get_architecture(str(model_type)).unsupported_quantization
+def _loadable(family: str | None, method: str) -> bool:
+    """The loader's rule (engine.model.folder): a method the family's adapter does not refuse (None:
+    an unsupported family, the problem reported instead)."""
+    return family is None or method.lower() not in get_architecture(family).unsupported_quantization
 
 
 def _is_odd(name: str, dtype: str, quant: str | None) -> bool:
