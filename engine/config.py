@@ -38,6 +38,7 @@ CACHE_POLICIES: tuple[str, ...] = ("lru", "lfu", "mrs")  # engine.offload.evicti
 EXPERT_DTYPES = ("native", "int8", "int4")
 # The KV cache's storage precision, apart from the compute dtype (engine.model.kv_cache): auto keeps
 # the compute dtype; float8_e4m3fn stores a byte per element with a per-head scale.
+KERNELS = ("exact", "ggml")
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")
 KV_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
 
@@ -133,6 +134,9 @@ class OffloadConfig:
     # tokens a chat may hold (prompt + reply), below the model's own window (llama.cpp's -c, Ollama's
     # num_ctx): requests past it are refused, and the auto expert budget leaves room for its KV cache
     context_length: int | None = None  # None: the model's window
+    # GGUF experts computed on the CPU: "exact" (torch, outputs equal the dequantized model's) or
+    # "ggml" (llama.cpp's own kernels, from llama-cpp-python: 8-bit activations, as llama.cpp computes)
+    kernels: str = "exact"
 
     def validate(self) -> None:
         if self.device.split(":")[0] not in DEVICES:
@@ -150,6 +154,8 @@ class OffloadConfig:
                 "The context length must be a whole number of tokens >= 16 (none: the model's), "
                 f"got {length!r}."
             )
+        if self.kernels not in KERNELS:
+            raise InvalidRequestError(f"Unknown kernels {self.kernels!r}; choose one of {', '.join(KERNELS)}")
         if self.kv_dtype not in KV_DTYPES:
             raise InvalidRequestError(
                 f"Unknown KV cache dtype {self.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}."

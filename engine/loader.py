@@ -152,10 +152,9 @@ def _build_store(folder, checkpoint, hf_model, arch, blocks, dtype, config, prog
     checkpoint.bind(hf_model)
     _, shapes, num_experts = first_experts(blocks)
     report = (lambda done, total: progress("experts", done, total)) if progress else None
-    # experts computed on the CPU: repacked where it is faster there (engine.offload.ggml_repack)
-    repack_for = dtype if on_cpu else None
-    store = build_gguf_store(checkpoint, sorted(blocks), num_experts, shapes, False, report, repack_for)
-    return store, None
+    repack_for = dtype if on_cpu else None  # CPU: repacked where faster there (offload.ggml_repack)
+    args = (sorted(blocks), num_experts, shapes, False, report, repack_for, config.kernels)
+    return build_gguf_store(checkpoint, *args), None
 
 
 def _gguf_layout_name(store: ExpertStore) -> str:

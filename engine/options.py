@@ -66,6 +66,13 @@ def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
         help="context length in tokens (prompt + reply), below the model's window; the auto expert budget "
         "leaves room for its KV cache (default: the model's)",
     )
+    parser.add_argument(
+        "--kernels",
+        default="exact",
+        choices=("exact", "ggml"),
+        help="GGUF experts on the CPU: exact (outputs equal the dequantized model's) or ggml (llama.cpp's "
+        "own kernels from llama-cpp-python: faster, activations in 8 bits as llama.cpp computes them)",
+    )
     parser.add_argument("--policy", default="lru", choices=("lru", "lfu", "mrs"), help="cache eviction")
     parser.add_argument(
         "--expert-dtype",
@@ -241,4 +248,5 @@ def offload_config(args: argparse.Namespace, expert_budget: str | None = None):
         expert_dtype=args.expert_dtype,
         kv_dtype=args.kv_dtype,
         context_length=args.ctx_size,
+        kernels=args.kernels,
     )

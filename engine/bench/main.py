@@ -186,7 +186,12 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             model.close()
         print(format_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
-    result = {"model": asdict(info), "new_tokens": args.new_tokens, "prompts": len(prompts)}
+    result = {
+        "model": asdict(info),
+        "new_tokens": args.new_tokens,
+        "prompts": len(prompts),
+        "kernels": args.kernels,
+    }
     if calibration is not None:
         result["calibration"] = calibration
     if args.compare_transformers:
@@ -333,7 +338,8 @@ def _main_multi_turn(args) -> int:
 def _print_result(result: dict) -> None:
     rows = [BenchRow(**r) for r in result["rows"]]
     info = result["model"]
-    print(f"{info['path']} ({info['model_type']}, {info['dtype']}, device {info['device']})")
+    kernels = "" if result.get("kernels", "exact") == "exact" else f", {result['kernels']} kernels"
+    print(f"{info['path']} ({info['model_type']}, {info['dtype']}, device {info['device']}{kernels})")
     print(format_table(rows))
     for line in filter(None, map(memory_line, rows)):
         print(line)

@@ -31,9 +31,10 @@ import torch
 from engine.errors import CorruptCheckpointError, DeviceOutOfMemoryError, MissingTensorsError
 from engine.model.adapters.base import DiskLayout
 from engine.model.checkpoint import Checkpoint
+from engine.offload import ggml_kernels
 from engine.offload.fp8 import FP8_DTYPE, Fp8Weight, scale_shape
 from engine.offload.ggml_quants import linear as ggml_linear
-from engine.offload.ggml_repack import repacked_linear
+from engine.offload.ggml_repack import GGML, repacked_linear
 from engine.offload.int4 import Int4Weight, packed_shapes
 from engine.offload.quant import QuantSpec, is_weight, quantize_into, quantized_fields
 
@@ -69,6 +70,8 @@ class GgmlWeight(NamedTuple):
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T`: how `engine.offload.quant.linear` computes this format."""
+        if self.packing == GGML:
+            return ggml_kernels.linear(x, self.data, self.ggml_type, *self.shape)
         if self.packing is not None:
             return repacked_linear(self.packing, x, self.data, *self.shape)
         return ggml_linear(x, self.data, self.ggml_type, *self.shape)

@@ -60,13 +60,19 @@ log = logging.getLogger(__name__)
 Q = GGMLQuantizationType
 INT4PACK = "int4pack"  # an `ExpertField.packing`
 Q6_K_INT8 = "q6_k_int8"
+GGML = "ggml"  # the file's blocks as they are, computed by llama.cpp's kernels (`--kernels ggml`)
 GROUP = 32  # int4pack: weights per scale and zero, one Q4_K sub-block
 _N_BLOCK = 16  # int4pack: the kernel takes its output rows in blocks of 16, 32, 48 or 64
 _SOURCE = {INT4PACK: Q.Q4_K, Q6_K_INT8: Q.Q6_K}
 
 
-def packing_for(ggml_type: int, out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
-    """The packing a CPU model computing in `dtype` gives this weight; None keeps the file's blocks."""
+def packing_for(
+    ggml_type: int, out_features: int, in_features: int, dtype: torch.dtype, kernels: str = "exact"
+) -> str | None:
+    """The packing a CPU model computing in `dtype` with `kernels` gives this weight; None keeps the
+    file's blocks for the exact dequantizing path."""
+    if kernels == "ggml":
+        return GGML if ggml_type not in (Q.F32, Q.F16, Q.BF16) else None
     if ggml_type == Q.Q4_K and dtype == torch.bfloat16 and out_features % _N_BLOCK == 0:
         return INT4PACK
     if ggml_type == Q.Q6_K:

@@ -21,11 +21,17 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine.errors import CorruptCheckpointError, MissingTensorsError, UnsupportedQuantizationError
+from engine.errors import (
+    CorruptCheckpointError,
+    InvalidConfigError,
+    MissingTensorsError,
+    UnsupportedQuantizationError,
+)
 from engine.model.gguf_file import GgufCheckpoint
+from engine.offload import ggml_kernels
 from engine.offload.expert_store import ExpertLayout, ExpertStore, allocate_layer
 from engine.offload.ggml_quants import row_bytes
-from engine.offload.ggml_repack import packed_nbytes, packing_for, repack
+from engine.offload.ggml_repack import GGML, packed_nbytes, packing_for, repack
 
 
 def build_gguf_store(
@@ -36,18 +42,24 @@ def build_gguf_store(
     pin: bool,
     progress: Callable[[int, int], None] | None = None,
     repack_for: torch.dtype | None = None,
+    kernels: str = "exact",
 ) -> ExpertStore:
     """Pack every routed expert of `moe_layers` from the file's blocks, without dequantizing
     (repacked for the CPU computing in `repack_for`, if given).
 
-    `shapes` are transformers' per-expert field shapes (`gate_up_proj` [2I, H], `down_proj` [H, I])."""
+    `shapes` are transformers' per-expert field shapes (`gate_up_proj` [2I, H], `down_proj` [H, I]).
+    With `kernels="ggml"` the CPU computes the file's blocks by llama.cpp's kernels (ggml_kernels)."""
+    if kernels == "ggml" and repack_for is not None:
+        ready, reason = ggml_kernels.available()
+        if not ready:
+            raise InvalidConfigError(f"--kernels ggml cannot run: {reason}. Use --kernels exact.")
     layouts, layers = {}, {}
     total, done = len(moe_layers) * num_experts, 0
     for layer in moe_layers:
         tensors = _layer_tensors(gguf, layer, num_experts, shapes)
-        layout = layer_layout(tensors, repack_for)
+        layout = layer_layout(tensors, repack_for, kernels)
         packed = allocate_layer(num_experts, layout.nbytes, pin, layer)
-        if any(f.packing for f in layout.fields):
+        if any(f.packing not in (None, GGML) for f in layout.fields):
             _repack_layer(gguf, packed, layout, tensors)
         else:
             _pack_layer(gguf, packed.numpy(), layout, tensors)
@@ -85,9 +97,11 @@ def _layer_tensors(gguf: GgufCheckpoint, layer: int, num_experts: int, shapes) -
     return tensors
 
 
-def layer_layout(tensors: dict, repack_for: torch.dtype | None = None) -> ExpertLayout:
+def layer_layout(
+    tensors: dict, repack_for: torch.dtype | None = None, kernels: str = "exact"
+) -> ExpertLayout:
     """One expert of a layer: gate and up rows as `gate_up_proj`, then `down_proj`, in ggml blocks
-    (repacked for the CPU computing in `repack_for`, where `ggml_repack` has a form)."""
+    (repacked for the CPU computing in `repack_for` with `kernels`, where `ggml_repack` has a form)."""
     gate, down = tensors["gate"], tensors["down"]
     _, inter, hidden = (int(d) for d in reversed(gate.shape))
     fields = []
@@ -95,8 +109,10 @@ def layer_layout(tensors: dict, repack_for: torch.dtype | None = None) -> Expert
         ("gate_up_proj", (2 * inter, hidden), int(gate.tensor_type)),
         ("down_proj", (hidden, inter), int(down.tensor_type)),
     ):
-        packing = packing_for(ggml_type, out, columns, repack_for) if repack_for is not None else None
-        if packing is not None:
+        packing = (
+            packing_for(ggml_type, out, columns, repack_for, kernels) if repack_for is not None else None
+        )
+        if packing not in (None, GGML):  # GGML: the file's blocks, for llama.cpp's kernels
             per_row = packed_nbytes(packing, out, columns) // out
         else:
             per_row = row_bytes(ggml_type, columns)

@@ -26,8 +26,8 @@ from engine.errors import EngineError
 from engine.generation_config import GenerationConfig
 
 # 2: Tune, TuneProgress, TuneResult; 3: reasoning apart from the answer, tools; 4: Finished.tool_calls,
-# GenerationConfig.tool_choice, OffloadConfig.kv_dtype
-PROTOCOL_VERSION = 4
+# GenerationConfig.tool_choice, OffloadConfig.kv_dtype; 5: OffloadConfig.kernels
+PROTOCOL_VERSION = 5
 
 
 class ProtocolError(EngineError):

@@ -1,0 +1,148 @@
+"""llama.cpp's own CPU matmul kernels, on a GGUF weight's blocks where they lie (`--kernels ggml`).
+
+Contract: `available()` says whether ggml's shared libraries can be loaded (they come with the
+optional `llama-cpp-python` package, the `llama` extra) and why not; `linear(x, blocks, ggml_type,
+out, in)` is `x @ W.T` for the weight `W [out, in]` whose ggml blocks are `blocks` (uint8, `[out,
+row bytes]`, the file's layout), computed by ggml's CPU backend with as many threads as torch uses.
+
+This is the path llama.cpp computes on: the activations are quantized to 8 bits per block
+(Q8_K for the K-quants, Q8_0 for the others) and multiplied with integer dot products, so the
+result differs from `x @ dequantize(W).T` by about a percent of its scale, as llama.cpp's own
+outputs do; the engine's default kernels (engine.offload.ggml_repack, ggml_linear) stay exact and
+this one is chosen by name only. One weight, one graph: ggml tensors are described in a
+per-thread metadata context (no allocation), bound to the caller's memory through CPU buffers
+made from pointers (`ggml_backend_cpu_buffer_from_ptr`, which needs aligned pointers: the buffer
+starts at the aligned address below), and computed by the CPU backend. Every argument is checked
+here first: ggml aborts the process on a failed assertion.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from pathlib import Path
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+_ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT
+_F32 = int(GGMLQuantizationType.F32)
+_P = ctypes.c_void_p
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", _P), ("no_alloc", ctypes.c_bool)]
+
+
+class _Ggml:
+    """The few ggml functions this module calls, with their C signatures."""
+
+    def __init__(self, lib_dir: Path):
+        load = functools.partial(ctypes.CDLL, mode=ctypes.RTLD_GLOBAL)
+        base, cpu = load(str(lib_dir / "libggml-base.so")), load(str(lib_dir / "libggml-cpu.so"))
+        i64, size = ctypes.c_int64, ctypes.c_size_t
+        self.init = _function(base, "ggml_init", _P, _InitParams)
+        self.reset = _function(base, "ggml_reset", None, _P)
+        self.new_tensor_2d = _function(base, "ggml_new_tensor_2d", _P, _P, ctypes.c_int, i64, i64)
+        self.mul_mat = _function(base, "ggml_mul_mat", _P, _P, _P, _P)
+        self.new_graph = _function(base, "ggml_new_graph", _P, _P)
+        self.build_forward_expand = _function(base, "ggml_build_forward_expand", None, _P, _P)
+        self.tensor_overhead = _function(base, "ggml_tensor_overhead", size)
+        self.graph_overhead = _function(base, "ggml_graph_overhead", size)
+        self.row_size = _function(base, "ggml_row_size", size, ctypes.c_int, i64)
+        self.tensor_alloc = _function(base, "ggml_backend_tensor_alloc", ctypes.c_int, _P, _P, _P)
+        self.buffer_free = _function(base, "ggml_backend_buffer_free", None, _P)
+        self.graph_compute = _function(base, "ggml_backend_graph_compute", ctypes.c_int, _P, _P)
+        self.cpu_init = _function(cpu, "ggml_backend_cpu_init", _P)
+        self.cpu_set_n_threads = _function(cpu, "ggml_backend_cpu_set_n_threads", None, _P, ctypes.c_int)
+        self.cpu_buffer_from_ptr = _function(cpu, "ggml_backend_cpu_buffer_from_ptr", _P, _P, size)
+
+
+def _function(lib, name: str, restype, *argtypes):
+    function = getattr(lib, name)
+    function.restype, function.argtypes = restype, list(argtypes)
+    return function
+
+
+@functools.cache
+def _library() -> tuple[_Ggml | None, str]:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None, "ggml's kernels come with llama-cpp-python: pip install 'moe-chat[llama]'"
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    try:
+        return _Ggml(lib_dir), ""
+    except (OSError, AttributeError) as err:
+        return None, f"llama-cpp-python's ggml libraries in {lib_dir} cannot be used ({err})"
+
+
+def available() -> tuple[bool, str]:
+    """Whether ggml's kernels can run here, and why not."""
+    ggml, reason = _library()
+    return ggml is not None, reason
+
+
+class _ThreadState(threading.local):
+    context: int | None = None
+    backend: int | None = None
+
+
+_state = _ThreadState()
+
+
+def _context(ggml: _Ggml) -> tuple[int, int]:
+    """This thread's metadata context (reset for each call) and CPU backend."""
+    if _state.context is None:
+        size = ggml.tensor_overhead() * 4 + ggml.graph_overhead() + 1024
+        _state.context = ggml.init(_InitParams(size, None, True))
+        _state.backend = ggml.cpu_init()
+        if not _state.context or not _state.backend:
+            raise RuntimeError("ggml could not make a context or a CPU backend")
+    ggml.reset(_state.context)
+    ggml.cpu_set_n_threads(_state.backend, torch.get_num_threads())
+    return _state.context, _state.backend
+
+
+def _bind(ggml: _Ggml, tensor: int, memory: torch.Tensor, buffers: list[int]) -> None:
+    """Point ggml's `tensor` at `memory` through a CPU buffer from its aligned start."""
+    address = memory.data_ptr()
+    start = address - address % _ALIGNMENT
+    buffer = ggml.cpu_buffer_from_ptr(start, address - start + memory.numel() * memory.element_size())
+    buffers.append(buffer)
+    if ggml.tensor_alloc(buffer, tensor, address) != 0:
+        raise RuntimeError("ggml could not bind a tensor to its memory")
+
+
+def linear(
+    x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int
+) -> torch.Tensor:
+    """`x @ W.T` by ggml's CPU kernels, `x [..., in]`, in x's dtype (computed in float32)."""
+    ggml, reason = _library()
+    if ggml is None:
+        raise RuntimeError(reason)
+    block_weights, _ = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    row = ggml.row_size(int(ggml_type), in_features)
+    if in_features % block_weights or blocks.dtype != torch.uint8 or blocks.device.type != "cpu":
+        raise ValueError(f"ggml cannot multiply a {out_features}×{in_features} weight in {ggml_type} blocks")
+    if not blocks.is_contiguous() or blocks.numel() != row * out_features:
+        raise ValueError(f"{blocks.numel()} bytes do not hold a {out_features}×{in_features} weight")
+    tokens = x.reshape(-1, in_features).to(device="cpu", dtype=torch.float32).contiguous()
+    out = torch.empty(tokens.shape[0], out_features, dtype=torch.float32)
+    context, backend = _context(ggml)
+    weight = ggml.new_tensor_2d(context, int(ggml_type), in_features, out_features)
+    activations = ggml.new_tensor_2d(context, _F32, in_features, tokens.shape[0])
+    product = ggml.mul_mat(context, weight, activations)  # [tokens, out] in ggml's ne order
+    graph = ggml.new_graph(context)
+    ggml.build_forward_expand(graph, product)
+    buffers: list[int] = []
+    try:
+        for tensor, memory in ((weight, blocks), (activations, tokens), (product, out)):
+            _bind(ggml, tensor, memory, buffers)
+        if ggml.graph_compute(backend, graph) != 0:
+            raise RuntimeError("ggml's CPU backend failed to compute a matmul")
+    finally:
+        for buffer in buffers:
+            ggml.buffer_free(buffer)
+    return out.to(x.dtype).view(*x.shape[:-1], out_features)

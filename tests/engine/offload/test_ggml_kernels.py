@@ -1,0 +1,112 @@
+"""`--kernels ggml`: GGUF experts on the CPU computed by llama.cpp's own kernels (ggml, from the
+optional llama-cpp-python), on the file's blocks where they lie.
+
+ggml quantizes the activations to 8 bits per block, as llama.cpp does, so its product is close to
+the dequantized weight's (about a percent of the output's scale), not equal; the default exact
+kernels are untouched. Without llama-cpp-python the option is refused by name."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine.config import ExpertBudget, OffloadConfig
+from engine.errors import InvalidConfigError, InvalidRequestError
+from engine.generation import generate_text
+from engine.generation_config import GenerationConfig, SamplingConfig
+from engine.loader import load_model
+from engine.model.ggml_encode import quantize
+from engine.model.tiny_gguf import write_tiny_gguf
+from engine.offload import ggml_kernels
+from engine.offload.ggml_quants import dequantize
+from engine.offload.ggml_repack import GGML
+
+OUT, IN = 96, 512
+PROMPT = [3, 17, 42, 99, 7, 250, 11, 64]
+needs_ggml = pytest.mark.skipif(not ggml_kernels.available()[0], reason="llama-cpp-python is not installed")
+
+
+def _weight(ggml_type: QT) -> tuple[torch.Tensor, torch.Tensor]:
+    rng = np.random.default_rng(3)
+    dense = rng.standard_normal((OUT, IN)).astype(np.float32) * rng.uniform(0.01, 2.0, (OUT, 1))
+    blocks = torch.from_numpy(quantize(dense, ggml_type)).view(torch.uint8).reshape(OUT, -1).clone()
+    return blocks, dequantize(blocks, ggml_type, (OUT, IN), torch.float32)
+
+
+@needs_ggml
+@pytest.mark.parametrize("ggml_type", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.Q4_0])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_ggml_products_are_the_dequantized_products_to_8_bit_activation_precision(ggml_type, tokens):
+    blocks, weight = _weight(ggml_type)
+    x = torch.randn(tokens, IN, generator=torch.Generator().manual_seed(tokens))
+    expected = x @ weight.T
+    got = ggml_kernels.linear(x, blocks, ggml_type, OUT, IN)
+    assert got.shape == (tokens, OUT) and got.dtype == torch.float32
+    error = (got - expected).abs().max() / expected.abs().max()
+    assert 0 < error < 0.02  # close, and not the exact product: llama.cpp's numerics
+    bf16 = ggml_kernels.linear(x.to(torch.bfloat16), blocks, ggml_type, OUT, IN)
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.float(), got, rtol=0.02, atol=0.02 * expected.abs().max().item())
+
+
+@needs_ggml
+def test_unaligned_inputs_and_blocks_compute_and_bad_shapes_are_value_errors_not_aborts():
+    blocks, weight = _weight(QT.Q4_K)
+    padded = torch.empty(blocks.numel() + 3, dtype=torch.uint8)
+    unaligned = padded[3:].view(OUT, -1)  # a slot's field need not start on ggml's 32-byte alignment
+    unaligned.copy_(blocks)
+    rows = torch.randn(4, IN + 1)[:, 1:]  # a strided view of activations
+    expected = rows @ weight.T
+    got = ggml_kernels.linear(rows, unaligned, QT.Q4_K, OUT, IN)
+    assert (got - expected).abs().max() / expected.abs().max() < 0.02
+    with pytest.raises(ValueError, match="bytes do not hold"):
+        ggml_kernels.linear(rows, blocks[:-1], QT.Q4_K, OUT, IN)
+    with pytest.raises(ValueError, match="cannot multiply"):
+        ggml_kernels.linear(torch.randn(1, 500), blocks, QT.Q4_K, OUT, 500)
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_k_m(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ggml-kernels")
+    return write_tiny_gguf(folder, expert_type=QT.Q4_K, down_type=QT.Q6_K, other_type=QT.Q8_0)
+
+
+def _config(kernels: str) -> OffloadConfig:
+    return OffloadConfig(
+        device="cpu", dtype="bfloat16", expert_budget=ExpertBudget.parse("all"), kernels=kernels
+    )
+
+
+@needs_ggml
+def test_a_gguf_model_with_ggml_kernels_keeps_the_files_blocks_and_stays_close_to_exact(tiny_q4_k_m):
+    logits = {}
+    for kernels in ("exact", "ggml"):
+        model = load_model(tiny_q4_k_m, _config(kernels))
+        try:
+            fields = {f.name: f for f in model.store.layout_of(0).fields}
+            if kernels == "ggml":
+                assert fields["gate_up_proj"].packing == GGML and fields["down_proj"].packing == GGML
+                greedy = GenerationConfig(
+                    max_new_tokens=8, sampling=SamplingConfig(greedy=True), ignore_eos=True
+                )
+                assert len(generate_text(model, PROMPT, greedy).token_ids) == 8
+            ids = torch.tensor(PROMPT)
+            logits[kernels] = model.forward(ids, model.new_kv_cache(), logits_to_keep=0).float()
+        finally:
+            model.close()
+    # A perturbation can flip a near-tie in routing at some position (bfloat16 itself moves one
+    # logit row of this tiny model by 1.6 against float32), so the typical row is what is compared.
+    exact, fast = logits["exact"], logits["ggml"]
+    row_error = (fast - exact).abs().max(dim=-1).values / exact.abs().max()
+    assert row_error.median() < 0.05
+    assert (fast.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.75
+
+
+def test_ggml_kernels_without_llama_cpp_are_refused_by_name(tiny_q4_k_m, monkeypatch):
+    monkeypatch.setattr(ggml_kernels, "_library", lambda: (None, "ggml's kernels come with llama-cpp-python"))
+    with pytest.raises(
+        InvalidConfigError, match="--kernels ggml cannot run: ggml's kernels come with llama-cpp"
+    ):
+        load_model(tiny_q4_k_m, _config("ggml"))
+    with pytest.raises(InvalidRequestError, match="Unknown kernels 'fast'"):
+        OffloadConfig(kernels="fast").validate()
