@@ -24,16 +24,12 @@ import psutil
 import torch
 from gguf import GGMLQuantizationType
 from transformers import AutoModelForCausalLM
-from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import (
     BudgetTooSmallError,
-    CorruptCheckpointError,
     DeviceOutOfMemoryError,
     InvalidRequestError,
-    MissingTensorsError,
     UnsupportedArchitectureError,
 )
 from engine.model.adapters import get_architecture
@@ -48,7 +44,6 @@ from engine.offload.eviction import make_policy
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertLayout, ExpertStore, build_store, find_layout
 from engine.offload.fp8_store import Fp8Checkpoint, build_fp8_store, fp8_checkpoint
-from engine.offload.ggml_embedding import fill_embedding, keep_embedding_quantized
 from engine.offload.gguf_store import build_gguf_store
 from engine.offload.int4_store import Int4Checkpoint, build_int4_store, int4_checkpoint
 from engine.offload.model import OffloadedModel
@@ -64,6 +59,7 @@ from engine.offload.quant import QuantSpec
 from engine.offload.staging import pinned_if_small
 from engine.offload.store_cache import StoreKey, load_or_build
 from engine.offload.transfer import make_transfer
+from engine.resident_weights import load_resident
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +89,7 @@ def load_model(
         cache = ExpertCache(store, n_slots, device, transfer, policy, in_place=config.sim_link_gbps is None)
         trace, control = _offload_experts(blocks, arch, cache)
         expert_names = _expert_tensor_names(disk_layout, blocks, store.num_experts) if disk_layout else set()
-        _load_resident(hf_model, checkpoint, expert_names, dtype, device, progress)
+        load_resident(hf_model, checkpoint, expert_names, dtype, device, progress, config.kernels)
         tokenizer = (
             checkpoint.tokenizer() if isinstance(checkpoint, GgufCheckpoint) else load_tokenizer(folder)
         )
@@ -338,62 +334,3 @@ def _expert_tensor_names(disk_layout, blocks, num_experts: int) -> set[str]:
             for group in disk_layout.names(name + ".", expert).values():
                 names.update(group)
     return names
-
-
-def _load_resident(hf_model, checkpoint: Checkpoint, skip: set[str], dtype, device, progress) -> None:
-    """The resident weights; a GGUF's big quantized token embedding stays in its blocks."""
-    embed = checkpoint.tensors.get("token_embd.weight") if isinstance(checkpoint, GgufCheckpoint) else None
-    replaced = keep_embedding_quantized(hf_model, embed, dtype)
-    _load_resident_weights(hf_model, checkpoint, skip | {replaced} - {None}, device, progress)
-    if replaced is not None:
-        fill_embedding(hf_model, embed)
-        log.info("The token embedding stays in its %s blocks (%s).", embed.tensor_type.name, replaced)
-
-
-def _load_resident_weights(hf_model, checkpoint: Checkpoint, skip: set[str], device, progress) -> None:
-    """Allocate every non-expert parameter on `device` and fill it from the checkpoint."""
-    try:
-        hf_model.to_empty(device=device)
-    except torch.OutOfMemoryError as err:
-        raise DeviceOutOfMemoryError(
-            "Out of device memory for the model's resident (non-expert) weights. "
-            "This model needs a larger GPU, or use --device cpu."
-        ) from err
-    transforms = get_model_conversion_mapping(hf_model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    targets = dict(hf_model.state_dict(keep_vars=True))
-    loaded: set[str] = set()
-    names = [n for n in checkpoint if n not in skip]
-    for done, name in enumerate(names, 1):
-        target, _ = rename_source_key(name, renamings, converters, hf_model.base_model_prefix, targets)
-        tensor = targets.get(target)
-        if tensor is None:
-            log.debug("Ignoring checkpoint tensor %s (no such parameter)", name)
-            continue
-        value = checkpoint.read(name, tensor.dtype)
-        if value.shape != tensor.shape:
-            raise CorruptCheckpointError(
-                f"{name} has shape {tuple(value.shape)} but the model expects {tuple(tensor.shape)}; "
-                "config.json and the weights disagree. Use the config.json that came with these weights."
-            )
-        with torch.no_grad():
-            tensor.copy_(value)
-        tensor._is_hf_initialized = True
-        loaded.add(target)
-        if progress is not None:
-            progress("weights", done, len(names))
-    tied = set(getattr(hf_model, "all_tied_weights_keys", {}) or {})
-    missing = sorted(set(targets) - loaded - tied - _non_persistent(hf_model))
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise MissingTensorsError(
-            f"The checkpoint in {checkpoint.folder} lacks {len(missing)} tensor(s): {shown}. "
-            "The download is incomplete or the folder mixes two models."
-        )
-    hf_model.initialize_weights()  # fills only what was not loaded: RoPE buffers and the like
-    hf_model.tie_weights()
-
-
-def _non_persistent(hf_model) -> set[str]:
-    return {name for name, _ in hf_model.named_non_persistent_buffers()}

@@ -27,6 +27,9 @@ from engine.errors import CorruptCheckpointError, ModelNotFoundError, Unsupporte
 log = logging.getLogger(__name__)
 
 SPLIT = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+# architectures whose matrices transformers reads with their rows as stored (no Q/K permutation):
+# their quantized blocks can be computed on as they lie (engine.offload.ggml_resident)
+ROWS_AS_STORED = ("qwen2moe", "qwen3moe")
 EXPERTS = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<which>gate|up|down)_exps\.weight$")
 # GGUF keys transformers' config mapping does not read (FACTS.md): architecture -> key -> config field
 MISSED_KEYS = {
@@ -174,6 +177,17 @@ class GgufCheckpoint:
         )
         value = torch.from_numpy(np.array(result.weights))  # a copy: the memory map is read-only
         return value if dtype is None else value.to(dtype)
+
+    def quantized_tensor(self, name: str):
+        """The reader tensor of `name` (a Hugging Face name) when the file keeps it as a matrix of
+        quantized blocks whose rows are the parameter's; else None (read it with `read`)."""
+        from gguf import GGMLQuantizationType
+
+        tensor = self.tensors.get(self._names.get(name, ""))
+        if tensor is None or self.architecture not in ROWS_AS_STORED or len(tensor.data.shape) != 2:
+            return None
+        dense = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+        return None if tensor.tensor_type in dense else tensor
 
     # -- routed experts, as the file has them ---------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""`--kernels ggml`: GGUF experts on the CPU computed by llama.cpp's own kernels (ggml, from the
-optional llama-cpp-python), on the file's blocks where they lie.
+"""`--kernels ggml`: GGUF experts and resident matrices on the CPU computed by llama.cpp's own
+kernels (ggml, from the optional llama-cpp-python), on the file's blocks where they lie.
 
 ggml quantizes the activations to 8 bits per block, as llama.cpp does, so its product is close to
 the dequantized weight's (about a percent of the output's scale), not equal; the default exact
@@ -20,6 +20,7 @@ from engine.model.tiny_gguf import write_tiny_gguf
 from engine.offload import ggml_kernels
 from engine.offload.ggml_quants import dequantize
 from engine.offload.ggml_repack import GGML
+from engine.offload.ggml_resident import GgmlLinear
 
 OUT, IN = 96, 512
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 64]
@@ -84,8 +85,14 @@ def test_a_gguf_model_with_ggml_kernels_keeps_the_files_blocks_and_stays_close_t
         model = load_model(tiny_q4_k_m, _config(kernels))
         try:
             fields = {f.name: f for f in model.store.layout_of(0).fields}
-            if kernels == "ggml":
+            kept = [name for name, m in model.hf_model.named_modules() if isinstance(m, GgmlLinear)]
+            if kernels == "exact":
+                assert not kept
+            else:
                 assert fields["gate_up_proj"].packing == GGML and fields["down_proj"].packing == GGML
+                # the attention's Q8_0 matrices and the head stay in their blocks; the F32 router not
+                assert "model.layers.0.self_attn.q_proj" in kept and "lm_head" in kept
+                assert not any(name.endswith("mlp.gate") for name in kept)
                 greedy = GenerationConfig(
                     max_new_tokens=8, sampling=SamplingConfig(greedy=True), ignore_eos=True
                 )
