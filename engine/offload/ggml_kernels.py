@@ -46,10 +46,10 @@ class _Ggml:
         self.reset = _function(base, "ggml_reset", None, _P)
         self.new_tensor_2d = _function(base, "ggml_new_tensor_2d", _P, _P, ctypes.c_int, i64, i64)
         self.mul_mat = _function(base, "ggml_mul_mat", _P, _P, _P, _P)
-        self.new_graph = _function(base, "ggml_new_graph", _P, _P)
+        self.new_graph_custom = _function(base, "ggml_new_graph_custom", _P, _P, size, ctypes.c_bool)
         self.build_forward_expand = _function(base, "ggml_build_forward_expand", None, _P, _P)
         self.tensor_overhead = _function(base, "ggml_tensor_overhead", size)
-        self.graph_overhead = _function(base, "ggml_graph_overhead", size)
+        self.graph_overhead_custom = _function(base, "ggml_graph_overhead_custom", size, size, ctypes.c_bool)
         self.row_size = _function(base, "ggml_row_size", size, ctypes.c_int, i64)
         self.tensor_alloc = _function(base, "ggml_backend_tensor_alloc", ctypes.c_int, _P, _P, _P)
         self.buffer_free = _function(base, "ggml_backend_buffer_free", None, _P)
@@ -84,9 +84,13 @@ def available() -> tuple[bool, str]:
     return ggml is not None, reason
 
 
+_GRAPH_NODES = 4  # one matmul: a graph of ggml's default 2048 nodes costs more to set up than to run
+
+
 class _ThreadState(threading.local):
     context: int | None = None
     backend: int | None = None
+    threads = 0
 
 
 _state = _ThreadState()
@@ -95,13 +99,16 @@ _state = _ThreadState()
 def _context(ggml: _Ggml) -> tuple[int, int]:
     """This thread's metadata context (reset for each call) and CPU backend."""
     if _state.context is None:
-        size = ggml.tensor_overhead() * 4 + ggml.graph_overhead() + 1024
+        size = ggml.tensor_overhead() * 4 + ggml.graph_overhead_custom(_GRAPH_NODES, False) + 1024
         _state.context = ggml.init(_InitParams(size, None, True))
         _state.backend = ggml.cpu_init()
         if not _state.context or not _state.backend:
             raise RuntimeError("ggml could not make a context or a CPU backend")
     ggml.reset(_state.context)
-    ggml.cpu_set_n_threads(_state.backend, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    if threads != _state.threads:
+        ggml.cpu_set_n_threads(_state.backend, threads)
+        _state.threads = threads
     return _state.context, _state.backend
 
 
@@ -122,19 +129,22 @@ def linear(
     ggml, reason = _library()
     if ggml is None:
         raise RuntimeError(reason)
-    block_weights, _ = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-    row = ggml.row_size(int(ggml_type), in_features)
-    if in_features % block_weights or blocks.dtype != torch.uint8 or blocks.device.type != "cpu":
+    row = _row_bytes(ggml, int(ggml_type), in_features)
+    if row is None or blocks.dtype != torch.uint8 or blocks.device.type != "cpu":
         raise ValueError(f"ggml cannot multiply a {out_features}×{in_features} weight in {ggml_type} blocks")
     if not blocks.is_contiguous() or blocks.numel() != row * out_features:
         raise ValueError(f"{blocks.numel()} bytes do not hold a {out_features}×{in_features} weight")
-    tokens = x.reshape(-1, in_features).to(device="cpu", dtype=torch.float32).contiguous()
-    out = torch.empty(tokens.shape[0], out_features, dtype=torch.float32)
+    tokens = x.reshape(-1, in_features)  # each conversion only where needed: a decode step makes ~30 calls
+    if tokens.dtype != torch.float32 or tokens.device.type != "cpu":
+        tokens = tokens.to(device="cpu", dtype=torch.float32)
+    if not tokens.is_contiguous():
+        tokens = tokens.contiguous()
+    out = torch.empty((tokens.shape[0], out_features), dtype=torch.float32)
     context, backend = _context(ggml)
     weight = ggml.new_tensor_2d(context, int(ggml_type), in_features, out_features)
     activations = ggml.new_tensor_2d(context, _F32, in_features, tokens.shape[0])
     product = ggml.mul_mat(context, weight, activations)  # [tokens, out] in ggml's ne order
-    graph = ggml.new_graph(context)
+    graph = ggml.new_graph_custom(context, _GRAPH_NODES, False)
     ggml.build_forward_expand(graph, product)
     buffers: list[int] = []
     try:
@@ -145,4 +155,14 @@ def linear(
     finally:
         for buffer in buffers:
             ggml.buffer_free(buffer)
-    return out.to(x.dtype).view(*x.shape[:-1], out_features)
+    if x.dtype != torch.float32:
+        out = out.to(x.dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
+
+
+@functools.cache
+def _row_bytes(ggml: _Ggml, ggml_type: int, in_features: int) -> int | None:
+    """Bytes of one row of `in_features` weights in `ggml_type` blocks; None when rows of that
+    width do not fill whole blocks."""
+    block_weights, _ = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    return None if in_features % block_weights else ggml.row_size(ggml_type, in_features)
