@@ -50,6 +50,7 @@ class AppSettings:
     cpu_experts: str = "never"
     expert_dtype: str = "native"
     kv_dtype: str = "auto"  # the KV cache's storage precision (auto: the compute dtype)
+    kernels: str = "exact"  # GGUF on the CPU: exact, or llama.cpp's ggml kernels
     context_length: int | None = None  # tokens a chat may hold; None: the model's window
     policy: str = "lru"
     sim_link_gbps: float | None = None  # only without a GPU
@@ -100,6 +101,7 @@ class AppSettings:
             expert_dtype=self.expert_dtype,
             kv_dtype=self.kv_dtype,
             context_length=self.context_length,
+            kernels=self.kernels,
         )
 
     def to_spec_config(self) -> SpecConfig:

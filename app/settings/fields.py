@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import DEVICES, EXPERT_DTYPES, KV_DTYPES
+from engine.config import DEVICES, EXPERT_DTYPES, KERNELS, KV_DTYPES
 from engine.generation_config import CPU_EXPERT_MODES, PREFETCH_CHOICES, SPEC_CHOICES, SpecConfig
 from engine.offload.eviction import POLICIES
 
@@ -70,6 +70,15 @@ FIELDS: dict[str, FieldInfo] = {
         "copy to the GPU moves fewer bytes and more experts fit in the cache, at some cost in quality: the "
         "replies are no longer exactly the model's.",
         "choice", _choices(EXPERT_DTYPES, {"native": "native (exact)"}), reload=True,
+    ),
+    "kernels": FieldInfo(
+        "CPU kernels (GGUF)",
+        "exact: replies are the model's own; ggml: llama.cpp's faster kernels, replies differ slightly.",
+        "How a GGUF model's weights are computed on the CPU. exact dequantizes them as transformers would, "
+        "so replies equal the model's. ggml runs llama.cpp's own kernels on the file's blocks (needs the "
+        "optional llama-cpp-python package): about twice as fast and lighter on RAM, with llama.cpp's "
+        "numerics (activations rounded to 8 bits), so replies can differ slightly.",
+        "choice", _choices(KERNELS, {"exact": "exact", "ggml": "ggml (llama.cpp's)"}), reload=True,
     ),
     "kv_dtype": FieldInfo(
         "KV cache precision",

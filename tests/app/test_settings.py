@@ -313,9 +313,12 @@ def test_screenshot_of_the_dialog(qtbot, tmp_path):
     save_screenshot(dialog, "settings.png", tmp_path)
 
 
-def test_the_context_length_and_kv_precision_reach_the_engine():
-    offload = AppSettings(context_length=4096, kv_dtype="bfloat16").to_offload_config()
-    assert offload.context_length == 4096 and offload.kv_dtype == "bfloat16"
+def test_the_context_length_kv_precision_and_kernels_reach_the_engine():
+    offload = AppSettings(context_length=4096, kv_dtype="bfloat16", kernels="ggml").to_offload_config()
+    assert offload.context_length == 4096 and offload.kv_dtype == "bfloat16" and offload.kernels == "ggml"
+    assert AppSettings().to_offload_config().kernels == "exact"
+    with pytest.raises(SettingsError, match="CPU kernels"):
+        AppSettings(kernels="fast").validate()
     assert AppSettings().to_offload_config().context_length is None  # the model's own window
     with pytest.raises(SettingsError, match="Context length: must be between 16 and"):
         AppSettings(context_length=8).validate()
