@@ -5,6 +5,8 @@ ggml quantizes the activations to 8 bits per block, as llama.cpp does, so its pr
 the dequantized weight's (about a percent of the output's scale), not equal; the default exact
 kernels are untouched. Without llama-cpp-python the option is refused by name."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ from gguf import GGMLQuantizationType as QT
 from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import InvalidConfigError, InvalidRequestError
 from engine.generation import generate_text
-from engine.generation_config import GenerationConfig, SamplingConfig
+from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
 from engine.loader import load_model
 from engine.model.ggml_encode import quantize
 from engine.model.tiny_gguf import write_tiny_gguf
@@ -117,3 +119,29 @@ def test_ggml_kernels_without_llama_cpp_are_refused_by_name(tiny_q4_k_m, monkeyp
         load_model(tiny_q4_k_m, _config("ggml"))
     with pytest.raises(InvalidRequestError, match="Unknown kernels 'fast'"):
         OffloadConfig(kernels="fast").validate()
+
+
+@needs_ggml
+def test_with_ggml_kernels_speculation_streaming_and_cpu_misses_keep_plain_greedy_tokens(tiny_q4_k_m):
+    """ggml's products do not depend on how many tokens a call carries, so self-speculation stays
+    lossless; experts copied into cache slots over a simulated link and misses computed on the CPU
+    give the same tokens as the in-place store."""
+    greedy = {"max_new_tokens": 16, "sampling": SamplingConfig(greedy=True), "ignore_eos": True}
+    spec = SpecConfig(mode="self", top_r=1, draft_len=4)
+    tokens = []
+    for budget, link in (("all", None), ("4", 50.0)):
+        config = dataclasses.replace(
+            _config("ggml"), expert_budget=ExpertBudget.parse(budget), sim_link_gbps=link
+        )
+        model = load_model(tiny_q4_k_m, config)
+        try:
+            plain = list(generate_text(model, PROMPT, GenerationConfig(**greedy)).token_ids)
+            assert (
+                list(generate_text(model, PROMPT, GenerationConfig(**greedy, spec=spec)).token_ids) == plain
+            )
+            misses_on_cpu = GenerationConfig(**greedy, cpu_experts="always")
+            assert list(generate_text(model, PROMPT, misses_on_cpu).token_ids) == plain
+        finally:
+            model.close()
+        tokens.append(plain)
+    assert tokens[0] == tokens[1]
