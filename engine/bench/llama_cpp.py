@@ -13,6 +13,7 @@ import statistics
 import time
 from pathlib import Path
 
+from engine.bench.rows import BenchRow
 from engine.errors import EngineError
 
 
@@ -69,3 +70,37 @@ def spread(passes: list[dict]) -> float:
     """Relative spread of the passes' tpot (max − min over the median), to judge the ratio by."""
     tpots = [p["tpot_ms"] for p in passes]
     return (max(tpots) - min(tpots)) / statistics.median(tpots)
+
+
+def compare_llama_cpp(args, prompt_ids: list[list[int]], ours: BenchRow, result: dict) -> BenchRow:
+    """llama.cpp on the same file and prompts, timed over as many passes; the ratios go in `result`."""
+    import torch
+
+    runner = LlamaCppRunner(args.vs_llama_cpp, threads=torch.get_num_threads())
+    try:
+        runner.timed_pass([prompt_ids[0][:8]], 4)  # warm-up
+        passes = [runner.timed_pass(prompt_ids, args.new_tokens) for _ in range(args.repeats)]
+    finally:
+        runner.close()
+    median = median_pass(passes)
+    theirs = BenchRow(
+        engine="llama.cpp",
+        budget="all in RAM",
+        cache_slots=None,
+        tpot_ms=median["tpot_ms"],
+        tokens_per_s=1e3 / median["tpot_ms"],
+        prefill_tokens_per_s=median["prefill_tps"],
+        hit_rate=None,
+        h2d_gbps=None,
+        bytes_per_token=None,
+        decode_tokens=median["decode_tokens"],
+        simulated_link=False,
+    )
+    result["llama_cpp"] = {
+        "file": str(args.vs_llama_cpp),
+        "threads": runner.threads,
+        "decode_ratio": ours.tokens_per_s / theirs.tokens_per_s,
+        "prefill_ratio": (ours.prefill_tokens_per_s or 0) / theirs.prefill_tokens_per_s,
+        "their_spread": spread(passes),
+    }
+    return theirs

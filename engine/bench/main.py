@@ -168,6 +168,7 @@ def compare_side_by_side(args, budget: str, prompt_ids, config: OffloadConfig) -
 
 
 def run(args: argparse.Namespace) -> dict:
+    from engine.bench.op_counts import count_ops
     from engine.bench.tuned import calibrated_offload
     from engine.loader import load_model
 
@@ -183,6 +184,8 @@ def run(args: argparse.Namespace) -> dict:
             prompt_ids = encode_prompts(model, prompts)
             rows.append(bench_engine(model, prompt_ids, args.new_tokens, args.repeats, baseline))
             info = model.info()
+            if args.count_ops:
+                op_counts = count_ops(model, prompt_ids[0], args.new_tokens)
         finally:
             model.close()
         print(format_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
@@ -194,6 +197,8 @@ def run(args: argparse.Namespace) -> dict:
     }
     if calibration is not None:
         result["calibration"] = calibration
+    if args.count_ops:
+        result["op_counts"] = op_counts  # the last budget's
     if args.compare_transformers:
         # The largest cache asked for: with every expert cached, offloading is pure overhead.
         largest = max(zip(rows, budgets, strict=True), key=lambda pair: pair[0].cache_slots)[1]
@@ -202,45 +207,11 @@ def run(args: argparse.Namespace) -> dict:
         result["speed_vs_transformers"] = ours.tokens_per_s / theirs.tokens_per_s
         result["compared_budget"] = ours.budget
     if args.vs_llama_cpp:
+        from engine.bench.llama_cpp import compare_llama_cpp
+
         rows.append(compare_llama_cpp(args, prompt_ids, rows[-1], result))
     result["rows"] = [asdict(r) for r in rows]
     return result
-
-
-def compare_llama_cpp(args, prompt_ids: list[list[int]], ours: BenchRow, result: dict) -> BenchRow:
-    """llama.cpp on the same file and prompts, timed over as many passes; the ratios go in `result`."""
-    import torch
-
-    from engine.bench.llama_cpp import LlamaCppRunner, median_pass, spread
-
-    runner = LlamaCppRunner(args.vs_llama_cpp, threads=torch.get_num_threads())
-    try:
-        runner.timed_pass([prompt_ids[0][:8]], 4)  # warm-up
-        passes = [runner.timed_pass(prompt_ids, args.new_tokens) for _ in range(args.repeats)]
-    finally:
-        runner.close()
-    median = median_pass(passes)
-    theirs = BenchRow(
-        engine="llama.cpp",
-        budget="all in RAM",
-        cache_slots=None,
-        tpot_ms=median["tpot_ms"],
-        tokens_per_s=1e3 / median["tpot_ms"],
-        prefill_tokens_per_s=median["prefill_tps"],
-        hit_rate=None,
-        h2d_gbps=None,
-        bytes_per_token=None,
-        decode_tokens=median["decode_tokens"],
-        simulated_link=False,
-    )
-    result["llama_cpp"] = {
-        "file": str(args.vs_llama_cpp),
-        "threads": runner.threads,
-        "decode_ratio": ours.tokens_per_s / theirs.tokens_per_s,
-        "prefill_ratio": (ours.prefill_tokens_per_s or 0) / theirs.prefill_tokens_per_s,
-        "their_spread": spread(passes),
-    }
-    return theirs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--multi-turn",
         action="store_true",
         help="a 4-turn conversation: prefill tokens and time per turn with and without prefix reuse",
+    )
+    parser.add_argument(
+        "--count-ops",
+        action="store_true",
+        help="also count, per decode token, the operators launched and the host synchronisations",
     )
     parser.add_argument(
         "--vs-llama-cpp",
@@ -343,6 +319,10 @@ def _print_result(result: dict) -> None:
     print(format_table(rows))
     for line in filter(None, map(memory_line, rows)):
         print(line)
+    if "op_counts" in result:
+        from engine.bench.op_counts import format_op_counts
+
+        print(format_op_counts(result["op_counts"]))
     if "and_model" in result:
         other = result["and_model"]
         other_rows = [BenchRow(**r) for r in other["rows"]]

@@ -4,6 +4,7 @@ import itertools
 import json
 
 import pytest
+import torch
 
 from engine.bench import main as bench
 from engine.model.tiny import make_tiny_model
@@ -91,3 +92,16 @@ def test_multi_turn_prefills_less_with_reuse_and_gives_the_same_replies(tmp_path
     for before, turn in itertools.pairwise(turns):  # the last turn's prompt is held, at least
         assert turn["cached_tokens"] >= before["prompt_tokens"]
     assert "not prefilled again" in capsys.readouterr().out
+
+
+def test_count_ops_reports_operators_and_one_host_sync_per_moe_layer_and_token(folder, tmp_path, capsys):
+    """`--count-ops`: a decode token reads the routes once per MoE layer and the sampled token once."""
+    out = tmp_path / "ops.json"
+    argv = ["--model", str(folder), "--expert-budget", "all", "--new-tokens", "6", "--repeats", "1"]
+    assert bench.main([*argv, "--prompts", "1", "--count-ops", "--json", str(out)]) == 0
+    counts = json.loads(out.read_text())["op_counts"]
+    moe_layers = 2  # the tiny mixtral's
+    assert counts["host_syncs"] == moe_layers + 1
+    assert counts["ops"] > 20 * moe_layers and counts["cuda_launches"] is None
+    assert "per decode token:" in capsys.readouterr().out
+    assert "tolist" not in torch.Tensor.__dict__  # the counting wrapper is gone afterwards

@@ -1,0 +1,89 @@
+"""How many kernels a decode step launches and how often it waits on the device (`--count-ops`).
+
+Contract: `count_ops(model, prompt_ids, new_tokens)` generates greedily twice under torch's
+profiler, once with one new token (the prefill and its first token) and once with `new_tokens`,
+and returns the difference per further token: `ops` (leaf aten operators dispatched, each one
+kernel launch on a GPU and one call through the dispatcher on the CPU), `host_syncs` (the host
+reading a tensor's values — `.item()`, `.tolist()`, `nonzero` — each a wait for the device on a
+GPU; on the CPU it counts where those waits would be) and, on CUDA, the runtime's own
+`cuda_launches` and `cuda_syncs` (None on the CPU; not yet measured on a GPU by this project).
+These are what CUDA graphs and a static cache would remove (issue 21, item 2).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from engine.generation import generate_text
+from engine.prompts import greedy
+
+# aten operators that copy a device value to the host (and so wait for the device)
+# `.item()`, `int(t)`, `bool(t)` dispatch `_local_scalar_dense`; `.tolist()` dispatches nothing and
+# is counted apart
+HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::equal", "aten::is_nonzero")
+CUDA_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
+
+
+@contextmanager
+def _value_reads() -> Iterator[Counter]:
+    """Count `Tensor.tolist()` calls, which read a tensor's values without dispatching an operator."""
+    reads: Counter = Counter()
+    own = {name: torch.Tensor.__dict__.get(name) for name in ("tolist",)}
+    for name in own:
+        method = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _method=method, _name=name, **kwargs):
+            reads[_name] += 1
+            return _method(self, *args, **kwargs)
+
+        setattr(torch.Tensor, name, counted)
+    try:
+        yield reads
+    finally:
+        for name, method in own.items():
+            if method is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, method)
+
+
+def _counts(model, prompt_ids: list[int], new_tokens: int) -> dict[str, int | None]:
+    cuda = model.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    model.prefix_cache.clear()  # each run prefills the whole prompt
+    with profile(activities=activities) as prof, _value_reads() as reads:
+        generate_text(model, prompt_ids, greedy(new_tokens))
+    model.prefix_cache.clear()
+    events = prof.events()
+    leaves = [
+        e
+        for e in events
+        if e.name.startswith("aten::")
+        and not any(child.name.startswith("aten::") for child in e.cpu_children)
+    ]
+    return {
+        "ops": len(leaves),
+        "host_syncs": sum(e.name in HOST_READS for e in events) + sum(reads.values()),
+        "cuda_launches": sum(e.name in CUDA_LAUNCHES for e in events) if cuda else None,
+        "cuda_syncs": sum(e.name.endswith("Synchronize") for e in events) if cuda else None,
+    }
+
+
+def count_ops(model, prompt_ids: list[int], new_tokens: int) -> dict[str, float | None]:
+    """Per decode token after the first: operators launched and host synchronisations."""
+    generate_text(model, prompt_ids, greedy(2))  # warm-up: first-call allocations are not counted
+    first = _counts(model, prompt_ids, 1)
+    full = _counts(model, prompt_ids, new_tokens)
+    return {key: None if full[key] is None else (full[key] - first[key]) / (new_tokens - 1) for key in full}
+
+
+def format_op_counts(counts: dict[str, float | None]) -> str:
+    line = f"per decode token: {counts['ops']:.0f} operators launched, {counts['host_syncs']:.1f} host syncs"
+    if counts.get("cuda_launches") is not None:
+        line += f" (CUDA: {counts['cuda_launches']:.0f} kernel launches, {counts['cuda_syncs']:.1f} syncs)"
+    return line
