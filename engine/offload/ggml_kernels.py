@@ -84,7 +84,7 @@ def available() -> tuple[bool, str]:
     return ggml is not None, reason
 
 
-_GRAPH_NODES = 4  # one matmul: a graph of ggml's default 2048 nodes costs more to set up than to run
+_MAX_GROUPS = 256  # matmuls in one graph (the context is sized for them); more go in several graphs
 
 
 class _ThreadState(threading.local):
@@ -99,8 +99,10 @@ _state = _ThreadState()
 def _context(ggml: _Ggml) -> tuple[int, int]:
     """This thread's metadata context (reset for each call) and CPU backend."""
     if _state.context is None:
-        size = ggml.tensor_overhead() * 4 + ggml.graph_overhead_custom(_GRAPH_NODES, False) + 1024
-        _state.context = ggml.init(_InitParams(size, None, True))
+        size = ggml.tensor_overhead() * 3 * _MAX_GROUPS + ggml.graph_overhead_custom(
+            _graph_size(_MAX_GROUPS), False
+        )
+        _state.context = ggml.init(_InitParams(size + 4096, None, True))
         _state.backend = ggml.cpu_init()
         if not _state.context or not _state.backend:
             raise RuntimeError("ggml could not make a context or a CPU backend")
@@ -112,52 +114,104 @@ def _context(ggml: _Ggml) -> tuple[int, int]:
     return _state.context, _state.backend
 
 
-def _bind(ggml: _Ggml, tensor: int, memory: torch.Tensor, buffers: list[int]) -> None:
-    """Point ggml's `tensor` at `memory` through a CPU buffer from its aligned start."""
+def _graph_size(matmuls: int) -> int:
+    """Graph slots for `matmuls` products (a node and two leaves each): ggml's default 2048-slot
+    graph costs more to set up than a decode step's matmul takes to run."""
+    return max(4, 1 << (3 * matmuls).bit_length())
+
+
+def _buffer(ggml: _Ggml, memory: torch.Tensor, buffers: list[int]) -> int:
+    """A CPU buffer over `memory`, from the aligned address at or below its start."""
     address = memory.data_ptr()
     start = address - address % _ALIGNMENT
     buffer = ggml.cpu_buffer_from_ptr(start, address - start + memory.numel() * memory.element_size())
     buffers.append(buffer)
+    return buffer
+
+
+def _bind(ggml: _Ggml, tensor: int, buffer: int, address: int) -> None:
     if ggml.tensor_alloc(buffer, tensor, address) != 0:
         raise RuntimeError("ggml could not bind a tensor to its memory")
+
+
+def _checked(ggml: _Ggml, blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int) -> None:
+    row = _row_bytes(ggml, int(ggml_type), in_features)
+    if row is None or blocks.dtype != torch.uint8 or blocks.device.type != "cpu":
+        raise ValueError(f"ggml cannot multiply a {out_features}×{in_features} weight in {ggml_type} blocks")
+    if not blocks.is_contiguous() or blocks.numel() != row * out_features:
+        raise ValueError(f"{blocks.numel()} bytes do not hold a {out_features}×{in_features} weight")
+
+
+def _float_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """`x` as contiguous float32 rows on the CPU, converted only where needed."""
+    rows = x.reshape(-1, in_features)
+    if rows.dtype != torch.float32 or rows.device.type != "cpu":
+        rows = rows.to(device="cpu", dtype=torch.float32)
+    return rows if rows.is_contiguous() else rows.contiguous()
 
 
 def linear(
     x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int
 ) -> torch.Tensor:
     """`x @ W.T` by ggml's CPU kernels, `x [..., in]`, in x's dtype (computed in float32)."""
+    tokens = _float_rows(x, in_features)
+    out = linear_grouped(tokens, [(blocks, ggml_type)], [tokens.shape[0]], out_features, in_features)
+    if x.dtype != torch.float32:
+        out = out.to(x.dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
+
+
+def linear_grouped(
+    x: torch.Tensor,
+    weights: list[tuple[torch.Tensor, int]],
+    sizes: list[int],
+    out_features: int,
+    in_features: int,
+) -> torch.Tensor:
+    """Consecutive row groups of `x [n, in]` each times its own weight — group i (`sizes[i]` rows)
+    by `weights[i]` = (blocks, ggml type) — in one ggml graph: `[n, out]` float32. A MoE layer's
+    experts go through it together instead of a call each (engine.offload.moe_layer)."""
     ggml, reason = _library()
     if ggml is None:
         raise RuntimeError(reason)
-    row = _row_bytes(ggml, int(ggml_type), in_features)
-    if row is None or blocks.dtype != torch.uint8 or blocks.device.type != "cpu":
-        raise ValueError(f"ggml cannot multiply a {out_features}×{in_features} weight in {ggml_type} blocks")
-    if not blocks.is_contiguous() or blocks.numel() != row * out_features:
-        raise ValueError(f"{blocks.numel()} bytes do not hold a {out_features}×{in_features} weight")
-    tokens = x.reshape(-1, in_features)  # each conversion only where needed: a decode step makes ~30 calls
-    if tokens.dtype != torch.float32 or tokens.device.type != "cpu":
-        tokens = tokens.to(device="cpu", dtype=torch.float32)
-    if not tokens.is_contiguous():
-        tokens = tokens.contiguous()
+    if len(weights) != len(sizes) or sum(sizes) != x.shape[0] or min(sizes, default=1) < 1:
+        raise ValueError(
+            f"{len(sizes)} row groups of {sum(sizes)} rows for {len(weights)} weights and {x.shape[0]} rows"
+        )
+    for blocks, ggml_type in weights:
+        _checked(ggml, blocks, ggml_type, out_features, in_features)
+    tokens = _float_rows(x, in_features)
     out = torch.empty((tokens.shape[0], out_features), dtype=torch.float32)
+    start = 0
+    for first in range(0, len(weights), _MAX_GROUPS):
+        chunk = slice(first, first + _MAX_GROUPS)
+        start = _compute(ggml, tokens, out, weights[chunk], sizes[chunk], start)
+    return out
+
+
+def _compute(ggml: _Ggml, tokens, out, weights, sizes, start: int) -> int:
+    """One graph for `weights` on the rows from `start`; the row after the last one."""
     context, backend = _context(ggml)
-    weight = ggml.new_tensor_2d(context, int(ggml_type), in_features, out_features)
-    activations = ggml.new_tensor_2d(context, _F32, in_features, tokens.shape[0])
-    product = ggml.mul_mat(context, weight, activations)  # [tokens, out] in ggml's ne order
-    graph = ggml.new_graph_custom(context, _GRAPH_NODES, False)
-    ggml.build_forward_expand(graph, product)
+    graph = ggml.new_graph_custom(context, _graph_size(len(weights)), False)
     buffers: list[int] = []
     try:
-        for tensor, memory in ((weight, blocks), (activations, tokens), (product, out)):
-            _bind(ggml, tensor, memory, buffers)
+        x_buffer, out_buffer = _buffer(ggml, tokens, buffers), _buffer(ggml, out, buffers)
+        in_features, out_features = tokens.shape[1], out.shape[1]
+        for (blocks, ggml_type), rows in zip(weights, sizes, strict=True):
+            weight = ggml.new_tensor_2d(context, int(ggml_type), in_features, out_features)
+            activations = ggml.new_tensor_2d(context, _F32, in_features, rows)
+            product = ggml.mul_mat(context, weight, activations)  # [rows, out] in ggml's ne order
+            ggml.build_forward_expand(graph, product)
+            _bind(ggml, weight, _buffer(ggml, blocks, buffers), blocks.data_ptr())
+            _bind(ggml, activations, x_buffer, tokens[start].data_ptr())
+            _bind(ggml, product, out_buffer, out[start].data_ptr())
+            start += rows
         if ggml.graph_compute(backend, graph) != 0:
             raise RuntimeError("ggml's CPU backend failed to compute a matmul")
     finally:
         for buffer in buffers:
             ggml.buffer_free(buffer)
-    if x.dtype != torch.float32:
-        out = out.to(x.dtype)
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
+    return start
 
 
 @functools.cache

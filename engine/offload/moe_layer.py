@@ -28,6 +28,7 @@ cache policy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
@@ -38,9 +39,10 @@ from torch import nn
 from engine.errors import UnsupportedArchitectureError
 from engine.model.adapters.base import Architecture
 from engine.model.hf_calls import decoder_of
-from engine.offload import quant
+from engine.offload import ggml_kernels, quant
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertStore
+from engine.offload.ggml_repack import GGML
 from engine.offload.pipeline import ready_experts
 
 LayerObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, hidden [T, H], top-k [T, K])
@@ -170,8 +172,11 @@ class OffloadedExperts(nn.Module):
             self.cache, self.layer, plan.on_device, streaming=plan.streaming, lookahead=plan.lookahead
         )
         with closing(experts):  # an error mid-layer releases every slot still pinned
-            for expert, weights in experts:
-                self._accumulate(step.routes[expert], weights, step)
+            if self._grouped_in_ggml:
+                self._accumulate_grouped(list(experts), step)
+            else:
+                for expert, weights in experts:
+                    self._accumulate(step.routes[expert], weights, step)
         return step.out
 
     def _route(
@@ -235,6 +240,29 @@ class OffloadedExperts(nn.Module):
             y = self._weighted(step.hidden[token_idx], step.weights[flat, None], weights)
             # index_put_ rather than index_add_: no thread-pool round trip for a few rows.
             step.out.index_put_((token_idx,), y.to(step.out.dtype), accumulate=True)
+
+    @functools.cached_property
+    def _grouped_in_ggml(self) -> bool:
+        """Whether the layer's experts go through ggml together: llama.cpp's kernels (`--kernels
+        ggml`) on the store itself (in place: no slot is reused while the step runs)."""
+        fields = self.cache.store.layout_of(self.layer).fields
+        return self.cache.in_place and not self.has_bias and all(f.packing == GGML for f in fields)
+
+    def _accumulate_grouped(self, ready: list[tuple[int, dict]], step: _Step) -> None:
+        """Every routed expert of the step in two ggml graphs, the up projections then the down
+        ones, instead of two calls each (a decode step: 2 calls a layer instead of 2·top-k). Each
+        value is rounded as `_accumulate` rounds it, so the two paths give the same tokens."""
+        routes = [step.routes[expert] for expert, _ in ready]
+        flat = torch.tensor([p for positions in routes for p in positions], device=step.hidden.device)
+        token_idx, scale = flat // step.top_k, step.weights[flat, None]
+        x = step.hidden[token_idx] * scale if self.scales_input else step.hidden[token_idx]
+        sizes = [len(positions) for positions in routes]
+        up = _ggml_grouped(x, [w["gate_up_proj" if self.has_gate else "up_proj"] for _, w in ready], sizes)
+        act = self.template._apply_gate(up) if self.has_gate else self.template.act_fn(up)
+        y = _ggml_grouped(act, [w["down_proj"] for _, w in ready], sizes)
+        if not self.scales_input:
+            y = y * scale
+        step.out.index_put_((token_idx,), y.to(step.out.dtype), accumulate=True)
 
     def _compute_on_cpu(self, positions: list[int], expert: int, step: _Step) -> None:
         """A missing expert computed on the CPU from the host store (Fiddler/HybriMoE): no copy."""
@@ -304,6 +332,15 @@ class OffloadedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, num_experts={self.num_experts}, offloaded"
+
+
+def _ggml_grouped(x: torch.Tensor, views: list, sizes: list[int]) -> torch.Tensor:
+    """Row group i of `x` times `views[i]` (a layer's GgmlWeights: one shape and type), by ggml."""
+    out_features, in_features = views[0].shape
+    y = ggml_kernels.linear_grouped(
+        x, [(v.data, v.ggml_type) for v in views], sizes, out_features, in_features
+    )
+    return y.to(x.dtype)  # as GgmlWeight.linear returns it
 
 
 def expert_field_shapes(original: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -23,6 +23,7 @@ from engine.offload import ggml_kernels
 from engine.offload.ggml_quants import dequantize
 from engine.offload.ggml_repack import GGML
 from engine.offload.ggml_resident import GgmlLinear
+from engine.offload.moe_layer import OffloadedExperts
 
 OUT, IN = 96, 512
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 64]
@@ -124,8 +125,8 @@ def test_ggml_kernels_without_llama_cpp_are_refused_by_name(tiny_q4_k_m, monkeyp
 @needs_ggml
 def test_with_ggml_kernels_speculation_streaming_and_cpu_misses_keep_plain_greedy_tokens(tiny_q4_k_m):
     """ggml's products do not depend on how many tokens a call carries, so self-speculation stays
-    lossless; experts copied into cache slots over a simulated link and misses computed on the CPU
-    give the same tokens as the in-place store."""
+    lossless; experts copied into cache slots over a simulated link (computed one by one) and misses
+    computed on the CPU give the same tokens as the in-place store (a layer's experts together)."""
     greedy = {"max_new_tokens": 16, "sampling": SamplingConfig(greedy=True), "ignore_eos": True}
     spec = SpecConfig(mode="self", top_r=1, draft_len=4)
     tokens = []
@@ -141,6 +142,9 @@ def test_with_ggml_kernels_speculation_streaming_and_cpu_misses_keep_plain_greed
             )
             misses_on_cpu = GenerationConfig(**greedy, cpu_experts="always")
             assert list(generate_text(model, PROMPT, misses_on_cpu).token_ids) == plain
+            # in place a layer's experts go through ggml together; from cache slots one by one
+            layers = [m for m in model.hf_model.modules() if isinstance(m, OffloadedExperts)]
+            assert [m._grouped_in_ggml for m in layers] == [link is None] * len(layers)
         finally:
             model.close()
         tokens.append(plain)
