@@ -3,14 +3,15 @@
 Contract: `available()` says whether ggml's shared libraries can be loaded (they come with the
 optional `llama-cpp-python` package, the `llama` extra) and why not; `linear(x, blocks, ggml_type,
 out, in)` is `x @ W.T` for the weight `W [out, in]` whose ggml blocks are `blocks` (uint8, `[out,
-row bytes]`, the file's layout), computed by ggml's CPU backend with as many threads as torch uses.
+row bytes]`, the file's layout), computed by ggml's CPU backend with as many threads as torch uses;
+`linear_grouped` multiplies consecutive row groups each by its own weight in one graph.
 
 This is the path llama.cpp computes on: the activations are quantized to 8 bits per block
 (Q8_K for the K-quants, Q8_0 for the others) and multiplied with integer dot products, so the
 result differs from `x @ dequantize(W).T` by about a percent of its scale, as llama.cpp's own
 outputs do; the engine's default kernels (engine.offload.ggml_repack, ggml_linear) stay exact and
-this one is chosen by name only. One weight, one graph: ggml tensors are described in a
-per-thread metadata context (no allocation), bound to the caller's memory through CPU buffers
+this one is chosen by name only. A call's matmuls make one graph: ggml tensors are described in
+a per-thread metadata context (no allocation), bound to the caller's memory through CPU buffers
 made from pointers (`ggml_backend_cpu_buffer_from_ptr`, which needs aligned pointers: the buffer
 starts at the aligned address below), and computed by the CPU backend. Every argument is checked
 here first: ggml aborts the process on a failed assertion.
