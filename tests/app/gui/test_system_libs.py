@@ -1,5 +1,6 @@
 """The start's check of the libraries Qt's X11 plugin loads, with a fake library lookup."""
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -69,7 +70,18 @@ def test_moe_chat_says_it_in_one_line_instead_of_qt_abort(monkeypatch, capsys):
     monkeypatch.setattr(system_libs, "can_load", lookup_without(BARE_DEBIAN))
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setenv("QT_QPA_PLATFORM", "xcb")
-    assert main.main([]) == 1
+    root = logging.getLogger()
+    before = root.handlers[:]
+    # main() sets up the app's logging: its console handler writes to this test's captured stderr,
+    # which later tests must not inherit (they would log into a closed stream)
+    monkeypatch.setattr(root, "handlers", root.handlers[:])
+    monkeypatch.setattr(root, "level", root.level)
+    try:
+        assert main.main([]) == 1
+    finally:
+        for handler in root.handlers:
+            if handler not in before:
+                handler.close()
     assert capsys.readouterr().err.strip().endswith("libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1")
 
 
