@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from engine.errors import CorruptCheckpointError, ModelNotFoundError, UnsupportedArchitectureError
 
@@ -30,6 +31,8 @@ SPLIT = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # architectures whose matrices transformers reads with their rows as stored (no Q/K permutation):
 # their quantized blocks can be computed on as they lie (engine.offload.ggml_resident)
 ROWS_AS_STORED = ("qwen2moe", "qwen3moe")
+# tensor types that hold floats, not quantized blocks
+DENSE_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 EXPERTS = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<which>gate|up|down)_exps\.weight$")
 # GGUF keys transformers' config mapping does not read (FACTS.md): architecture -> key -> config field
 MISSED_KEYS = {
@@ -181,13 +184,10 @@ class GgufCheckpoint:
     def quantized_tensor(self, name: str):
         """The reader tensor of `name` (a Hugging Face name) when the file keeps it as a matrix of
         quantized blocks whose rows are the parameter's; else None (read it with `read`)."""
-        from gguf import GGMLQuantizationType
-
         tensor = self.tensors.get(self._names.get(name, ""))
         if tensor is None or self.architecture not in ROWS_AS_STORED or len(tensor.data.shape) != 2:
             return None
-        dense = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
-        return None if tensor.tensor_type in dense else tensor
+        return None if tensor.tensor_type in DENSE_TYPES else tensor
 
     # -- routed experts, as the file has them ---------------------------------------------------
 

@@ -14,12 +14,12 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from engine.model.gguf_file import DENSE_TYPES
 from engine.offload.ggml_quants import dequantize
 
 # Below this many parameters the BF16 table is small enough to keep dense (a 2048-wide table of
 # 8k tokens is 32 MiB): the saving would not be worth a dequantization per lookup.
 MIN_QUANTIZED_EMBEDDING = 16 * 2**20
-DENSE_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
 
 class GgmlEmbedding(torch.nn.Module):

@@ -155,8 +155,8 @@ def linear(
     x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int
 ) -> torch.Tensor:
     """`x @ W.T` by ggml's CPU kernels, `x [..., in]`, in x's dtype (computed in float32)."""
-    tokens = _float_rows(x, in_features)
-    out = linear_grouped(tokens, [(blocks, ggml_type)], [tokens.shape[0]], out_features, in_features)
+    rows = x.reshape(-1, in_features)  # linear_grouped converts them to float32 where needed
+    out = linear_grouped(rows, [(blocks, ggml_type)], [rows.shape[0]], out_features, in_features)
     if x.dtype != torch.float32:
         out = out.to(x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)

@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
+from engine.model.gguf_file import DENSE_TYPES
 from engine.offload.ggml_linear import k_scale_min, scratch_buffer
 from engine.offload.ggml_quants import CHUNK_BYTES, row_bytes, unpack_bits
 
@@ -72,7 +73,7 @@ def packing_for(
     """The packing a CPU model computing in `dtype` with `kernels` gives this weight; None keeps the
     file's blocks for the exact dequantizing path."""
     if kernels == "ggml":
-        return GGML if ggml_type not in (Q.F32, Q.F16, Q.BF16) else None
+        return GGML if ggml_type not in DENSE_TYPES else None
     if ggml_type == Q.Q4_K and dtype == torch.bfloat16 and out_features % _N_BLOCK == 0:
         return INT4PACK
     if ggml_type == Q.Q6_K:
