@@ -23,10 +23,13 @@ holds the order):
 
 import os
 
-# Idle OpenMP threads that spin (the default) stall a step for 100s of ms whenever another
-# process holds one of the cores; sleeping ones do not. Measured with `python -m engine.bench
-# --vs-llama-cpp` on a Q4_K_M file, bfloat16, 2 threads on this 2-core CPU under other jobs' load
-# (average 3.4-5.9), default -> PASSIVE: decode 2.4 -> 21.5 tok/s, and 1.8 -> 8.7 when repeated
-# (llama.cpp's OpenMP build in the same process: 17.0 -> 30.3, 3.4 -> 39.7). OpenMP reads it once,
-# when torch loads: set here, before any engine module imports torch. A user's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Idle OpenMP threads spin before they sleep. libgomp's default spin (300,000 rounds) stalls a step
+# for 100s of ms whenever another process holds one of the cores; never spinning (PASSIVE) pays a
+# wake-up on each of a decode step's ~500 small operators. A short spin keeps most of both:
+# `python -m engine.bench --model Q4_K_M.gguf --kernels ggml --device cpu --expert-budget all
+# --prompts 2 --new-tokens 32 --repeats 2` (Qwen3-30B-A3B-shaped, 2 threads on this 2-core CPU),
+# tpot idle / with two busy processes on the cores: default 6.7 / 208.8 ms, PASSIVE 9.7 / 24.2 ms,
+# GOMP_SPINCOUNT=10000 6.9 / 20.9 ms. OpenMP reads it once, when torch loads: set here, before any
+# engine module imports torch. A user's own setting of either variable wins.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")

@@ -1,0 +1,69 @@
+"""The bench's large-shape GGUF files: `python -m engine.bench.shapes DIR [--types Q4_K_M BF16]`.
+
+Writes a Qwen3-30B-A3B-shaped model cut to 2 layers (hidden 2048, 128 experts × 768, top-8, 32 query
+and 4 KV heads of 128; random weights, the demo tokenizer) as one GGUF file per type, the files the
+side-by-side figures against llama.cpp are measured on (`python -m engine.bench --vs-llama-cpp
+FILE`): `Q4_K_M` (routed gate/up and every other matrix Q4_K, down projections by llama.cpp's Q4_K_M
+rule: Q6_K in layer 1), `BF16` (every matrix bfloat16). Building one takes a few minutes and ~6 GB of
+RAM (the model in float32 before it is quantized).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gguf import GGMLQuantizationType as QT
+
+QWEN3_30B_A3B_LAYER = {
+    "num_hidden_layers": 2,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "norm_topk_prob": True,
+}
+TYPES = {  # name: (routed gate/up, routed down, every other matrix)
+    "Q4_K_M": (QT.Q4_K, "Q4_K_M", QT.Q4_K),
+    "Q8_0": (QT.Q8_0, QT.Q8_0, QT.Q8_0),
+    "BF16": (QT.BF16, QT.BF16, QT.BF16),
+}
+
+
+def write_shape(folder: str | Path, type_name: str, seed: int = 0) -> Path:
+    """The Qwen3-30B-A3B-shaped 2-layer model as `folder/qwen3-30b-a3b-2layers-<type>.gguf`."""
+    from engine.model.tiny_gguf import write_tiny_gguf
+
+    expert, down, other = TYPES[type_name]
+    folder = Path(folder)
+    path = write_tiny_gguf(
+        folder,
+        "qwen3_moe",
+        expert_type=expert,
+        down_type=down,
+        other_type=other,
+        seed=seed,
+        **QWEN3_30B_A3B_LAYER,
+    )
+    return path.replace(folder / f"qwen3-30b-a3b-2layers-{type_name}.gguf")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.bench.shapes", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("folder", help="where the files are written")
+    parser.add_argument("--types", nargs="+", choices=sorted(TYPES), default=["Q4_K_M", "BF16"])
+    args = parser.parse_args(argv)
+    for type_name in args.types:
+        print(write_shape(args.folder, type_name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
