@@ -181,13 +181,14 @@ class GgufCheckpoint:
         value = torch.from_numpy(np.array(result.weights))  # a copy: the memory map is read-only
         return value if dtype is None else value.to(dtype)
 
-    def quantized_tensor(self, name: str):
+    def quantized_tensor(self, name: str, also: frozenset = frozenset()):
         """The reader tensor of `name` (a Hugging Face name) when the file keeps it as a matrix of
-        quantized blocks whose rows are the parameter's; else None (read it with `read`)."""
+        quantized blocks, or of a float type in `also`, whose rows are the parameter's; else None
+        (read it with `read`)."""
         tensor = self.tensors.get(self._names.get(name, ""))
         if tensor is None or self.architecture not in ROWS_AS_STORED or len(tensor.data.shape) != 2:
             return None
-        return None if tensor.tensor_type in DENSE_TYPES else tensor
+        return None if tensor.tensor_type in DENSE_TYPES - also else tensor
 
     # -- routed experts, as the file has them ---------------------------------------------------
 

@@ -62,6 +62,9 @@ Q = GGMLQuantizationType
 INT4PACK = "int4pack"  # an `ExpertField.packing`
 Q6_K_INT8 = "q6_k_int8"
 GGML = "ggml"  # the file's blocks as they are, computed by llama.cpp's kernels (`--kernels ggml`)
+# float types ggml computes too: bfloat16 weights times activations rounded to bfloat16 (a bfloat16
+# model's are already), summed in float32 as torch's bfloat16 matmul sums, at llama.cpp's speed
+GGML_FLOATS = frozenset({Q.BF16})
 GROUP = 32  # int4pack: weights per scale and zero, one Q4_K sub-block
 _N_BLOCK = 16  # int4pack: the kernel takes its output rows in blocks of 16, 32, 48 or 64
 _SOURCE = {INT4PACK: Q.Q4_K, Q6_K_INT8: Q.Q6_K}
@@ -73,7 +76,7 @@ def packing_for(
     """The packing a CPU model computing in `dtype` with `kernels` gives this weight; None keeps the
     file's blocks for the exact dequantizing path."""
     if kernels == "ggml":
-        return GGML if ggml_type not in DENSE_TYPES else None
+        return GGML if ggml_type not in DENSE_TYPES or ggml_type in GGML_FLOATS else None
     if ggml_type == Q.Q4_K and dtype == torch.bfloat16 and out_features % _N_BLOCK == 0:
         return INT4PACK
     if ggml_type == Q.Q6_K:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from engine.offload import ggml_kernels
+from engine.offload.ggml_repack import GGML_FLOATS
 
 
 class GgmlLinear(nn.Module):
@@ -56,7 +57,7 @@ def keep_linears_quantized(hf_model: nn.Module, checkpoint) -> dict[str, object]
             if type(child) is not nn.Linear or (tied and child is head):
                 continue
             weight_name = f"{parent_name}.{name}.weight".lstrip(".")
-            tensor = checkpoint.quantized_tensor(weight_name)
+            tensor = checkpoint.quantized_tensor(weight_name, also=GGML_FLOATS)
             if tensor is None or tensor.data.shape[0] != child.out_features:
                 continue
             with torch.device("meta"):

@@ -54,6 +54,19 @@ def test_ggml_products_are_the_dequantized_products_to_8_bit_activation_precisio
 
 
 @needs_ggml
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_bfloat16_weights_give_the_float32_sums_of_bfloat16_products(tokens):
+    """ggml's bfloat16 kernel rounds the activations to bfloat16 (a bfloat16 model's already are) and
+    sums in float32, as torch's bfloat16 matmul does: the same product up to the order of the sums."""
+    weight = (torch.randn(OUT, IN, generator=torch.Generator().manual_seed(1)) / 8).to(torch.bfloat16)
+    blocks = weight.view(torch.uint8).reshape(OUT, -1)  # a BF16 row as GGUF stores it: 2 bytes a weight
+    x = torch.randn(tokens, IN, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+    got = ggml_kernels.linear(x.float(), blocks, QT.BF16, OUT, IN)
+    torch.testing.assert_close(got, x.float() @ weight.float().T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ggml_kernels.linear(x, blocks, QT.BF16, OUT, IN), x @ weight.T)
+
+
+@needs_ggml
 def test_unaligned_inputs_and_blocks_compute_and_bad_shapes_are_value_errors_not_aborts():
     blocks, weight = _weight(QT.Q4_K)
     padded = torch.empty(blocks.numel() + 3, dtype=torch.uint8)
@@ -149,3 +162,27 @@ def test_with_ggml_kernels_speculation_streaming_and_cpu_misses_keep_plain_greed
             model.close()
         tokens.append(plain)
     assert tokens[0] == tokens[1]
+
+
+@needs_ggml
+def test_a_bfloat16_gguf_with_ggml_kernels_keeps_its_rows_and_gives_the_exact_kernels_tokens(tmp_path):
+    """BF16 experts and matrices stay in the file's rows and go through ggml's bfloat16 kernel: the
+    same sums as torch's bfloat16 matmul up to their order, so the same greedy tokens."""
+    path = write_tiny_gguf(tmp_path, expert_type=QT.BF16, down_type=QT.BF16, other_type=QT.BF16)
+    greedy = GenerationConfig(max_new_tokens=16, sampling=SamplingConfig(greedy=True), ignore_eos=True)
+    tokens, logits = {}, {}
+    for kernels in ("exact", "ggml"):
+        model = load_model(path, _config(kernels))
+        try:
+            fields = {f.name: f.packing for f in model.store.layout_of(0).fields}
+            kept = [name for name, m in model.hf_model.named_modules() if isinstance(m, GgmlLinear)]
+            ggml = kernels == "ggml"
+            assert fields == {"gate_up_proj": GGML if ggml else None, "down_proj": GGML if ggml else None}
+            assert ("model.layers.0.self_attn.o_proj" in kept) == ggml and ("lm_head" in kept) == ggml
+            tokens[kernels] = list(generate_text(model, PROMPT, greedy).token_ids)
+            logits[kernels] = model.forward(torch.tensor(PROMPT), model.new_kv_cache(), logits_to_keep=0)
+        finally:
+            model.close()
+    assert tokens["ggml"] == tokens["exact"]
+    scale = logits["exact"].float().abs().max()
+    assert (logits["ggml"].float() - logits["exact"].float()).abs().max() < 0.02 * scale
