@@ -4,13 +4,14 @@ Contract: `available()` says whether ggml's shared libraries can be loaded (they
 optional `llama-cpp-python` package, the `llama` extra) and why not; `linear(x, blocks, ggml_type,
 out, in)` is `x @ W.T` for the weight `W [out, in]` whose ggml blocks are `blocks` (uint8, `[out,
 row bytes]`, the file's layout), computed by ggml's CPU backend with as many threads as torch uses;
-`linear_grouped` multiplies consecutive row groups each by its own weight in one graph.
+`linear_routed(x, experts, field, ids)` runs every route of a MoE layer through its experts where
+they lie in a packed layer buffer, in one node (`ggml_mul_mat_id`, as llama.cpp runs the layer).
 
 This is the path llama.cpp computes on: the activations are quantized to 8 bits per block
 (Q8_K for the K-quants, Q8_0 for the others) and multiplied with integer dot products, so the
 result differs from `x @ dequantize(W).T` by about a percent of its scale, as llama.cpp's own
 outputs do; the engine's default kernels (engine.offload.ggml_repack, ggml_linear) stay exact and
-this one is chosen by name only. A call's matmuls make one graph: ggml tensors are described in
+this one is chosen by name only. A call makes one graph: ggml tensors are described in
 a per-thread metadata context (no allocation), bound to the caller's memory through CPU buffers
 made from pointers (`ggml_backend_cpu_buffer_from_ptr`, which needs aligned pointers: the buffer
 starts at the aligned address below), and computed by the CPU backend. Every argument is checked
@@ -29,6 +30,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT
 _F32 = int(GGMLQuantizationType.F32)
+_I32 = int(GGMLQuantizationType.I32)
 _P = ctypes.c_void_p
 
 
@@ -46,7 +48,11 @@ class _Ggml:
         self.init = _function(base, "ggml_init", _P, _InitParams)
         self.reset = _function(base, "ggml_reset", None, _P)
         self.new_tensor_2d = _function(base, "ggml_new_tensor_2d", _P, _P, ctypes.c_int, i64, i64)
+        self.new_tensor_3d = _function(base, "ggml_new_tensor_3d", _P, _P, ctypes.c_int, i64, i64, i64)
+        self.view_3d = _function(base, "ggml_view_3d", _P, _P, _P, i64, i64, i64, size, size, size)
+        self.view_init = _function(base, "ggml_backend_view_init", ctypes.c_int, _P)
         self.mul_mat = _function(base, "ggml_mul_mat", _P, _P, _P, _P)
+        self.mul_mat_id = _function(base, "ggml_mul_mat_id", _P, _P, _P, _P, _P)
         self.new_graph_custom = _function(base, "ggml_new_graph_custom", _P, _P, size, ctypes.c_bool)
         self.build_forward_expand = _function(base, "ggml_build_forward_expand", None, _P, _P)
         self.tensor_overhead = _function(base, "ggml_tensor_overhead", size)
@@ -85,7 +91,10 @@ def available() -> tuple[bool, str]:
     return ggml is not None, reason
 
 
-_MAX_GROUPS = 256  # matmuls in one graph (the context is sized for them); more go in several graphs
+# Graph slots: ggml's default 2048-slot graph costs more to set up than a decode step's matmul
+# takes to run; a call's graph has at most two nodes (a view and a product) and three leaves.
+_GRAPH_SIZE = 8
+_MAX_TENSORS = 8  # tensors a call describes in its context (linear_routed's: a view and four)
 
 
 class _ThreadState(threading.local):
@@ -100,9 +109,7 @@ _state = _ThreadState()
 def _context(ggml: _Ggml) -> tuple[int, int]:
     """This thread's metadata context (reset for each call) and CPU backend."""
     if _state.context is None:
-        size = ggml.tensor_overhead() * 3 * _MAX_GROUPS + ggml.graph_overhead_custom(
-            _graph_size(_MAX_GROUPS), False
-        )
+        size = ggml.tensor_overhead() * _MAX_TENSORS + ggml.graph_overhead_custom(_GRAPH_SIZE, False)
         _state.context = ggml.init(_InitParams(size + 4096, None, True))
         _state.backend = ggml.cpu_init()
         if not _state.context or not _state.backend:
@@ -113,12 +120,6 @@ def _context(ggml: _Ggml) -> tuple[int, int]:
         ggml.cpu_set_n_threads(_state.backend, threads)
         _state.threads = threads
     return _state.context, _state.backend
-
-
-def _graph_size(matmuls: int) -> int:
-    """Graph slots for `matmuls` products (a node and two leaves each): ggml's default 2048-slot
-    graph costs more to set up than a decode step's matmul takes to run."""
-    return max(4, 1 << (3 * matmuls).bit_length())
 
 
 def _buffer(ggml: _Ggml, memory: torch.Tensor, buffers: list[int]) -> int:
@@ -155,64 +156,100 @@ def linear(
     x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int
 ) -> torch.Tensor:
     """`x @ W.T` by ggml's CPU kernels, `x [..., in]`, in x's dtype (computed in float32)."""
-    rows = x.reshape(-1, in_features)  # linear_grouped converts them to float32 where needed
-    out = linear_grouped(rows, [(blocks, ggml_type)], [rows.shape[0]], out_features, in_features)
+    ggml, reason = _library()
+    if ggml is None:
+        raise RuntimeError(reason)
+    _checked(ggml, blocks, ggml_type, out_features, in_features)
+    rows = _float_rows(x, in_features)
+    out = torch.empty((rows.shape[0], out_features), dtype=torch.float32)
+    if rows.shape[0]:
+        _compute(ggml, rows, out, blocks, int(ggml_type))
     if x.dtype != torch.float32:
         out = out.to(x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
-def linear_grouped(
+def linear_routed(
     x: torch.Tensor,
-    weights: list[tuple[torch.Tensor, int]],
-    sizes: list[int],
-    out_features: int,
-    in_features: int,
+    experts: torch.Tensor,
+    field: tuple[int, int, int, int],
+    ids: list[list[int]],
 ) -> torch.Tensor:
-    """Consecutive row groups of `x [n, in]` each times its own weight — group i (`sizes[i]` rows)
-    by `weights[i]` = (blocks, ggml type) — in one ggml graph: `[n, out]` float32. A MoE layer's
-    experts go through it together instead of a call each (engine.offload.moe_layer)."""
+    """Each token through each of its routed experts in one ggml node (`ggml_mul_mat_id`, as
+        llama.cpp runs a MoE layer): `out[t, k] = x[t] @ W[ids[t, k]].T`, or `x[t, k] @ …` for
+        `x [T, K, in]` (a row per route); `[T, K, out]` float32. `experts` is a layer's packed experts
+        (uint8 `[E, bytes an expert]`), `field` = (byte offset in an expert, ggml type, out, in) of the
+        weight `W[e]` inside each; `ids` the `[T][K]` experts' indices (host values: checked
+    here without a device read). A token's row is quantized once
+        for all its experts, and the threads share one node instead of one per expert."""
     ggml, reason = _library()
     if ggml is None:
         raise RuntimeError(reason)
-    if len(weights) != len(sizes) or sum(sizes) != x.shape[0] or min(sizes, default=1) < 1:
-        raise ValueError(
-            f"{len(sizes)} row groups of {sum(sizes)} rows for {len(weights)} weights and {x.shape[0]} rows"
-        )
-    for blocks, ggml_type in weights:
-        _checked(ggml, blocks, ggml_type, out_features, in_features)
-    tokens = _float_rows(x, in_features)
-    out = torch.empty((tokens.shape[0], out_features), dtype=torch.float32)
-    start = 0
-    for first in range(0, len(weights), _MAX_GROUPS):
-        chunk = slice(first, first + _MAX_GROUPS)
-        start = _compute(ggml, tokens, out, weights[chunk], sizes[chunk], start)
+    offset, ggml_type, out_features, in_features = field
+    num_experts, stride = experts.shape
+    tokens, top_k = len(ids), len(ids[0]) if ids else 0
+    row = _row_bytes(ggml, int(ggml_type), in_features)
+    if row is None or experts.dtype != torch.uint8 or not experts.is_contiguous():
+        raise ValueError(f"ggml cannot multiply a {out_features}×{in_features} weight in {ggml_type} blocks")
+    if offset < 0 or offset + row * out_features > stride:
+        raise ValueError(f"a {out_features}×{in_features} weight at byte {offset} overruns {stride} bytes")
+    if x.shape[0] != tokens or x.shape[-1] != in_features or (x.dim() == 3 and x.shape[1] != top_k):
+        raise ValueError(f"activations {tuple(x.shape)} do not fit {tokens}×{top_k} routes")
+    if any(len(token) != top_k or min(token) < 0 or max(token) >= num_experts for token in ids):
+        raise ValueError(f"a route names an expert outside 0..{num_experts - 1} (or routes differ in length)")
+    rows = _float_rows(x, in_features)  # [T or T·K, in]
+    routes = torch.tensor(ids, dtype=torch.int32)
+    out = torch.empty((tokens, top_k, out_features), dtype=torch.float32)
+    if tokens:
+        _compute_routed(ggml, rows, experts, (offset, int(ggml_type), row), routes, out)
     return out
 
 
-def _compute(ggml: _Ggml, tokens, out, weights, sizes, start: int) -> int:
-    """One graph for `weights` on the rows from `start`; the row after the last one."""
+def _compute_routed(ggml: _Ggml, rows, experts, field, routes, out) -> None:
+    offset, ggml_type, row = field
+    num_experts, stride = experts.shape
+    tokens, top_k, out_features = out.shape
+    in_features, per_token = rows.shape[1], rows.shape[0] // tokens
     context, backend = _context(ggml)
-    graph = ggml.new_graph_custom(context, _graph_size(len(weights)), False)
+    graph = ggml.new_graph_custom(context, _GRAPH_SIZE, False)
     buffers: list[int] = []
     try:
-        x_buffer, out_buffer = _buffer(ggml, tokens, buffers), _buffer(ggml, out, buffers)
-        in_features, out_features = tokens.shape[1], out.shape[1]
-        for (blocks, ggml_type), rows in zip(weights, sizes, strict=True):
-            weight = ggml.new_tensor_2d(context, int(ggml_type), in_features, out_features)
-            activations = ggml.new_tensor_2d(context, _F32, in_features, rows)
-            product = ggml.mul_mat(context, weight, activations)  # [rows, out] in ggml's ne order
-            ggml.build_forward_expand(graph, product)
-            _bind(ggml, weight, _buffer(ggml, blocks, buffers), blocks.data_ptr())
-            _bind(ggml, activations, x_buffer, tokens[start].data_ptr())
-            _bind(ggml, product, out_buffer, out[start].data_ptr())
-            start += rows
+        # every expert's weight, `stride` bytes apart: a 3-D view over the layer's rows of this type
+        whole = ggml.new_tensor_2d(context, ggml_type, in_features, (num_experts * stride - offset) // row)
+        _bind(ggml, whole, _buffer(ggml, experts, buffers), experts.data_ptr() + offset)
+        weights = ggml.view_3d(context, whole, in_features, out_features, num_experts, row, stride, 0)
+        if ggml.view_init(weights) != 0:
+            raise RuntimeError("ggml could not view a layer's experts")
+        activations = ggml.new_tensor_3d(context, _F32, in_features, per_token, tokens)
+        ids = ggml.new_tensor_2d(context, _I32, top_k, tokens)
+        product = ggml.mul_mat_id(context, weights, activations, ids)  # [T, K, out] in ggml's ne order
+        ggml.build_forward_expand(graph, product)
+        for tensor, memory in ((activations, rows), (ids, routes), (product, out)):
+            _bind(ggml, tensor, _buffer(ggml, memory, buffers), memory.data_ptr())
+        if ggml.graph_compute(backend, graph) != 0:
+            raise RuntimeError("ggml's CPU backend failed to compute a routed matmul")
+    finally:
+        for buffer in buffers:
+            ggml.buffer_free(buffer)
+
+
+def _compute(ggml: _Ggml, rows, out, blocks, ggml_type: int) -> None:
+    """`out = rows @ W.T` in a one-node graph."""
+    context, backend = _context(ggml)
+    graph = ggml.new_graph_custom(context, _GRAPH_SIZE, False)
+    buffers: list[int] = []
+    try:
+        weight = ggml.new_tensor_2d(context, ggml_type, rows.shape[1], out.shape[1])
+        activations = ggml.new_tensor_2d(context, _F32, rows.shape[1], rows.shape[0])
+        product = ggml.mul_mat(context, weight, activations)  # [rows, out] in ggml's ne order
+        ggml.build_forward_expand(graph, product)
+        for tensor, memory in ((weight, blocks), (activations, rows), (product, out)):
+            _bind(ggml, tensor, _buffer(ggml, memory, buffers), memory.data_ptr())
         if ggml.graph_compute(backend, graph) != 0:
             raise RuntimeError("ggml's CPU backend failed to compute a matmul")
     finally:
         for buffer in buffers:
             ggml.buffer_free(buffer)
-    return start
 
 
 @functools.cache

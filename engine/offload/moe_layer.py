@@ -107,6 +107,7 @@ class _Step:
     top_k: int
     out: torch.Tensor  # [T, H]
     routes: dict[int, list[int]]  # expert -> its flat [T*K] positions
+    index: list[list[int]]  # [T][K] the experts each token is routed to
 
 
 @dataclass(frozen=True)
@@ -119,9 +120,10 @@ class _Plan:
     lookahead: Callable[[], list[tuple[int, int]]] | None  # the next layer's experts, once issued
 
 
-def _group_by_expert(flat_experts: list[int]) -> dict[int, list[int]]:
+def _group_by_expert(index: list[list[int]]) -> dict[int, list[int]]:
+    """Expert -> its flat positions `t·K + k` in the `[T][K]` routes."""
     routes: dict[int, list[int]] = {}
-    for position, expert in enumerate(flat_experts):
+    for position, expert in enumerate(e for token in index for e in token):
         routes.setdefault(expert, []).append(position)
     return routes
 
@@ -172,8 +174,8 @@ class OffloadedExperts(nn.Module):
             self.cache, self.layer, plan.on_device, streaming=plan.streaming, lookahead=plan.lookahead
         )
         with closing(experts):  # an error mid-layer releases every slot still pinned
-            if self._grouped_in_ggml:
-                self._accumulate_grouped(list(experts), step)
+            if self._grouped_in_ggml and not plan.on_cpu:
+                self._accumulate_routed(list(experts), step)
             else:
                 for expert, weights in experts:
                     self._accumulate(step.routes[expert], weights, step)
@@ -192,9 +194,11 @@ class OffloadedExperts(nn.Module):
         if self.cache.policy.uses_scores and self.layer in self.trace.logits:
             scores = self.trace.logits[self.layer].float().softmax(dim=-1).mean(dim=0)  # [E]
             self.cache.policy.observe_scores(self.layer, scores.tolist())
-        routes = _group_by_expert(top_k_index.reshape(-1).tolist())
+        index = top_k_index.tolist()  # the layer's one host synchronisation
         out = torch.zeros_like(hidden)  # [T, H]
-        return _Step(hidden, top_k_weights.reshape(-1), top_k_index.shape[-1], out, routes)
+        return _Step(
+            hidden, top_k_weights.reshape(-1), top_k_index.shape[-1], out, _group_by_expert(index), index
+        )
 
     def _plan(self, step: _Step, drafting: bool) -> _Plan:
         """CPU misses first (HybriMoE's cost model, target steps only); then hits before misses,
@@ -248,21 +252,28 @@ class OffloadedExperts(nn.Module):
         fields = self.cache.store.layout_of(self.layer).fields
         return self.cache.in_place and not self.has_bias and all(f.packing == GGML for f in fields)
 
-    def _accumulate_grouped(self, ready: list[tuple[int, dict]], step: _Step) -> None:
-        """Every routed expert of the step in two ggml graphs, the up projections then the down
-        ones, instead of two calls each (a decode step: 2 calls a layer instead of 2·top-k). Each
-        value is rounded as `_accumulate` rounds it, so the two paths give the same tokens."""
-        routes = [step.routes[expert] for expert, _ in ready]
-        flat = torch.tensor([p for positions in routes for p in positions], device=step.hidden.device)
-        token_idx, scale = flat // step.top_k, step.weights[flat, None]
-        x = step.hidden[token_idx] * scale if self.scales_input else step.hidden[token_idx]
-        sizes = [len(positions) for positions in routes]
-        up = _ggml_grouped(x, [w["gate_up_proj" if self.has_gate else "up_proj"] for _, w in ready], sizes)
+    def _accumulate_routed(self, ready: list[tuple[int, dict]], step: _Step) -> None:
+        """Every route of the step through the layer's experts where they lie in the store, one ggml
+        node a projection (llama.cpp's `mul_mat_id`: a token's row quantized once for all its
+        experts). Each value is the one `_accumulate` computes and is combined in the same order,
+        so the in-place and slot-copied paths give the same tokens."""
+        layout = self.cache.store.layout_of(self.layer)
+        experts = self.cache.store.layer_buffer(self.layer)
+        fields = {f.name: (f.offset, f.ggml_type, *f.weight_shape) for f in layout.fields}
+        order = [p for expert, _ in ready for p in step.routes[expert]]
+        flat = torch.tensor(order, device=step.hidden.device)
+        scale = step.weights[flat, None]
+        x = step.hidden  # [T, H]: every route of a token multiplies the same row
+        if self.scales_input:  # Llama 4: a row per route, scaled by its weight
+            x = x[:, None, :] * step.weights.view(len(step.index), step.top_k, 1)
+        gate_up = fields["gate_up_proj" if self.has_gate else "up_proj"]
+        up = ggml_kernels.linear_routed(x, experts, gate_up, step.index).to(x.dtype)  # [T, K, 2I]
         act = self.template._apply_gate(up) if self.has_gate else self.template.act_fn(up)
-        y = _ggml_grouped(act, [w["down_proj"] for _, w in ready], sizes)
+        y = ggml_kernels.linear_routed(act, experts, fields["down_proj"], step.index).to(x.dtype)
+        y = y.view(-1, y.shape[-1])[flat]  # [T·K, H], in the order `_accumulate` adds them
         if not self.scales_input:
             y = y * scale
-        step.out.index_put_((token_idx,), y.to(step.out.dtype), accumulate=True)
+        step.out.index_put_((flat // step.top_k,), y.to(step.out.dtype), accumulate=True)
 
     def _compute_on_cpu(self, positions: list[int], expert: int, step: _Step) -> None:
         """A missing expert computed on the CPU from the host store (Fiddler/HybriMoE): no copy."""
@@ -277,11 +288,16 @@ class OffloadedExperts(nn.Module):
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, store: ExpertStore
     ) -> torch.Tensor:
         """SubSpec drafting: every expert from its resident low-bit copy; the cache is not touched."""
-        routes = _group_by_expert(top_k_index.reshape(-1).tolist())
+        index = top_k_index.tolist()
         step = _Step(
-            hidden, top_k_weights.reshape(-1), top_k_index.shape[-1], torch.zeros_like(hidden), routes
+            hidden,
+            top_k_weights.reshape(-1),
+            top_k_index.shape[-1],
+            torch.zeros_like(hidden),
+            _group_by_expert(index),
+            index,
         )
-        for expert, positions in routes.items():
+        for expert, positions in step.routes.items():
             self._accumulate(positions, store.views(self.layer, expert), step)
         return step.out
 
@@ -332,15 +348,6 @@ class OffloadedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, num_experts={self.num_experts}, offloaded"
-
-
-def _ggml_grouped(x: torch.Tensor, views: list, sizes: list[int]) -> torch.Tensor:
-    """Row group i of `x` times `views[i]` (a layer's GgmlWeights: one shape and type), by ggml."""
-    out_features, in_features = views[0].shape
-    y = ggml_kernels.linear_grouped(
-        x, [(v.data, v.ggml_type) for v in views], sizes, out_features, in_features
-    )
-    return y.to(x.dtype)  # as GgmlWeight.linear returns it
 
 
 def expert_field_shapes(original: nn.Module) -> dict[str, tuple[int, ...]]:

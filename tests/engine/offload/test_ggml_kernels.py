@@ -82,6 +82,36 @@ def test_unaligned_inputs_and_blocks_compute_and_bad_shapes_are_value_errors_not
         ggml_kernels.linear(torch.randn(1, 500), blocks, QT.Q4_K, OUT, 500)
 
 
+@needs_ggml
+@pytest.mark.parametrize("ggml_type", [QT.Q4_K, QT.BF16])
+def test_routed_products_are_each_experts_product_bit_for_bit(ggml_type):
+    """`linear_routed` (one ggml_mul_mat_id node over a layer's packed experts) gives, for every
+    token and route, the very value `linear` gives for that expert alone; a bad route or field is a
+    ValueError, not an abort."""
+    experts, top_k, offset = 5, 2, 40  # a field at an unaligned offset inside each expert's bytes
+    rng = np.random.default_rng(0)
+    weights = [quantize(rng.standard_normal((OUT, IN)).astype(np.float32), ggml_type) for _ in range(experts)]
+    nbytes = weights[0].nbytes
+    layer = torch.zeros(experts, offset + nbytes + 24, dtype=torch.uint8)
+    for e, weight in enumerate(weights):
+        layer[e, offset : offset + nbytes] = torch.from_numpy(weight.view(np.uint8).reshape(-1))
+    field = (offset, int(ggml_type), OUT, IN)
+    ids = [[1, 4], [0, 3], [4, 1]]
+    for x in (torch.randn(3, IN), torch.randn(3, top_k, IN)):  # a row per token, or per route
+        got = ggml_kernels.linear_routed(x, layer, field, ids)
+        assert got.shape == (3, top_k, OUT)
+        for t, k in np.ndindex(3, top_k):
+            blocks = layer[ids[t][k], offset : offset + nbytes].reshape(OUT, -1).contiguous()
+            row = x[t : t + 1] if x.dim() == 2 else x[t, k : k + 1]
+            assert torch.equal(got[t, k], ggml_kernels.linear(row, blocks, ggml_type, OUT, IN)[0])
+    with pytest.raises(ValueError, match=r"outside 0\.\.4"):
+        ggml_kernels.linear_routed(torch.randn(3, IN), layer, field, [[1, 5], [0, 3], [4, 1]])
+    with pytest.raises(ValueError, match="overruns"):
+        ggml_kernels.linear_routed(torch.randn(3, IN), layer, (offset + 30, int(ggml_type), OUT, IN), ids)
+    with pytest.raises(ValueError, match="do not fit 3×2 routes"):
+        ggml_kernels.linear_routed(torch.randn(2, IN), layer, field, ids)
+
+
 @pytest.fixture(scope="module")
 def tiny_q4_k_m(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ggml-kernels")
