@@ -210,43 +210,53 @@ def _compute_routed(ggml: _Ggml, rows, experts, field, routes, out) -> None:
     num_experts, stride = experts.shape
     tokens, top_k, out_features = out.shape
     in_features, per_token = rows.shape[1], rows.shape[0] // tokens
-    context, backend = _context(ggml)
-    graph = ggml.new_graph_custom(context, _GRAPH_SIZE, False)
-    buffers: list[int] = []
-    try:
+
+    def build(context, bind):
         # every expert's weight, `stride` bytes apart: a 3-D view over the layer's rows of this type
         whole = ggml.new_tensor_2d(context, ggml_type, in_features, (num_experts * stride - offset) // row)
-        _bind(ggml, whole, _buffer(ggml, experts, buffers), experts.data_ptr() + offset)
+        bind(whole, experts, experts.data_ptr() + offset)
         weights = ggml.view_3d(context, whole, in_features, out_features, num_experts, row, stride, 0)
         if ggml.view_init(weights) != 0:
             raise RuntimeError("ggml could not view a layer's experts")
         activations = ggml.new_tensor_3d(context, _F32, in_features, per_token, tokens)
         ids = ggml.new_tensor_2d(context, _I32, top_k, tokens)
-        product = ggml.mul_mat_id(context, weights, activations, ids)  # [T, K, out] in ggml's ne order
-        ggml.build_forward_expand(graph, product)
-        for tensor, memory in ((activations, rows), (ids, routes), (product, out)):
-            _bind(ggml, tensor, _buffer(ggml, memory, buffers), memory.data_ptr())
-        if ggml.graph_compute(backend, graph) != 0:
-            raise RuntimeError("ggml's CPU backend failed to compute a routed matmul")
-    finally:
-        for buffer in buffers:
-            ggml.buffer_free(buffer)
+        bind(activations, rows)
+        bind(ids, routes)
+        return ggml.mul_mat_id(context, weights, activations, ids)  # [T, K, out] in ggml's ne order
+
+    _run(ggml, build, out, "a routed matmul")
 
 
 def _compute(ggml: _Ggml, rows, out, blocks, ggml_type: int) -> None:
     """`out = rows @ W.T` in a one-node graph."""
+
+    def build(context, bind):
+        weight = ggml.new_tensor_2d(context, ggml_type, rows.shape[1], out.shape[1])
+        activations = ggml.new_tensor_2d(context, _F32, rows.shape[1], rows.shape[0])
+        bind(weight, blocks)
+        bind(activations, rows)
+        return ggml.mul_mat(context, weight, activations)  # [rows, out] in ggml's ne order
+
+    _run(ggml, build, out, "a matmul")
+
+
+def _run(ggml: _Ggml, build, out: torch.Tensor, what: str) -> None:
+    """Compute the product `build(context, bind)` describes into `out`: `bind(tensor, memory,
+    address=memory's start)` places a tensor in caller memory; the buffers go when it ends."""
     context, backend = _context(ggml)
     graph = ggml.new_graph_custom(context, _GRAPH_SIZE, False)
     buffers: list[int] = []
+
+    def bind(tensor: int, memory: torch.Tensor, address: int | None = None) -> None:
+        address = memory.data_ptr() if address is None else address
+        _bind(ggml, tensor, _buffer(ggml, memory, buffers), address)
+
     try:
-        weight = ggml.new_tensor_2d(context, ggml_type, rows.shape[1], out.shape[1])
-        activations = ggml.new_tensor_2d(context, _F32, rows.shape[1], rows.shape[0])
-        product = ggml.mul_mat(context, weight, activations)  # [rows, out] in ggml's ne order
+        product = build(context, bind)
+        bind(product, out)
         ggml.build_forward_expand(graph, product)
-        for tensor, memory in ((weight, blocks), (activations, rows), (product, out)):
-            _bind(ggml, tensor, _buffer(ggml, memory, buffers), memory.data_ptr())
         if ggml.graph_compute(backend, graph) != 0:
-            raise RuntimeError("ggml's CPU backend failed to compute a matmul")
+            raise RuntimeError(f"ggml's CPU backend failed to compute {what}")
     finally:
         for buffer in buffers:
             ggml.buffer_free(buffer)
