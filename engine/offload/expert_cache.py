@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -149,6 +149,19 @@ class ExpertCache:
             slot.pins += 1
             self.policy.on_access(key)
             return slot
+
+    def use_in_place(self, layer: int, experts: Iterable[int]) -> None:
+        """`layer`'s `experts` used where they lie in an in-place store, without pinning a slot
+        (none is ever evicted or reused there): hits, as `acquire` counts them."""
+        if not self.in_place:
+            raise RuntimeError("use_in_place needs an in-place cache (every expert in host memory)")
+        with self.lock:
+            counters = self.stats.phases[self.phase]
+            for expert in experts:
+                key = (layer, expert)
+                if key not in self._table:
+                    self._map_in_place(key)
+                counters.hits += 1
 
     def count_cpu_use(self) -> None:
         """A use computed on the CPU: a miss for the device cache, with no copy."""

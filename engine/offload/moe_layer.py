@@ -167,6 +167,11 @@ class OffloadedExperts(nn.Module):
         if draft is not None and draft.substitute is not None:
             return self._forward_substitute(hidden_states, top_k_index, top_k_weights, draft.substitute)
         step = self._route(hidden_states, top_k_index, top_k_weights, draft)
+        if self._grouped_in_ggml:  # every expert lies in the store: nothing to plan or bring in
+            order = sorted(step.routes, key=lambda e: -len(step.routes[e]))  # as `_plan` orders hits
+            self.cache.use_in_place(self.layer, order)
+            self._accumulate_routed(order, step)
+            return step.out
         plan = self._plan(step, drafting=draft is not None)
         for expert in plan.on_cpu:
             self._compute_on_cpu(step.routes[expert], expert, step)
@@ -174,11 +179,8 @@ class OffloadedExperts(nn.Module):
             self.cache, self.layer, plan.on_device, streaming=plan.streaming, lookahead=plan.lookahead
         )
         with closing(experts):  # an error mid-layer releases every slot still pinned
-            if self._grouped_in_ggml and not plan.on_cpu:
-                self._accumulate_routed(list(experts), step)
-            else:
-                for expert, weights in experts:
-                    self._accumulate(step.routes[expert], weights, step)
+            for expert, weights in experts:
+                self._accumulate(step.routes[expert], weights, step)
         return step.out
 
     def _route(
@@ -252,7 +254,7 @@ class OffloadedExperts(nn.Module):
         fields = self.cache.store.layout_of(self.layer).fields
         return self.cache.in_place and not self.has_bias and all(f.packing == GGML for f in fields)
 
-    def _accumulate_routed(self, ready: list[tuple[int, dict]], step: _Step) -> None:
+    def _accumulate_routed(self, order: list[int], step: _Step) -> None:
         """Every route of the step through the layer's experts where they lie in the store, one ggml
         node a projection (llama.cpp's `mul_mat_id`: a token's row quantized once for all its
         experts). Each value is the one `_accumulate` computes and is combined in the same order,
@@ -260,8 +262,7 @@ class OffloadedExperts(nn.Module):
         layout = self.cache.store.layout_of(self.layer)
         experts = self.cache.store.layer_buffer(self.layer)
         fields = {f.name: (f.offset, f.ggml_type, *f.weight_shape) for f in layout.fields}
-        order = [p for expert, _ in ready for p in step.routes[expert]]
-        flat = torch.tensor(order, device=step.hidden.device)
+        flat = torch.tensor([p for expert in order for p in step.routes[expert]], device=step.hidden.device)
         scale = step.weights[flat, None]
         x = step.hidden  # [T, H]: every route of a token multiplies the same row
         if self.scales_input:  # Llama 4: a row per route, scaled by its weight

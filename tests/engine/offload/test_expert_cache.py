@@ -12,7 +12,7 @@ import torch
 
 from engine.errors import DeviceOutOfMemoryError
 from engine.offload.eviction import LFUPolicy, LRUPolicy, MRSPolicy
-from engine.offload.expert_cache import NoEvictableSlot, SlotState
+from engine.offload.expert_cache import ExpertCache, NoEvictableSlot, SlotState
 from engine.offload.expert_store import ALIGN, ExpertLayout, ExpertStore
 from engine.offload.transfer import SimulatedLink
 from tests.engine.cache_helpers import (
@@ -348,3 +348,18 @@ def test_layers_of_different_layouts_share_slots_of_the_widest(link) -> None:
         )
         cache.release(slot)
     assert cache.stats.phases["decode"].bytes_copied == 2 * narrow.nbytes + wide.nbytes
+
+
+def test_uses_in_place_count_as_the_acquires_would_and_map_each_expert_once(store, link) -> None:
+    pinned = ExpertCache(store, store.total_experts, torch.device("cpu"), link, LRUPolicy(), in_place=True)
+    bulk = ExpertCache(store, store.total_experts, torch.device("cpu"), link, LRUPolicy(), in_place=True)
+    for experts in ([0, 3, 5], [3, 1]):
+        for expert in experts:
+            use(pinned, (1, expert))
+        bulk.use_in_place(1, experts)
+    assert counters(bulk) == counters(pinned) == (5, 0, 0, 0)
+    assert bulk.used_slots == pinned.used_slots == 4
+    assert sorted(bulk.resident()) == sorted(pinned.resident())
+    assert all(slot.pins == 0 for slot in bulk.slots)
+    with pytest.raises(RuntimeError, match="in-place cache"):
+        make_cache(store, link, n_slots=4).use_in_place(1, [0])
