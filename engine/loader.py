@@ -77,7 +77,7 @@ def load_model(
     device = resolve_device(config.device)
     transfer = n_slots = None
     try:
-        dtype = resolve_dtype(config.dtype, checkpoint, device)
+        dtype = resolve_dtype(config.dtype, checkpoint, device, config.kernels)
         hf_model, arch, blocks = _skeleton(hf_config, dtype, folder)
         top_k = experts_per_token(hf_model.config)  # the language model's (a multimodal config nests it)
         store, disk_layout = _expert_store(
@@ -308,9 +308,15 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, checkpoint: Checkpoint, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    name: str, checkpoint: Checkpoint, device: torch.device, kernels: str = "exact"
+) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
+    if kernels == "ggml" and device.type == "cpu" and isinstance(checkpoint, GgufCheckpoint):
+        # llama.cpp's numerics: float32 activations, the matrices in their blocks (never upcast);
+        # without bfloat16 instructions torch's bfloat16 attention is ~5x slower than float32's
+        return torch.float32
     stored = checkpoint.storage_dtype()
     if device.type == "cuda" or stored != torch.float16:
         return stored  # bf16 and GGUF on the CPU too: fp32 took 2x the RAM and ran slower (issue 21)

@@ -5,7 +5,9 @@ on an 8 GB GPU the difference is hundreds of experts' worth of cache. A lookup t
 rows of the tokens it embeds, so `GgmlEmbedding` dequantizes just those (engine.offload.ggml_quants,
 bit for bit gguf's own dequantization) and the table never exists in BF16. The output head stays
 dense: every decode step multiplies by all of it, and dequantizing it per step would cost more
-than the memory is worth. Tied embeddings (the head is the same matrix) stay dense too.
+than the memory is worth. Tied embeddings (the head is the same matrix) stay dense too. A BF16 or
+F16 table is kept in its rows the same way when the model computes in float32 (`--kernels ggml`):
+converting a looked-up row is exact, and the table never takes twice its bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from engine.offload.ggml_quants import dequantize
 # Below this many parameters the BF16 table is small enough to keep dense (a 2048-wide table of
 # 8k tokens is 32 MiB): the saving would not be worth a dequantization per lookup.
 MIN_QUANTIZED_EMBEDDING = 16 * 2**20
+_FLOAT_BYTES = {GGMLQuantizationType.F32: 4, GGMLQuantizationType.F16: 2, GGMLQuantizationType.BF16: 2}
 
 
 class GgmlEmbedding(torch.nn.Module):
@@ -43,9 +46,12 @@ class GgmlEmbedding(torch.nn.Module):
 
 def keep_embedding_quantized(hf_model, tensor, dtype: torch.dtype) -> str | None:
     """Put a `GgmlEmbedding` in `hf_model` (on the meta device, filled by `fill_embedding`) when the
-    GGUF's `token_embd` (`tensor`, a gguf reader tensor) is quantized, big and not tied to the head;
-    the name of the dense weight it replaces (not to be loaded), else None."""
-    if tensor is None or tensor.tensor_type in DENSE_TYPES or hf_model.config.tie_word_embeddings:
+    GGUF's `token_embd` (`tensor`, a gguf reader tensor) is quantized (or floats narrower than
+    `dtype`), big and not tied to the head; the name of the dense weight it replaces (not to be
+    loaded), else None."""
+    if tensor is None or hf_model.config.tie_word_embeddings:
+        return None
+    if tensor.tensor_type in DENSE_TYPES and _FLOAT_BYTES[tensor.tensor_type] >= dtype.itemsize:
         return None
     dense = hf_model.get_input_embeddings()
     if dense.weight.numel() < MIN_QUANTIZED_EMBEDDING or getattr(dense, "embed_scale", None) is not None:

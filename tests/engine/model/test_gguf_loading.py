@@ -174,9 +174,46 @@ def test_a_big_quantized_token_embedding_stays_in_its_blocks_and_outputs_do_not_
         model.close()
 
 
+def test_a_bfloat16_token_embedding_stays_in_its_rows_when_the_model_computes_in_float32(
+    tmp_path, monkeypatch
+):
+    """Upcast to float32 the table would take twice the file's bytes: its BF16 rows are kept and
+    a lookup converts them (exactly); computing in bfloat16 the table is an ordinary parameter."""
+    import engine.offload.ggml_embedding as ggml_embedding
+
+    monkeypatch.setattr(ggml_embedding, "MIN_QUANTIZED_EMBEDDING", 0)
+    path = write_tiny_gguf(tmp_path, expert_type=QT.Q4_K, down_type=QT.Q6_K, other_type=QT.BF16)
+    model = load_model(path, offload())
+    try:
+        embedding = model.hf_model.get_input_embeddings()
+        assert isinstance(embedding, ggml_embedding.GgmlEmbedding) and embedding.ggml_type == QT.BF16
+        assert embedding.blocks.numel() == 2 * embedding.num_embeddings * embedding.embedding_dim
+        assert_matches_reference(model, reference(path), PROMPT)
+    finally:
+        model.close()
+    model = load_model(path, replace(offload(), dtype="bfloat16"))
+    try:
+        assert type(model.hf_model.get_input_embeddings()) is torch.nn.Embedding
+    finally:
+        model.close()
+
+
 def test_a_small_embedding_is_loaded_dense(tiny_gguf):
     model = load_model(tiny_gguf, offload())
     try:
         assert isinstance(model.hf_model.get_input_embeddings(), torch.nn.Embedding)
     finally:
         model.close()
+
+
+def test_auto_dtype_is_float32_only_where_ggml_computes_a_gguf_on_the_cpu(tiny_gguf):
+    """`--kernels ggml` keeps the matrices in their blocks, so float32 activations (llama.cpp's)
+    cost no upcast of weights; elsewhere a GGUF computes in bfloat16 as before."""
+    from engine.loader import open_checkpoint, resolve_dtype
+
+    _, checkpoint = open_checkpoint(tiny_gguf)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", checkpoint, cpu, "ggml") == torch.float32
+    assert resolve_dtype("auto", checkpoint, cpu, "exact") == torch.bfloat16
+    assert resolve_dtype("auto", checkpoint, cuda, "ggml") == torch.bfloat16
+    assert resolve_dtype("bfloat16", checkpoint, cpu, "ggml") == torch.bfloat16
