@@ -1,11 +1,11 @@
 """The bench's large-shape GGUF files: `python -m engine.bench.shapes DIR [--types Q4_K_M BF16]`.
 
 Writes a Qwen3-30B-A3B-shaped model cut to 2 layers (hidden 2048, 128 experts × 768, top-8, 32 query
-and 4 KV heads of 128; random weights, the demo tokenizer) as one GGUF file per type, the files the
-side-by-side figures against llama.cpp are measured on (`python -m engine.bench --vs-llama-cpp
-FILE`): `Q4_K_M` (routed gate/up and every other matrix Q4_K, down projections by llama.cpp's Q4_K_M
-rule: Q6_K in layer 1), `BF16` (every matrix bfloat16). Building one takes a few minutes and ~6 GB of
-RAM (the model in float32 before it is quantized).
+and 4 KV heads of 128, a 40960-token window; random weights, the demo tokenizer) as one GGUF file
+per type, the files the side-by-side figures against llama.cpp are measured on (`python -m
+engine.bench --vs-llama-cpp FILE`): `Q4_K_M` (routed gate/up and every other matrix Q4_K, down
+projections by llama.cpp's Q4_K_M rule: Q6_K in layer 1), `BF16` (every matrix bfloat16). Building
+one takes a few minutes and ~6 GB of RAM (the model in float32 before it is quantized).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ QWEN3_30B_A3B_LAYER = {
     "num_key_value_heads": 4,
     "head_dim": 128,
     "norm_topk_prob": True,
+    "max_position_embeddings": 40960,
 }
 TYPES = {  # name: (routed gate/up, routed down, every other matrix)
     "Q4_K_M": (QT.Q4_K, "Q4_K_M", QT.Q4_K),

@@ -13,6 +13,10 @@ positions in that dtype and gives the attention every position back in the compu
 transformers' QuantizedCache does (no fused low-precision attention here). Linear-attention and
 Mamba state stays in the compute dtype: it is a running sum, not a list of positions.
 
+A full-attention layer's keys and values live in buffers with room to spare (`GrowingLayer`): a
+step writes its positions in place, where transformers' `DynamicLayer` copies the whole cache into
+a new tensor (`torch.cat`) at every step of every layer, a cost that grows with the context.
+
 `rewind_cache(cache, length, saved)` drops every position from `length` on. Attention layers are
 cropped; a recurrent state sums every position it has seen and cannot be cropped, so it goes back
 to a `RecurrentState` saved when the cache held exactly `length` positions. Keeping a longer prefix
@@ -62,9 +66,62 @@ def new_kv_cache(
     cache = DynamicCache(config=config)
     if rewindable:
         cache.layers = [_unwindowed(layer) for layer in cache.layers]
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     if kv_dtype is not None:
         cache.layers = [_stored_as(layer, kv_dtype) for layer in cache.layers]
     return cache
+
+
+# A full buffer grows by a quarter of its positions, at least this many: at most 25% (or this many
+# positions) allocated ahead, and each position copied ~5 times over a long run instead of at
+# every step.
+GROW_MIN_POSITIONS = 256
+
+
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` whose `keys` and `values` (`[B, heads, positions, head_dim]`) are views of
+    buffers with room for more positions: `update` writes the new ones in place. `crop` and the
+    other `DynamicLayer` methods work on the views as they are; a step finding `keys` no longer a
+    view of its buffer (replaced by such a method) moves them into a new one."""
+
+    _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, new = self.get_seq_length(), key_states.shape[-2]
+        keys, values = self._room_for(length + new, key_states, value_states)
+        keys[..., length : length + new, :].copy_(key_states)
+        values[..., length : length + new, :].copy_(value_states)
+        self.keys, self.values = keys[..., : length + new, :], values[..., : length + new, :]
+        return self.keys, self.values
+
+    def _room_for(self, positions: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Buffers holding the current positions with room for `positions`."""
+        buffers, length = self._buffers, self.get_seq_length()
+        if (
+            buffers is not None
+            and buffers[0].shape[-2] >= positions
+            and buffers[0].shape[:-2] == key_states.shape[:-2]
+            and buffers[0].dtype == key_states.dtype
+            and (length == 0 or self.keys.data_ptr() == buffers[0].data_ptr())
+            and (length == 0 or self.values.data_ptr() == buffers[1].data_ptr())
+        ):
+            return buffers
+        capacity = positions + max(GROW_MIN_POSITIONS, positions // 4)
+        buffers = tuple(
+            states.new_empty((*states.shape[:-2], capacity, states.shape[-1]))
+            for states in (key_states, value_states)
+        )
+        if length:
+            buffers[0][..., :length, :].copy_(self.keys)
+            buffers[1][..., :length, :].copy_(self.values)
+        self._buffers = buffers
+        return buffers
+
+    def reset(self) -> None:
+        self._buffers = None
+        super().reset()
 
 
 class _StoredKV:
@@ -100,7 +157,7 @@ def _head_scale(states: torch.Tensor) -> torch.Tensor:
     return (amax * FP8_HEADROOM / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
 
 
-class StoredLayer(_StoredKV, DynamicLayer):
+class StoredLayer(_StoredKV, GrowingLayer):
     def __init__(self, storage: torch.dtype):
         super().__init__()
         self.storage = storage
@@ -115,7 +172,7 @@ class StoredSlidingWindowLayer(_StoredKV, DynamicSlidingWindowLayer):
 def _stored_as(layer, storage: torch.dtype):
     """`layer` keeping its keys and values in `storage`; layers with recurrent state are left as
     they are (their attention part too: they are one object)."""
-    if type(layer) is DynamicLayer:
+    if type(layer) in (DynamicLayer, GrowingLayer):
         return StoredLayer(storage)
     if type(layer) is DynamicSlidingWindowLayer:
         stored = StoredSlidingWindowLayer(layer.sliding_window, storage)
@@ -129,7 +186,7 @@ def _unwindowed(layer):
     if isinstance(layer, LinearAttentionAndSlidingWindowAttentionLayer):
         return LinearAttentionAndFullAttentionLayer(number_of_states=layer.number_of_states)
     if isinstance(layer, DynamicSlidingWindowLayer):
-        return DynamicLayer()
+        return GrowingLayer()
     return layer
 
 

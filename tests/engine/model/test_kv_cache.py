@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from engine.model.hf_calls import with_cache
-from engine.model.kv_cache import RecurrentState, is_croppable, new_kv_cache, rewind_cache
+from engine.model.kv_cache import (
+    GROW_MIN_POSITIONS,
+    GrowingLayer,
+    RecurrentState,
+    is_croppable,
+    is_recurrent,
+    new_kv_cache,
+    rewind_cache,
+)
 from engine.model.prefix_cache import PrefixCache
 from engine.model.tiny import build_tiny_model
 
@@ -80,3 +88,44 @@ def test_a_sliding_window_past_its_window_is_reused_only_whole():
     assert prefixes.take(ids, rewindable=False) == (None, 0)  # regenerate: 11 of 12 is not possible
     prefixes.put(ids, kv_cache, rewindable=False)
     assert prefixes.take([*ids, 99], rewindable=False) == (kv_cache, len(ids))  # a new turn: whole
+
+
+def test_a_growing_layer_writes_steps_in_place_and_holds_what_concatenation_would():
+    """Each step's positions go into the buffer in place (the keys keep their storage between
+    steps) and the layer holds what transformers' concatenating DynamicLayer holds, through crops
+    (a rejected draft), a step after a crop, growth past the buffer and keys replaced by another
+    DynamicLayer method."""
+    grown, reference = GrowingLayer(), DynamicLayer()
+    generator = torch.Generator().manual_seed(0)
+
+    def step(positions: int) -> None:
+        keys, values = (torch.randn(1, 2, positions, 4, generator=generator) for _ in range(2))
+        got, expected = grown.update(keys, values), reference.update(keys, values)
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b)
+
+    step(5)  # a prompt
+    storage = grown.keys.data_ptr()
+    for _ in range(3):
+        step(1)
+    assert grown.keys.data_ptr() == storage  # written in place: no copy of the cache
+    for layer in (grown, reference):
+        layer.crop(-2)  # a rejected draft
+    step(1)
+    assert grown.get_seq_length() == reference.get_seq_length() == 7
+    step(GROW_MIN_POSITIONS)  # past the buffer: moved into a bigger one
+    assert grown.keys.data_ptr() != storage
+    for layer in (grown, reference):
+        layer.batch_select_indices(torch.tensor([0]))  # keys replaced by a new tensor
+    step(2)
+    assert torch.equal(grown.keys, reference.keys) and torch.equal(grown.values, reference.values)
+    grown.reset()
+    assert grown.get_seq_length() == 0 and grown._buffers is None
+
+
+def test_full_attention_layers_grow_in_place_and_sliding_ones_stay_transformers(qwen3_next):
+    kv_cache = new_kv_cache(qwen3_next.config)
+    assert {type(layer) for layer in kv_cache.layers if not is_recurrent(layer)} <= {GrowingLayer}
+    assert any(type(layer) is GrowingLayer for layer in kv_cache.layers)
+    stored = new_kv_cache(qwen3_next.config, kv_dtype=torch.bfloat16)
+    assert all(isinstance(layer, GrowingLayer) for layer in stored.layers if not is_recurrent(layer))
