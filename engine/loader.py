@@ -36,6 +36,7 @@ from engine.model.adapters import get_architecture
 from engine.model.adapters.base import Architecture, DiskLayout
 from engine.model.adapters.generic import bind, experts_per_token
 from engine.model.checkpoint import Checkpoint
+from engine.model.cpu_attention import use_cpu_attention
 from engine.model.folder import load_tokenizer, open_checkpoint
 from engine.model.gguf_file import GgufCheckpoint
 from engine.model.kv_size import KV_RESERVE_TOKENS, kv_element_bytes, kv_reserve_bytes
@@ -79,6 +80,8 @@ def load_model(
     try:
         dtype = resolve_dtype(config.dtype, checkpoint, device, config.kernels)
         hf_model, arch, blocks = _skeleton(hf_config, dtype, folder)
+        if device.type == "cpu":
+            use_cpu_attention(hf_model)  # decode steps as two matmuls, not the flash kernel
         top_k = experts_per_token(hf_model.config)  # the language model's (a multimodal config nests it)
         store, disk_layout = _expert_store(
             folder, checkpoint, hf_model, arch, blocks, dtype, device, config, progress
