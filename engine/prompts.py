@@ -16,6 +16,15 @@ PROMPTS = (
 )
 
 
+def lengthened(ids: list[int], tokens: int) -> list[int]:
+    """`ids` preceded by copies of themselves to `tokens` long: a prompt read after a long
+    conversation, so that decode runs over a cache of that many positions."""
+    if tokens <= len(ids):
+        return list(ids)
+    filler = ids * (-(-(tokens - len(ids)) // len(ids)))
+    return filler[: tokens - len(ids)] + list(ids)
+
+
 def encode_prompts(model, prompts) -> list[list[int]]:
     """Each prompt as the model's chat-templated token ids."""
     from engine.generation import encode_prompt  # imports torch: only when a model is there

@@ -76,7 +76,8 @@ def compare_llama_cpp(args, prompt_ids: list[list[int]], ours: BenchRow, result:
     """llama.cpp on the same file and prompts, timed over as many passes; the ratios go in `result`."""
     import torch
 
-    runner = LlamaCppRunner(args.vs_llama_cpp, threads=torch.get_num_threads())
+    n_ctx = max(2048, max(map(len, prompt_ids)) + args.new_tokens + 8)
+    runner = LlamaCppRunner(args.vs_llama_cpp, threads=torch.get_num_threads(), n_ctx=n_ctx)
     try:
         runner.timed_pass([prompt_ids[0][:8]], 4)  # warm-up
         passes = [runner.timed_pass(prompt_ids, args.new_tokens) for _ in range(args.repeats)]

@@ -34,7 +34,7 @@ from engine.options import (
     model_folder,
     offload_config,
 )
-from engine.prompts import PROMPTS, encode_prompts, greedy
+from engine.prompts import PROMPTS, encode_prompts, greedy, lengthened
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> dict:
         offload = replace(link, expert_budget=ExpertBudget.parse(budget))
         model = load_model(model_folder(args), offload)
         try:
-            prompt_ids = encode_prompts(model, prompts)
+            prompt_ids = [lengthened(ids, args.prompt_tokens) for ids in encode_prompts(model, prompts)]
             rows.append(bench_engine(model, prompt_ids, args.new_tokens, args.repeats, baseline))
             info = model.info()
             if args.count_ops:
@@ -194,6 +194,7 @@ def run(args: argparse.Namespace) -> dict:
         "new_tokens": args.new_tokens,
         "prompts": len(prompts),
         "kernels": args.kernels,
+        "prompt_tokens": [len(ids) for ids in prompt_ids],
     }
     if calibration is not None:
         result["calibration"] = calibration
@@ -221,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the fixed prompts")
     parser.add_argument("--repeats", type=int, default=3, help="passes over the prompts (median reported)")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="make each prompt this many tokens long (its own tokens repeated before it): prefill and "
+        "decode over a long context, as in a long chat",
+    )
     parser.add_argument(
         "--compare-transformers", action="store_true", help="also time transformers' generate, all resident"
     )
@@ -267,8 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.vs_llama_cpp and not args.model:
         args.model = args.vs_llama_cpp  # the very same file
-    if args.new_tokens < 2 or args.repeats < 1 or not 1 <= args.prompts <= len(PROMPTS):
-        parser.error(f"need --new-tokens >= 2, --repeats >= 1 and 1 <= --prompts <= {len(PROMPTS)}")
+    counts = (args.new_tokens >= 2, args.repeats >= 1, args.prompt_tokens >= 0)
+    if not all(counts) or not 1 <= args.prompts <= len(PROMPTS):
+        parser.error(
+            "need --new-tokens >= 2, --repeats >= 1, --prompt-tokens >= 0 and "
+            f"1 <= --prompts <= {len(PROMPTS)}"
+        )
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.compare:
         return _main_compare(args)

@@ -8,6 +8,7 @@ import torch
 
 from engine.bench import main as bench
 from engine.model.tiny import make_tiny_model
+from engine.prompts import lengthened
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,15 @@ def test_a_plain_run_on_the_calibrated_link_simulates_it(folder, tmp_path):
     assert bench.main([*argv, "--prompts", "1", "--sim-link", "calibrated", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["calibration"]["link_gbps"] > 0 and result["rows"][0]["simulated_link"] is True
+
+
+def test_prompt_tokens_lengthens_every_prompt_to_a_long_context(folder, tmp_path):
+    out = tmp_path / "long.json"
+    argv = ["--model", str(folder), "--expert-budget", "all", "--new-tokens", "4", "--repeats", "1"]
+    assert bench.main([*argv, "--prompts", "2", "--prompt-tokens", "300", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["prompt_tokens"] == [300, 300]
+    assert lengthened([1, 2, 3], 8) == [1, 2, 3, 1, 2, 1, 2, 3] and lengthened([1, 2, 3], 2) == [1, 2, 3]
 
 
 def test_multi_turn_prefills_less_with_reuse_and_gives_the_same_replies(tmp_path, capsys):
