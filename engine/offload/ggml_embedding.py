@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.model.gguf_file import DENSE_TYPES
 from engine.offload.ggml_quants import dequantize
@@ -22,7 +22,6 @@ from engine.offload.ggml_quants import dequantize
 # Below this many parameters the BF16 table is small enough to keep dense (a 2048-wide table of
 # 8k tokens is 32 MiB): the saving would not be worth a dequantization per lookup.
 MIN_QUANTIZED_EMBEDDING = 16 * 2**20
-_FLOAT_BYTES = {GGMLQuantizationType.F32: 4, GGMLQuantizationType.F16: 2, GGMLQuantizationType.BF16: 2}
 
 
 class GgmlEmbedding(torch.nn.Module):
@@ -51,8 +50,8 @@ def keep_embedding_quantized(hf_model, tensor, dtype: torch.dtype) -> str | None
     loaded), else None."""
     if tensor is None or hf_model.config.tie_word_embeddings:
         return None
-    if tensor.tensor_type in DENSE_TYPES and _FLOAT_BYTES[tensor.tensor_type] >= dtype.itemsize:
-        return None
+    if tensor.tensor_type in DENSE_TYPES and GGML_QUANT_SIZES[tensor.tensor_type][1] >= dtype.itemsize:
+        return None  # floats as wide as the compute dtype: an ordinary parameter costs no more
     dense = hf_model.get_input_embeddings()
     if dense.weight.numel() < MIN_QUANTIZED_EMBEDDING or getattr(dense, "embed_scale", None) is not None:
         return None

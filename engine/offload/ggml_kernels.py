@@ -176,12 +176,12 @@ def linear_routed(
     ids: list[list[int]],
 ) -> torch.Tensor:
     """Each token through each of its routed experts in one ggml node (`ggml_mul_mat_id`, as
-        llama.cpp runs a MoE layer): `out[t, k] = x[t] @ W[ids[t, k]].T`, or `x[t, k] @ …` for
-        `x [T, K, in]` (a row per route); `[T, K, out]` float32. `experts` is a layer's packed experts
-        (uint8 `[E, bytes an expert]`), `field` = (byte offset in an expert, ggml type, out, in) of the
-        weight `W[e]` inside each; `ids` the `[T][K]` experts' indices (host values: checked
-    here without a device read). A token's row is quantized once
-        for all its experts, and the threads share one node instead of one per expert."""
+    llama.cpp runs a MoE layer): `out[t, k] = x[t] @ W[ids[t][k]].T`, or `x[t, k] @ …` for
+    `x [T, K, in]` (a row per route); `[T, K, out]` float32. `experts` is a layer's packed experts
+    (uint8 `[E, bytes an expert]`), `field` = (byte offset in an expert, ggml type, out, in) of the
+    weight `W[e]` inside each; `ids` the `[T][K]` experts' indices (host values: checked here
+    without a device read). A token's row is quantized once for all its experts, and the threads
+    share one node instead of one per expert."""
     ggml, reason = _library()
     if ggml is None:
         raise RuntimeError(reason)
