@@ -6,15 +6,23 @@ per type, the files the side-by-side figures against llama.cpp are measured on (
 engine.bench --vs-llama-cpp FILE`): `Q4_K_M` (routed gate/up and every other matrix Q4_K, down
 projections by llama.cpp's Q4_K_M rule: Q6_K in layer 1), `BF16` (every matrix bfloat16). Building
 one takes a few minutes and ~6 GB of RAM (the model in float32 before it is quantized).
+
+`--layers N` writes the model at depth N for a GPU's expert budget (Qwen3-30B-A3B has 48): the two
+random layers are built and quantized once and repeated (layer k holds layer k mod 2's weights), so a
+full-depth file of the model's size takes a disk copy's time, not N layers' quantization. Repeated
+weights do not change what the bench measures: every layer's experts are separate cache entries.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
+import gguf
 from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 QWEN3_30B_A3B_LAYER = {
     "num_hidden_layers": 2,
@@ -54,15 +62,61 @@ def write_shape(folder: str | Path, type_name: str, seed: int = 0) -> Path:
     return path.replace(folder / f"qwen3-30b-a3b-2layers-{type_name}.gguf")
 
 
+def repeat_layers(source: str | Path, layers: int) -> Path:
+    """`source` at depth `layers`, its blocks repeated in turn, written beside it as `...-<N>layers-...`."""
+    source = Path(source)
+    reader = GGUFReader(source)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    depth = reader.fields[f"{arch}.block_count"].contents()
+    target = source.with_name(source.name.replace(f"-{depth}layers-", f"-{layers}layers-"))
+    if target == source:
+        raise ValueError(f"{source.name} does not name its depth as -{depth}layers-")
+    writer = GGUFWriter(target, arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # the writer's own
+        value = layers if field.name == f"{arch}.block_count" else field.contents()
+        kind = field.types[0]
+        writer.add_key_value(
+            field.name, value, kind, sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None
+        )
+    blocks: dict[int, list] = {}
+    shared = []
+    for tensor in reader.tensors:
+        if m := re.match(r"blk\.(\d+)\.", tensor.name):
+            blocks.setdefault(int(m[1]), []).append(tensor)
+        else:
+            shared.append(tensor)
+    order = [(t.name, t) for t in shared]
+    for layer in range(layers):
+        source_layer = f"blk.{layer % depth}."
+        order += [(t.name.replace(source_layer, f"blk.{layer}.", 1), t) for t in blocks[layer % depth]]
+    for name, t in order:
+        writer.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, t in order:
+        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    writer.close()
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m engine.bench.shapes", description=__doc__.splitlines()[0]
     )
     parser.add_argument("folder", help="where the files are written")
     parser.add_argument("--types", nargs="+", choices=sorted(TYPES), default=["Q4_K_M", "BF16"])
+    parser.add_argument(
+        "--layers", type=int, default=2, help="depth of the written file (the 2 random layers repeated)"
+    )
     args = parser.parse_args(argv)
     for type_name in args.types:
-        print(write_shape(args.folder, type_name))
+        path = write_shape(args.folder, type_name)
+        if args.layers != 2:
+            path = repeat_layers(path, args.layers)
+        print(path)
     return 0
 
 
