@@ -10,6 +10,10 @@ A step that streams (`ExpertCache.streams`) keeps at most `STREAM_DEPTH` streame
 pinned at once: one computing while the next is on the link. Once its own copies are all
 issued, the spare slots its computed experts free take the next layer's likely experts
 (`lookahead`, SP-MoE's policy), so the link never idles while this layer finishes.
+
+`ready_together(cache, layer, experts, limit)` pins them in groups instead (`engine.offload.grouped`
+computes a group in a few batched kernels): each group as many as `limit` or as the cache can pin at
+once, yielded once every copy of it has landed, released when the consumer asks for the next group.
 """
 
 from __future__ import annotations
@@ -73,6 +77,29 @@ def ready_experts(
     finally:
         for pinned in pending:  # only after an error or an early close: never leave a slot pinned
             cache.release(pinned.slot)
+
+
+def ready_together(cache: ExpertCache, layer: int, experts: list[int], limit: int) -> Iterator[list[Slot]]:
+    """`layer`'s `experts` in order, in groups of pinned slots whose copies have landed (on CUDA:
+    the compute stream waits for them). A group ends at `limit` experts, or where the next would
+    need a slot that only releasing this group frees. Raises `BudgetTooSmallError` as
+    `ready_experts` does."""
+    start = 0
+    while start < len(experts):
+        group: list[Slot] = []
+        try:
+            for expert in experts[start : start + limit]:
+                slot = _try_acquire(cache, (layer, expert), False, bool(group))
+                if slot is None:
+                    break
+                group.append(slot)
+            for slot in group:
+                cache.wait(slot)
+            yield group
+        finally:
+            for slot in group:
+                cache.release(slot)
+        start += len(group)
 
 
 def _try_acquire(cache: ExpertCache, key: ExpertKey, streaming: bool, has_pending: bool) -> Slot | None:

@@ -16,7 +16,7 @@ from engine.generation_config import GenerationConfig, SamplingConfig
 def assert_matches_reference(model, reference, prompt: list[int], new_tokens: int = 32) -> list[int]:
     """`model` (an OffloadedModel) against `reference` (a transformers causal LM, eval, fp32);
     `new_tokens=0` compares the logits alone. Returns the greedy tokens both gave."""
-    ids = torch.tensor(prompt)
+    ids = torch.tensor(prompt, device=reference.device)  # a reference on CUDA compares on CUDA
     with torch.no_grad():
         expected = reference(ids[None]).logits[0]
     got = model.forward(ids, model.new_kv_cache(), logits_to_keep=0)

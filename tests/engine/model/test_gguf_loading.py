@@ -54,6 +54,24 @@ def test_logits_and_greedy_tokens_equal_transformers_gguf_loading(tiny_gguf):
         model.close()
 
 
+def test_experts_computed_in_groups_equal_transformers_gguf_loading(tiny_gguf, monkeypatch):
+    """The grouped path (CUDA's default; forced here) dequantizes a group's blocks at once: the same
+    logits and greedy tokens. On the CPU Q4_K and Q6_K fields are repacked for its kernels (one
+    expert at a time), so those files are checked on CUDA (tests/engine/offload/test_gpu.py)."""
+    import engine.offload.moe_layer as moe_layer
+
+    groups = []
+    real = moe_layer.accumulate_together
+    monkeypatch.setattr(moe_layer, "accumulate_together", lambda *a: groups.append(a[2]) or real(*a))
+    model = load_model(tiny_gguf, offload("12"))  # each layer keeps 5: decode steps do not stream
+    try:
+        model.control.grouped = True
+        assert_matches_reference(model, reference(tiny_gguf), PROMPT)
+        assert bool(groups) == moe_layer.groupable(model.store.layout_of(0))
+    finally:
+        model.close()
+
+
 def test_the_experts_stay_in_the_files_blocks(tiny_gguf):
     model = load_model(tiny_gguf, offload())
     try:

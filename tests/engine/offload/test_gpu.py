@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QT
 from transformers import AutoModelForCausalLM
 
 from engine.config import ExpertBudget, OffloadConfig
@@ -18,16 +19,20 @@ from engine.errors import DeviceOutOfMemoryError
 from engine.generation import GenerationConfig, generate_text
 from engine.loader import load_model
 from engine.model.tiny import build_tiny_model, save_tiny_model
+from engine.model.tiny_gguf import gguf_config, write_tiny_gguf
 from engine.offload.eviction import LRUPolicy
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertLayout, ExpertStore
+from engine.offload.grouped import groupable
 from engine.offload.transfer import CudaTransfer, make_transfer
 from engine.sampling import SamplingConfig
+from tests.engine.exactness import assert_matches_reference
 
 pytestmark = pytest.mark.gpu
 
 SLEEP_CYCLES = 1_000_000_000  # GPU clock cycles: about 0.5 s at 2 GHz
 MATRIX = 1024  # a [MATRIX, MATRIX] fp32 matrix is 4 MiB
+PROMPT = [3, 17, 42, 99, 7, 250, 11, 64]
 
 
 @pytest.fixture
@@ -264,3 +269,50 @@ def test_a_store_too_big_to_pin_is_staged_and_outputs_do_not_change(tmp_path, cu
         assert staged.cache.stats.total().misses > 4, "the cache must actually evict (and stage)"
     finally:
         staged.close()
+
+
+# -- experts computed in groups (CUDA's default for few-token steps) -----------------------------
+
+
+def _counting_groups(monkeypatch) -> list[int]:
+    import engine.offload.moe_layer as moe_layer
+
+    groups: list[int] = []
+    real = moe_layer.accumulate_together
+    monkeypatch.setattr(moe_layer, "accumulate_together", lambda *a: groups.append(len(a[2])) or real(*a))
+    return groups
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_experts_in_groups_on_cuda_match_transformers(tmp_path, cuda, model_type, monkeypatch) -> None:
+    """12 of the 16 experts cached: decode steps do not stream, so they compute in groups."""
+    groups = _counting_groups(monkeypatch)
+    folder = save_tiny_model(build_tiny_model(model_type, seed=1), tmp_path / model_type)
+    reference = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    )
+    config = OffloadConfig(device="cuda", dtype="float32", expert_budget=ExpertBudget(experts=12))
+    model = load_model(folder, config)
+    try:
+        assert_matches_reference(model, reference.to(cuda).eval(), PROMPT)
+        assert groups and model.cache.stats.total().misses > 0
+    finally:
+        model.close()
+
+
+def test_a_q4_k_m_gguf_on_cuda_computes_in_groups_exactly(tmp_path, cuda, monkeypatch) -> None:
+    """Q4_K gate/up and Q6_K down (llama.cpp's Q4_K_M) stay in their blocks on the device; a group's
+    blocks are dequantized together: transformers' own GGUF loading's logits and greedy tokens."""
+    groups = _counting_groups(monkeypatch)
+    path = write_tiny_gguf(tmp_path, expert_type=QT.Q4_K, down_type=QT.Q6_K, other_type=QT.Q8_0)
+    reference = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, config=gguf_config(path), dtype=torch.float32
+    )
+    config = OffloadConfig(device="cuda", dtype="float32", expert_budget=ExpertBudget(experts=12))
+    model = load_model(path, config)
+    try:
+        assert groupable(model.store.layout_of(0))  # no CPU repacking on CUDA
+        assert_matches_reference(model, reference.to(cuda).eval(), PROMPT)
+        assert groups
+    finally:
+        model.close()

@@ -4,12 +4,15 @@ Each tiny model is built and saved in the test; the engine loads it with a
 cache holding a quarter of the routed experts on the simulated link.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from engine.config import ExpertBudget, OffloadConfig
 from engine.generation import GenerationConfig, generate_text
+from engine.generation_config import SpecConfig
 from engine.loader import load_model
 from engine.model.tiny import TINY_ARCHITECTURES, build_tiny_model, save_tiny_model
 from engine.sampling import SamplingConfig
@@ -116,5 +119,41 @@ def test_auto_dtype_keeps_checkpoint_precision_when_asked(tmp_path):
         assert model.store.layout.fields[0].dtype == torch.bfloat16
         finished = generate_text(model, [1, 2, 3], GenerationConfig(max_new_tokens=4, ignore_eos=True))
         assert len(finished.token_ids) == 4
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
+def test_experts_computed_in_groups_match_transformers(saved_models, model_type, monkeypatch):
+    """The grouped path (CUDA's default, forced here on the CPU): the same logits and greedy tokens,
+    with plain decoding and with self-speculation's draft and verify steps, over a cache that
+    evicts — and the groups were really taken. 12 of the 16 experts: each layer keeps 5, so a
+    decode step's experts do not stream (a quarter cache streams every step)."""
+    import engine.offload.moe_layer as moe_layer
+
+    groups = []
+    real = moe_layer.accumulate_together
+    monkeypatch.setattr(moe_layer, "accumulate_together", lambda *a: groups.append(len(a[2])) or real(*a))
+    reference, folders = saved_models[model_type]
+    config = replace(quarter_cache("lru"), expert_budget=ExpertBudget(experts=12))
+    model = load_model(folders["per_expert"], config)
+    try:
+        model.control.grouped = True
+        ids = prompt_ids(reference.config.vocab_size)
+        with torch.no_grad():
+            expected_ids = reference.generate(
+                ids[None], max_new_tokens=32, do_sample=False, min_new_tokens=32, eos_token_id=None
+            )[0, len(ids) :]
+            expected = reference(torch.cat([ids, expected_ids[:3]])[None]).logits[0, len(ids) :]
+        cache = model.new_kv_cache()
+        model.forward(ids, cache, logits_to_keep=1)  # the prefill: experts one at a time
+        logits = torch.cat([model.forward(expected_ids[i : i + 1], cache) for i in range(3)])
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)  # decode steps, grouped
+        assert groups, "decode steps must compute their experts in groups"
+
+        for spec in (SpecConfig(), SpecConfig(mode="self", adapt_draft_len=False)):
+            finished = generate_text(model, ids.tolist(), replace(GREEDY_32, spec=spec))
+            assert list(finished.token_ids) == expected_ids.tolist(), spec.mode
+        assert model.cache.stats.total().misses > 4, "the cache must actually evict"
     finally:
         model.close()
