@@ -57,7 +57,7 @@ from engine.offload.moe_layer import (
 from engine.offload.mxfp4_store import build_mxfp4_store, is_mxfp4
 from engine.offload.prequantized import first_experts, refuse_requantization
 from engine.offload.quant import QuantSpec
-from engine.offload.staging import pinned_if_small
+from engine.offload.staging import pinned_for_copies
 from engine.offload.store_cache import StoreKey, load_or_build
 from engine.offload.transfer import make_transfer
 from engine.resident_weights import load_resident
@@ -130,12 +130,13 @@ def load_model(
 def _expert_store(folder, checkpoint, hf_model, arch, blocks, dtype, device, config, progress):
     """The host store of the routed experts, and the safetensors disk layout (None for GGUF).
 
-    Built in pageable memory; on CUDA a small store is then pinned whole, a big one stays pageable
-    and its copies are staged (engine.offload.staging)."""
+    Built in pageable memory; on CUDA a small store is then pinned whole, a bigger one pinned in place
+    or, past half the RAM or when the OS refuses, left pageable with its copies staged
+    (engine.offload.staging)."""
     store, disk_layout = _build_store(
         folder, checkpoint, hf_model, arch, blocks, dtype, config, progress, device.type == "cpu"
     )
-    return (pinned_if_small(store) if device.type == "cuda" else store), disk_layout
+    return (pinned_for_copies(store) if device.type == "cuda" else store), disk_layout
 
 
 def _build_store(folder, checkpoint, hf_model, arch, blocks, dtype, config, progress, on_cpu: bool):

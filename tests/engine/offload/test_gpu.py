@@ -245,9 +245,12 @@ def test_offloaded_model_on_cuda_matches_transformers(tmp_path, cuda, model_type
         model.close()
 
 
-def test_a_store_too_big_to_pin_is_staged_and_outputs_do_not_change(tmp_path, cuda, monkeypatch) -> None:
-    """Past PIN_WHOLE_LIMIT the store stays pageable: copies pass through the pinned staging ring
-    (a few experts wide), and the logits are the pinned path's."""
+def test_a_store_too_big_to_pin_whole_is_pinned_in_place_or_staged_and_outputs_do_not_change(
+    tmp_path, cuda, monkeypatch
+) -> None:
+    """Past PIN_WHOLE_LIMIT the store is pinned where it lies (cudaHostRegister: the same buffers,
+    no staging); past REGISTER_RAM_SHARE too it stays pageable and copies pass through the pinned
+    staging ring (a few experts wide). The logits are the pinned-whole path's, bit for bit."""
     import engine.offload.staging as staging
 
     folder = save_tiny_model(build_tiny_model("qwen3_moe", seed=1), tmp_path / "qwen3_moe")
@@ -260,6 +263,15 @@ def test_a_store_too_big_to_pin_is_staged_and_outputs_do_not_change(tmp_path, cu
     finally:
         pinned.close()
     monkeypatch.setattr(staging, "PIN_WHOLE_LIMIT", 0)
+    in_place = load_model(folder, config)
+    try:
+        assert in_place.store.pinned, "registered memory reads as pinned"
+        assert in_place.transfer.staging is None
+        logits = in_place.forward(ids, in_place.new_kv_cache(), logits_to_keep=0)
+        torch.testing.assert_close(logits, expected, atol=0, rtol=0)
+    finally:
+        in_place.close()
+    monkeypatch.setattr(staging, "REGISTER_RAM_SHARE", 0.0)
     staged = load_model(folder, config)
     try:
         assert not staged.store.pinned
@@ -269,6 +281,24 @@ def test_a_store_too_big_to_pin_is_staged_and_outputs_do_not_change(tmp_path, cu
         assert staged.cache.stats.total().misses > 4, "the cache must actually evict (and stage)"
     finally:
         staged.close()
+
+
+def test_registered_buffers_are_unpinned_when_freed(cuda) -> None:
+    from engine.offload.staging import register_in_place
+
+    buffers = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(3)]
+    assert register_in_place(buffers)
+    assert all(buf.is_pinned() for buf in buffers)
+    target = torch.empty(1 << 20, dtype=torch.uint8, device=cuda)
+    target.copy_(buffers[1], non_blocking=True)
+    torch.cuda.synchronize()
+    assert int(target.sum()) == 1 << 20
+    survivor = buffers[0]
+    del buffers
+    import gc
+
+    gc.collect()
+    assert survivor.is_pinned()  # its own registration stays while it lives
 
 
 # -- experts computed in groups (CUDA's default for few-token steps) -----------------------------

@@ -6,12 +6,13 @@ stream's do (engine.offload.transfer's `_CudaCopy`); test_gpu.py runs the real t
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
 import torch
 
-from engine.offload.staging import StagingRing, pinned_if_small
+from engine.offload.staging import REGISTER_RAM_SHARE, StagingRing, pinned_for_copies, register_in_place
 from tests.engine.cache_helpers import make_store
 
 
@@ -76,10 +77,62 @@ def test_copies_from_two_threads_never_share_a_buffer_in_flight():
         assert torch.equal(src, dst)
 
 
-def test_a_store_is_pinned_whole_only_under_the_limit():
+class FakeCudart:
+    """cudaHostRegister / cudaHostUnregister as the driver answers them, refusing the `refuse`-th
+    registration (counting from 1); what is registered is kept by address."""
+
+    def __init__(self, refuse: int | None = None):
+        self.refuse, self.calls = refuse, 0
+        self.registered: dict[int, int] = {}
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+        self.calls += 1
+        if self.calls == self.refuse:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered[address] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:
+        del self.registered[address]
+        return 0
+
+
+def test_a_store_is_pinned_whole_only_under_the_limit(monkeypatch):
     store = make_store()
-    assert pinned_if_small(store, limit=store.nbytes - 1) is store  # too big: stays pageable
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(refuse=1))  # nor in place
+    assert pinned_for_copies(store, limit=store.nbytes - 1) is store  # too big: stays pageable
     if not torch.cuda.is_available():
         return  # pinning needs CUDA; the GPU tests run the rest
-    pinned = pinned_if_small(store, limit=store.nbytes)
+    pinned = pinned_for_copies(store, limit=store.nbytes)
     assert pinned.pinned and torch.equal(pinned.buffer(0, 1), store.buffer(0, 1))
+
+
+def test_a_bigger_store_is_pinned_in_place_while_it_leaves_the_rest_of_the_ram(monkeypatch):
+    store = make_store()
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    ram = int(store.nbytes / REGISTER_RAM_SHARE)
+    assert pinned_for_copies(store, limit=0, ram_bytes=ram) is store  # the same buffers, no copy
+    buffers = [store.layer_buffer(layer) for layer in store.layer_indices]
+    assert cudart.registered == {buf.data_ptr(): buf.nbytes for buf in buffers}
+    del store, buffers
+    gc.collect()
+    assert cudart.registered == {}, "a freed buffer is unpinned"
+
+
+def test_a_store_over_the_ram_share_is_left_pageable(monkeypatch):
+    store = make_store()
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    assert pinned_for_copies(store, limit=0, ram_bytes=int(store.nbytes / REGISTER_RAM_SHARE) - 1) is store
+    assert cudart.calls == 0
+
+
+def test_a_refused_registration_leaves_nothing_pinned(monkeypatch):
+    store = make_store()
+    cudart = FakeCudart(refuse=2)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    buffers = [store.layer_buffer(layer) for layer in store.layer_indices]
+    assert len(buffers) > 2
+    assert not register_in_place(buffers)
+    assert cudart.calls == 2 and cudart.registered == {}
