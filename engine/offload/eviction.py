@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from engine.config import CACHE_POLICIES
 
@@ -41,6 +41,7 @@ class EvictionPolicy(ABC):
     name: str
     uses_scores = False  # True when observe_scores matters (the cache then feeds it routing scores)
     layer_share = False  # the cache offers victims of layers over their kept share first, and streams
+    recency_ordered = False  # the victim is the oldest candidate: the cache may walk `oldest_first`
 
     def __init__(self) -> None:
         self._clock = 0
@@ -48,7 +49,12 @@ class EvictionPolicy(ABC):
 
     def _touch(self, key: ExpertKey) -> None:
         self._clock += 1
+        self._last_access.pop(key, None)  # re-inserted last: the dict stays oldest first
         self._last_access[key] = self._clock
+
+    def oldest_first(self) -> Iterator[ExpertKey]:
+        """The tracked keys, least recently accessed first (do not change the policy meanwhile)."""
+        return iter(self._last_access)
 
     def _recency(self, key: ExpertKey) -> int:
         # Unknown keys count as the oldest, so stale bookkeeping never protects a slot.
@@ -90,6 +96,7 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
     layer_share = True
+    recency_ordered = True
 
     def _rank(self, key: ExpertKey) -> tuple[float, ...]:
         return (self._recency(key),)

@@ -66,6 +66,7 @@ class ExpertCache:
         self._build_pool(n_slots)
         self._table: dict[ExpertKey, Slot] = {}
         self._kept: dict[int, int] = defaultdict(int)  # layer -> resident experts not transient
+        self._transient: set[ExpertKey] = set()  # resident experts loaded as transient
         self.stats = CacheStats()
         self.phase = "decode"
         self.lock = threading.RLock()
@@ -92,9 +93,7 @@ class ExpertCache:
         than that (a verify over 7.5 tokens of a 16-expert, top-2 layer needs ~10) would evict the
         experts of the layers coming next, whose turn is nearer; each layer keeping its share is
         what Mixtral-offloading's per-layer LRU groups do."""
-        layers = self.store.layer_indices
-        share, extra = divmod(max(self.n_slots - STREAM_DEPTH, 0), max(len(layers), 1))
-        return share if layer is None else share + (layers.index(layer) < extra)
+        return self._least_share if layer is None else self._shares[layer]
 
     def streams(self, layer_experts: int, layer: int | None = None) -> bool:
         """Whether a step needing `layer_experts` of `layer`'s experts streams its misses: it needs
@@ -140,6 +139,7 @@ class ExpertCache:
                 # kept only if the layer has room (it was brought in for this step alone).
                 if slot.transient and (slot.prefetch_phase is None or self._keeps(key[0])):
                     slot.transient = False
+                    self._transient.discard(key)
                     self._kept[key[0]] += 1
                 counters.hits += 1
                 if slot.prefetch_phase is not None:
@@ -284,7 +284,9 @@ class ExpertCache:
         slot.views = self.store.layout_of(layer).views(row)
         slot.state = SlotState.LOADING
         slot.key, slot.transient = key, transient
-        if not transient:
+        if transient:
+            self._transient.add(key)
+        else:
             self._kept[key[0]] += 1
         self._table[key] = slot
         self.policy.on_insert(key)
@@ -302,18 +304,56 @@ class ExpertCache:
         self.policy.on_insert(key)
         return slot
 
+    @staticmethod
+    def _can_evict(slot: Slot) -> bool:
+        return slot.pins == 0 and (slot.state is SlotState.READY or slot.copy.done())
+
     def _evictable(self) -> dict[ExpertKey, Slot]:
-        return {
-            slot.key: slot
-            for slot in self._table.values()
-            if slot.pins == 0 and (slot.state is SlotState.READY or slot.copy.done())
-        }
+        return {slot.key: slot for slot in self._table.values() if self._can_evict(slot)}
 
     def _evict(self) -> Slot:
+        if self.policy.recency_ordered:
+            victim = self._table[self._oldest_preferred()]
+            self._unmap(victim)
+            return victim
         candidates = self._evictable()
         if not candidates:
             raise NoEvictableSlot
         return self._evict_one_of(self._preferred_victims(candidates))
+
+    def _oldest_preferred(self) -> ExpertKey:
+        """What `_preferred_victims` and the policy choose, for a policy whose victim is the oldest
+        candidate (LRU), without building the candidate sets at every eviction: the transient slots
+        are few and kept apart, and walking the policy's keys oldest first, the first that qualifies
+        is the choice. With thousands of slots (an 8 GiB cache of Q4_K experts holds ~2800) the sets
+        cost milliseconds an eviction; the walk stops after a few dozen keys."""
+        transient = [k for k in self._transient if self._can_evict(self._table[k])]
+        unprefetched = [k for k in transient if self._table[k].prefetch_phase is None]
+        if unprefetched:
+            return self.policy.victim(unprefetched)
+        crowded = set()
+        if self.policy.layer_share:
+            crowded = {layer for layer, kept in self._kept.items() if kept > self._shares.get(layer, 0)}
+        first_unprefetched = first = first_crowded = None
+        for key in self.policy.oldest_first():
+            slot = self._table.get(key)
+            if slot is None or not self._can_evict(slot):
+                continue
+            first = first or key
+            if key[0] in crowded:
+                first_crowded = first_crowded or key
+            if slot.prefetch_phase is None:
+                if not crowded or key[0] in crowded:
+                    return key
+                first_unprefetched = first_unprefetched or key
+        if first_unprefetched is not None:
+            return first_unprefetched
+        # every evictable slot holds a prefetch still waiting for its use: choose among them all
+        if transient:
+            return self.policy.victim(transient)
+        if first_crowded is not None or first is not None:
+            return first_crowded or first
+        raise NoEvictableSlot
 
     def _evict_one_of(self, candidates: dict[ExpertKey, Slot]) -> Slot:
         victim = candidates[self.policy.victim(candidates)]
@@ -324,7 +364,11 @@ class ExpertCache:
         """A free slot, or an evictable transient one not holding a prefetch waiting for its use."""
         if self._free:
             return self._free.pop()
-        transient = {k: s for k, s in self._evictable().items() if s.transient and s.prefetch_phase is None}
+        transient = {
+            k: self._table[k]
+            for k in self._transient
+            if self._can_evict(self._table[k]) and self._table[k].prefetch_phase is None
+        }
         if not transient:
             raise NoEvictableSlot
         return self._evict_one_of(transient)
@@ -350,6 +394,7 @@ class ExpertCache:
     def _unmap(self, slot: Slot) -> None:
         self._drop_prefetch(slot)
         del self._table[slot.key]
+        self._transient.discard(slot.key)
         if not slot.transient:
             self._kept[slot.key[0]] -= 1
         self.policy.on_remove(slot.key)
@@ -376,6 +421,7 @@ class ExpertCache:
                 )
             self._table.clear()
             self._kept.clear()
+            self._transient.clear()
             self._free = list(reversed(self.slots))
 
     def resize(self, n_slots: int) -> None:
@@ -389,5 +435,9 @@ class ExpertCache:
     def _build_pool(self, n_slots: int) -> None:
         self.pool = None if self.in_place else allocate_pool(n_slots, self.expert_nbytes, self.device)
         self.n_slots = n_slots
+        layers = self.store.layer_indices
+        share, extra = divmod(max(n_slots - STREAM_DEPTH, 0), max(len(layers), 1))
+        self._shares = {layer: share + (i < extra) for i, layer in enumerate(layers)}
+        self._least_share = share
         self.slots = [Slot(i, {}) for i in range(n_slots)]  # a slot's views come with its expert
         self._free = list(reversed(self.slots))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -95,3 +96,47 @@ def test_random_use_never_breaks_the_invariants(store, transfer_kind, policy_cls
     stats = cache.stats.total()
     assert stats.bytes_copied == stats.copies * store.layout.nbytes
     assert stats.misses > 50 and stats.hits > 50 and refused > 0  # the run did exercise the cache
+
+
+class CandidateSetLRU(LRUPolicy):
+    """LRU chosen the general way: every candidate set built, the least recent taken."""
+
+    recency_ordered = False
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lru_walking_oldest_first_evicts_what_the_candidate_sets_choose(store, seed) -> None:
+    """The same random uses (streamed and kept misses, spare-only prefetches, expired prefetches,
+    copies landing late) on two caches: LRU's walk and the candidate sets give the same table."""
+    rng = random.Random(seed)
+    transfers = [ManualTransfer(), ManualTransfer()]
+    caches = [
+        make_cache(store, transfers[0], n_slots=7),
+        make_cache(store, transfers[1], 7, CandidateSetLRU()),
+    ]
+    held: list[list[Slot]] = [[], []]
+    for _ in range(3000):
+        action, key, streaming = (
+            rng.random(),
+            (rng.randrange(NUM_LAYERS), rng.randrange(NUM_EXPERTS)),
+            rng.random() < 0.3,
+        )
+        pick = rng.random()
+        for cache, transfer, mine in zip(caches, transfers, held, strict=True):
+            if action < 0.4:
+                with contextlib.suppress(NoEvictableSlot):
+                    mine.append(cache.acquire(key, streaming))
+            elif action < 0.7 and mine:
+                slot = mine.pop(int(pick * len(mine)))
+                cache.wait(slot)
+                cache.release(slot)
+            elif action < 0.85:
+                cache.prefetch(key, spare_only=streaming)
+            elif action < 0.9:
+                cache.expire_prefetches(key[0], {key[1]})
+            elif transfer.in_flight():
+                transfer.in_flight()[int(pick * len(transfer.in_flight()))].land()
+        tables = [{k: (s.index, s.transient, s.prefetch_phase) for k, s in c._table.items()} for c in caches]
+        assert tables[0] == tables[1]
+        assert caches[0]._transient == {k for k, s in caches[0]._table.items() if s.transient}
+    assert caches[0].stats.total().misses > 300
