@@ -12,7 +12,7 @@ rule decides three things: a step that needs more of a layer's experts than its 
 verify over several tokens, a prefill) *streams* (`streams`); a streamed miss beyond the
 share loads as *transient*, evicted before anything else, so the experts every layer keeps
 survive the step (`acquire`); and the LRU victim comes from a layer keeping more than its
-share (`_preferred_victims`). A prefetch may be limited to spare slots (`spare_only`: free
+share (`engine.offload.victims`). A prefetch may be limited to spare slots (`spare_only`: free
 or transient ones); it then loads as transient too, and `expire_prefetches` releases those
 its layer turned out not to need.
 
@@ -41,6 +41,7 @@ from engine.offload.eviction import EvictionPolicy, ExpertKey
 from engine.offload.expert_store import ExpertStore
 from engine.offload.slots import NoEvictableSlot, Slot, SlotState, allocate_pool
 from engine.offload.transfer import TransferEngine
+from engine.offload.victims import can_evict, oldest_preferred, preferred_victims
 
 log = logging.getLogger(__name__)
 
@@ -304,56 +305,24 @@ class ExpertCache:
         self.policy.on_insert(key)
         return slot
 
-    @staticmethod
-    def _can_evict(slot: Slot) -> bool:
-        return slot.pins == 0 and (slot.state is SlotState.READY or slot.copy.done())
-
     def _evictable(self) -> dict[ExpertKey, Slot]:
-        return {slot.key: slot for slot in self._table.values() if self._can_evict(slot)}
+        return {slot.key: slot for slot in self._table.values() if can_evict(slot)}
 
     def _evict(self) -> Slot:
         if self.policy.recency_ordered:
-            victim = self._table[self._oldest_preferred()]
+            key = oldest_preferred(self._table, self._transient, self._crowded(), self.policy)
+            victim = self._table[key]
             self._unmap(victim)
             return victim
         candidates = self._evictable()
         if not candidates:
             raise NoEvictableSlot
-        return self._evict_one_of(self._preferred_victims(candidates))
+        crowded = self._crowded() if self.policy.layer_share else None
+        return self._evict_one_of(preferred_victims(candidates, crowded))
 
-    def _oldest_preferred(self) -> ExpertKey:
-        """What `_preferred_victims` and the policy choose, for a policy whose victim is the oldest
-        candidate (LRU), without building the candidate sets at every eviction: the transient slots
-        are few and kept apart, and walking the policy's keys oldest first, the first that qualifies
-        is the choice. With thousands of slots (an 8 GiB cache of Q4_K experts holds ~2800) the sets
-        cost milliseconds an eviction; the walk stops after a few dozen keys."""
-        transient = [k for k in self._transient if self._can_evict(self._table[k])]
-        unprefetched = [k for k in transient if self._table[k].prefetch_phase is None]
-        if unprefetched:
-            return self.policy.victim(unprefetched)
-        crowded = set()
-        if self.policy.layer_share:
-            crowded = {layer for layer, kept in self._kept.items() if kept > self._shares.get(layer, 0)}
-        first_unprefetched = first = first_crowded = None
-        for key in self.policy.oldest_first():
-            slot = self._table.get(key)
-            if slot is None or not self._can_evict(slot):
-                continue
-            first = first or key
-            if key[0] in crowded:
-                first_crowded = first_crowded or key
-            if slot.prefetch_phase is None:
-                if not crowded or key[0] in crowded:
-                    return key
-                first_unprefetched = first_unprefetched or key
-        if first_unprefetched is not None:
-            return first_unprefetched
-        # every evictable slot holds a prefetch still waiting for its use: choose among them all
-        if transient:
-            return self.policy.victim(transient)
-        if first_crowded is not None or first is not None:
-            return first_crowded or first
-        raise NoEvictableSlot
+    def _crowded(self) -> set[int]:
+        """The layers keeping more experts than their share (`kept_share`)."""
+        return {layer for layer, kept in self._kept.items() if kept > self._shares.get(layer, 0)}
 
     def _evict_one_of(self, candidates: dict[ExpertKey, Slot]) -> Slot:
         victim = candidates[self.policy.victim(candidates)]
@@ -367,24 +336,11 @@ class ExpertCache:
         transient = {
             k: self._table[k]
             for k in self._transient
-            if self._can_evict(self._table[k]) and self._table[k].prefetch_phase is None
+            if can_evict(self._table[k]) and self._table[k].prefetch_phase is None
         }
         if not transient:
             raise NoEvictableSlot
         return self._evict_one_of(transient)
-
-    def _preferred_victims(self, candidates: dict[ExpertKey, Slot]) -> dict[ExpertKey, Slot]:
-        """Narrow the policy's choice: never a prefetched expert still waiting for its use while
-        something else can go; transient (streamed) slots before any other; and (LRU) experts of
-        layers keeping more than their share (`kept_share`)."""
-        unprefetched = {k: s for k, s in candidates.items() if s.prefetch_phase is None} or candidates
-        transient = {k: s for k, s in unprefetched.items() if s.transient}
-        if transient:
-            return transient
-        if not self.policy.layer_share:
-            return unprefetched
-        crowded = {k: s for k, s in unprefetched.items() if self._kept[k[0]] > self.kept_share(k[0])}
-        return crowded or unprefetched
 
     def _drop_prefetch(self, slot: Slot) -> None:
         if slot.prefetch_phase is not None:

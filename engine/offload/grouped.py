@@ -25,6 +25,7 @@ import torch
 
 from engine.offload.expert_store import ExpertLayout
 from engine.offload.ggml_quants import dequantize
+from engine.offload.pipeline import ready_together
 
 GROUP_EXPERTS = 16  # experts computed together at most: bounds the dequantized weights' memory
 GROUP_TOKENS = 16  # a step whose busiest expert serves more tokens computes one expert at a time
@@ -34,6 +35,33 @@ def groupable(layout: ExpertLayout) -> bool:
     """Whether every field of `layout` is a native tensor or ggml blocks as the file has them."""
     native_or_blocks = (f.block is None and f.int4 is None and f.packing is None for f in layout.fields)
     return layout.quant is None and all(native_or_blocks)
+
+
+def in_groups(module, step, experts: Sequence[int], streaming: bool) -> bool:
+    """Whether `module` (an `OffloadedExperts`) computes `step`'s device `experts` in groups: asked
+    for (`ExpertControl.grouped`; None: on CUDA), a step that does not stream, whose busiest expert
+    serves at most `GROUP_TOKENS` tokens, on a layout of native or ggml fields."""
+    cache, grouped = module.cache, module.control.grouped
+    if grouped is None:
+        grouped = cache.device.type == "cuda"
+    return (
+        grouped
+        and bool(experts)
+        and not streaming
+        and cache.pool is not None
+        and groupable(cache.store.layout_of(module.layer))
+        and max(len(step.routes[e]) for e in experts) <= GROUP_TOKENS
+    )
+
+
+def accumulate_in_groups(module, step, experts: Sequence[int]) -> None:
+    """`experts` brought in and computed a group at a time (`pipeline.ready_together`)."""
+    cache = module.cache
+    layout = cache.store.layout_of(module.layer)
+    for slots in ready_together(cache, module.layer, list(experts), GROUP_EXPERTS):
+        rows = [slot.index for slot in slots]
+        weights = gathered_weights(cache.pool, rows, layout, step.hidden.dtype)
+        accumulate_together(module, step, [slot.key[1] for slot in slots], weights)
 
 
 def gathered_weights(

@@ -47,14 +47,8 @@ from engine.offload import ggml_kernels, quant
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertStore
 from engine.offload.ggml_repack import GGML
-from engine.offload.grouped import (
-    GROUP_EXPERTS,
-    GROUP_TOKENS,
-    accumulate_together,
-    gathered_weights,
-    groupable,
-)
-from engine.offload.pipeline import ready_experts, ready_together
+from engine.offload.grouped import accumulate_in_groups, in_groups
+from engine.offload.pipeline import ready_experts
 
 LayerObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, hidden [T, H], top-k [T, K])
 
@@ -188,12 +182,8 @@ class OffloadedExperts(nn.Module):
         plan = self._plan(step, drafting=draft is not None)
         for expert in plan.on_cpu:
             self._compute_on_cpu(step.routes[expert], expert, step)
-        if self._together(plan, step):
-            layout = self.cache.store.layout_of(self.layer)
-            for slots in ready_together(self.cache, self.layer, plan.on_device, GROUP_EXPERTS):
-                rows = [slot.index for slot in slots]
-                weights = gathered_weights(self.cache.pool, rows, layout, step.hidden.dtype)
-                accumulate_together(self, step, [s.key[1] for s in slots], weights)
+        if in_groups(self, step, plan.on_device, plan.streaming):
+            accumulate_in_groups(self, step, plan.on_device)
             return step.out
         experts = ready_experts(
             self.cache, self.layer, plan.on_device, streaming=plan.streaming, lookahead=plan.lookahead
@@ -238,22 +228,6 @@ class OffloadedExperts(nn.Module):
             self.cache.expire_prefetches(self.layer, routes)
         lookahead = (lambda: self._ahead(step.hidden)) if target_streams else None
         return _Plan(on_cpu, order, streaming, lookahead)
-
-    def _together(self, plan: _Plan, step: _Step) -> bool:
-        """Whether the step's device experts compute in groups: asked for (by default on CUDA), a
-        step that does not stream, whose busiest expert serves at most `GROUP_TOKENS` tokens, on a
-        layout of native or ggml fields."""
-        grouped = self.control.grouped
-        if grouped is None:
-            grouped = self.cache.device.type == "cuda"
-        return (
-            grouped
-            and bool(plan.on_device)
-            and not plan.streaming
-            and self.cache.pool is not None
-            and groupable(self.cache.store.layout_of(self.layer))
-            and max(len(step.routes[e]) for e in plan.on_device) <= GROUP_TOKENS
-        )
 
     def _rank(self, expert: int) -> int:
         """Acquire order: streamed hits (a transient prefetch), other hits, misses."""

@@ -58,16 +58,16 @@ def test_experts_computed_in_groups_equal_transformers_gguf_loading(tiny_gguf, m
     """The grouped path (CUDA's default; forced here) dequantizes a group's blocks at once: the same
     logits and greedy tokens. On the CPU Q4_K and Q6_K fields are repacked for its kernels (one
     expert at a time), so those files are checked on CUDA (tests/engine/offload/test_gpu.py)."""
-    import engine.offload.moe_layer as moe_layer
+    import engine.offload.grouped as grouped
 
     groups = []
-    real = moe_layer.accumulate_together
-    monkeypatch.setattr(moe_layer, "accumulate_together", lambda *a: groups.append(a[2]) or real(*a))
+    real = grouped.accumulate_together
+    monkeypatch.setattr(grouped, "accumulate_together", lambda *a: groups.append(a[2]) or real(*a))
     model = load_model(tiny_gguf, offload("12"))  # each layer keeps 5: decode steps do not stream
     try:
         model.control.grouped = True
         assert_matches_reference(model, reference(tiny_gguf), PROMPT)
-        assert bool(groups) == moe_layer.groupable(model.store.layout_of(0))
+        assert bool(groups) == grouped.groupable(model.store.layout_of(0))
     finally:
         model.close()
 

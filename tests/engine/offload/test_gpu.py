@@ -305,11 +305,11 @@ def test_registered_buffers_are_unpinned_when_freed(cuda) -> None:
 
 
 def _counting_groups(monkeypatch) -> list[int]:
-    import engine.offload.moe_layer as moe_layer
+    import engine.offload.grouped as grouped
 
     groups: list[int] = []
-    real = moe_layer.accumulate_together
-    monkeypatch.setattr(moe_layer, "accumulate_together", lambda *a: groups.append(len(a[2])) or real(*a))
+    real = grouped.accumulate_together
+    monkeypatch.setattr(grouped, "accumulate_together", lambda *a: groups.append(len(a[2])) or real(*a))
     return groups
 
 

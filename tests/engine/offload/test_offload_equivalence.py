@@ -129,11 +129,11 @@ def test_experts_computed_in_groups_match_transformers(saved_models, model_type,
     with plain decoding and with self-speculation's draft and verify steps, over a cache that
     evicts — and the groups were really taken. 12 of the 16 experts: each layer keeps 5, so a
     decode step's experts do not stream (a quarter cache streams every step)."""
-    import engine.offload.moe_layer as moe_layer
+    import engine.offload.grouped as grouped
 
     groups = []
-    real = moe_layer.accumulate_together
-    monkeypatch.setattr(moe_layer, "accumulate_together", lambda *a: groups.append(len(a[2])) or real(*a))
+    real = grouped.accumulate_together
+    monkeypatch.setattr(grouped, "accumulate_together", lambda *a: groups.append(len(a[2])) or real(*a))
     reference, folders = saved_models[model_type]
     config = replace(quarter_cache("lru"), expert_budget=ExpertBudget(experts=12))
     model = load_model(folders["per_expert"], config)
