@@ -106,6 +106,9 @@ def runs(chat_model, raw_model, llama_folder, tmp_path_factory):
         "seeded again": seeded,
         "plain": generate_args(chat_model, "--greedy", "--max-new-tokens", MAX_NEW, *plain),
         "default": generate_args(chat_model, "--greedy", "--json", "--max-new-tokens", MAX_NEW),
+        "default over a link": generate_args(
+            chat_model, "--greedy", "--json", "--max-new-tokens", MAX_NEW, "--expert-budget", "4"
+        ),
         "raw": generate_args(raw_model, "--greedy", "--json", "--max-new-tokens", 2),
         "missing folder": generate_args(tmp_path_factory.mktemp("cli") / "nowhere"),
         "unsupported architecture": generate_args(llama_folder),
@@ -260,16 +263,23 @@ def test_speculative_options_give_the_same_text_and_report_speculation(runs, gre
         assert key in stats
 
 
-def test_with_no_options_it_speculates_and_prefetches(runs, greedy):
-    """The default (`auto`): a model without a draft model drafts with itself (self) and
-    prefetches with SP-MoE; the reply is the plain greedy one."""
-    run = result(runs, "default")
-    assert run.returncode == 0, run.stderr
-    reply = run.json()
+def test_with_no_options_it_speculates_and_prefetches_where_experts_cross_a_link(runs, greedy):
+    """The default (`auto`): a model without a draft model whose experts are copied into a cache
+    drafts with itself (self) and prefetches with SP-MoE; with every expert used in place on the CPU
+    (the default budget there) nothing would be saved, so it decodes plainly. The replies are the
+    plain greedy one."""
+    linked = result(runs, "default over a link")
+    assert linked.returncode == 0, linked.stderr
+    reply = linked.json()
     assert reply["token_ids"] == greedy["token_ids"]
     stats = reply["stats"]
     assert stats["spec"] == "self" and stats["prefetch"].startswith("spmoe")
     assert stats["accept_len"] >= 1
+    in_place = result(runs, "default")
+    assert in_place.returncode == 0, in_place.stderr
+    reply = in_place.json()
+    assert reply["token_ids"] == greedy["token_ids"]
+    assert reply["stats"]["spec"] == "none" and reply["stats"]["prefetch"] == "none"
 
 
 def test_out_of_range_cutoff_is_a_clear_error(runs):

@@ -34,6 +34,20 @@ def test_no_draft_model_falls_back_to_self_and_says_why(tmp_path, caplog):
     assert "no draft model for qwen: drafting with the model itself, 1 of its 8 experts" in caplog.text
 
 
+def test_experts_used_in_place_are_not_self_drafted_and_it_says_why(tmp_path, caplog):
+    """A CPU run with every expert where the store holds it: nothing crosses a link, so drafting with
+    the model itself only adds steps; its own draft model still drafts (the demo's pays)."""
+    in_place = SimpleNamespace(path=tmp_path / "qwen", top_k=8, cache=SimpleNamespace(in_place=True))
+    with caplog.at_level(logging.INFO, logger="engine.speculative.auto"):
+        chosen = resolve(in_place, AUTO, "auto", None)
+    assert (chosen.spec.mode, chosen.prefetch) == ("none", "none")
+    assert "every expert is used where it lies in memory" in caplog.text
+    demo = SimpleNamespace(path=demo_model_dir(), top_k=2, cache=SimpleNamespace(in_place=True))
+    assert resolve(demo, AUTO, "auto", None).spec.mode == "draft"
+    linked = SimpleNamespace(path=tmp_path / "qwen", top_k=8, cache=SimpleNamespace(in_place=False))
+    assert resolve(linked, AUTO, "auto", None).spec.mode == "self"
+
+
 def test_one_expert_per_token_cannot_self_draft_so_nothing_speculates(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="engine.speculative.auto"):
         chosen = resolve(model(tmp_path / "switch", top_k=1), AUTO, "auto", None)
