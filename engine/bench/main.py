@@ -42,13 +42,18 @@ log = logging.getLogger(__name__)
 def engine_pass(model, prompt_ids: list[list[int]], new_tokens: int) -> dict:
     """One pass of greedy, fixed-length generations over the prompt set."""
     from engine.generation import generate_text
+    from engine.offload.transfer import LinkMeter
 
     runs = []
-    for ids in prompt_ids:
-        # every prompt prefilled whole, as llama.cpp's timed runs are (reset()): a kept cache of an
-        # earlier pass would make prefill a prefix reuse (engine.model.prefix_cache)
-        model.prefix_cache.clear()
-        runs.append(generate_text(model, ids, greedy(new_tokens)).stats)
+    model.transfer.meter = meter = LinkMeter()
+    try:
+        for ids in prompt_ids:
+            # every prompt prefilled whole, as llama.cpp's timed runs are (reset()): a kept cache of
+            # an earlier pass would make prefill a prefix reuse (engine.model.prefix_cache)
+            model.prefix_cache.clear()
+            runs.append(generate_text(model, ids, greedy(new_tokens)).stats)
+    finally:
+        model.transfer.meter = None
     decode_tokens = sum(s.generated_tokens - 1 for s in runs)
     decode_s = sum(s.decode_ms for s in runs) / 1e3
     prefill_s = sum(s.prefill_ms for s in runs) / 1e3
@@ -60,6 +65,7 @@ def engine_pass(model, prompt_ids: list[list[int]], new_tokens: int) -> dict:
         "h2d_gbps": sum(s.h2d_bytes for s in runs) / (decode_s + prefill_s) / 1e9,
         "bytes_per_token": sum(s.decode.h2d_bytes for s in runs) / decode_tokens,
         "decode_tokens": decode_tokens,
+        "copy_hidden": meter.hidden,
     }
 
 
@@ -85,6 +91,7 @@ def engine_row(model, passes: list[dict], baseline_rss: int | None = None, token
         resident_bytes=model.info().resident_nbytes,
         kv_bytes=kv_cache_bytes(model, tokens),
         in_place=model.cache.in_place,
+        copy_hidden=median["copy_hidden"],
     )
 
 

@@ -27,6 +27,7 @@ class BenchRow:
     resident_bytes: int | None = None  # the model's weights besides the routed experts
     kv_bytes: int | None = None  # the KV cache of the longest sequence run
     in_place: bool = False  # CPU, no link simulated: the experts are used where the store holds them
+    copy_hidden: float | None = None  # share of the link's copy time compute did not wait for
 
 
 def format_table(rows: list[BenchRow]) -> str:
@@ -34,7 +35,8 @@ def format_table(rows: list[BenchRow]) -> str:
         return "-" if value is None else format(value, fmt)
 
     header = f"{'engine':<13}{'budget':<16}{'slots':>6}{'tpot_ms':>10}{'tok/s':>9}{'prefill/s':>11}"
-    header += f"{'hit_rate':>10}{'h2d_GB/s':>10}{'bytes/tok':>12}{'peak RSS':>11}{'pinned':>10}  link"
+    header += f"{'hit_rate':>10}{'h2d_GB/s':>10}{'bytes/tok':>12}{'hidden':>8}{'peak RSS':>11}{'pinned':>10}"
+    header += "  link"
     lines = [header]
     for r in rows:
         link = "simulated" if r.simulated_link else ("real" if r.engine == "moe-chat" else "none")
@@ -44,6 +46,7 @@ def format_table(rows: list[BenchRow]) -> str:
             f"{r.tokens_per_s:>9.1f}{num(r.prefill_tokens_per_s, '.0f'):>11}{num(r.hit_rate, '.1%'):>10}"
             f"{num(r.h2d_gbps, '.3f'):>10}"
             f"{(format_bytes(r.bytes_per_token) if r.bytes_per_token is not None else '-'):>12}"
+            f"{num(r.copy_hidden, '.0%'):>8}"
             f"{size(r.peak_rss_bytes):>11}{size(r.pinned_bytes):>10}  {link}"
         )
     return "\n".join(lines)

@@ -16,6 +16,8 @@ that contract:
   bandwidth and latency would have delivered it (copies are serialised, as on
   one PCIe link). `wait()` blocks the host until then. Everything measured
   over it is labelled simulated.
+
+A `LinkMeter` set on an engine (`meter`) sums its copy time and compute's waits for copies.
 """
 
 from __future__ import annotations
@@ -44,6 +46,50 @@ class CopyTimeout(RuntimeError):
     """A copy did not land within `COPY_TIMEOUT_S`."""
 
 
+class LinkMeter:
+    """The link's copy time and the time compute waited for copies, summed over a run: what share
+    of copying was hidden behind compute (`hidden`, the bench's column). On CUDA from timing events
+    on the copy stream (each copy) and on the compute stream around each wait (the time the GPU sat
+    waiting); on the simulated link from its modelled copy times and the host's waits. Summing
+    never blocks: a CUDA event not yet reached stays pending for a later `settle`."""
+
+    def __init__(self) -> None:
+        self.copy_s = 0.0
+        self.wait_s = 0.0
+        self._pending: list[tuple[str, object, object]] = []  # (copy | wait, start event, end event)
+        self._lock = threading.Lock()  # copies come from compute and from the prefetch worker
+
+    def add(self, copy_s: float = 0.0, wait_s: float = 0.0) -> None:
+        with self._lock:
+            self.copy_s += copy_s
+            self.wait_s += wait_s
+
+    def add_events(self, kind: str, start, end) -> None:
+        with self._lock:
+            self._pending.append((kind, start, end))
+
+    def settle(self) -> tuple[float, float]:
+        """Copy seconds and wait seconds so far (every completed CUDA event counted)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            for kind, start, end in pending:
+                if not end.query():
+                    self._pending.append((kind, start, end))
+                    continue
+                seconds = start.elapsed_time(end) / 1e3
+                if kind == "copy":
+                    self.copy_s += seconds
+                else:
+                    self.wait_s += seconds
+            return self.copy_s, self.wait_s
+
+    @property
+    def hidden(self) -> float | None:
+        """1 − waited / copying (None without copies)."""
+        copy_s, wait_s = self.settle()
+        return None if copy_s <= 0 else max(0.0, 1.0 - wait_s / copy_s)
+
+
 class CopyHandle(ABC):
     @abstractmethod
     def wait(self) -> None:
@@ -60,6 +106,7 @@ class CopyHandle(ABC):
 
 class TransferEngine(ABC):
     simulated: bool
+    meter: LinkMeter | None = None  # set for a measured run (the bench)
 
     @abstractmethod
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: object | None = None) -> CopyHandle:
@@ -77,13 +124,22 @@ class TransferEngine(ABC):
 
 
 class _CudaCopy(CopyHandle):
-    def __init__(self, event: torch.cuda.Event, device: torch.device):
+    def __init__(self, event: torch.cuda.Event, device: torch.device, meter: LinkMeter | None = None):
         self.event = event
         self.device = device
+        self.meter = meter
 
     def wait(self) -> None:
         # The slot's device, not the current one: compute on cuda:1 runs on cuda:1's current stream.
-        torch.cuda.current_stream(self.device).wait_event(self.event)
+        stream = torch.cuda.current_stream(self.device)
+        if self.meter is None:
+            stream.wait_event(self.event)
+            return
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(self.event)
+        after.record(stream)
+        self.meter.add_events("wait", before, after)
 
     def synchronize(self) -> None:
         self.event.synchronize()  # created with blocking=True: the thread sleeps until the event
@@ -110,13 +166,19 @@ class CudaTransfer(TransferEngine):
         return self._start(dst, src, after)
 
     def _start(self, dst, src, after) -> CopyHandle:
+        meter = self.meter
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
+            start = torch.cuda.Event(enable_timing=True) if meter is not None else None
+            if start is not None:
+                start.record(self.stream)
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event(blocking=True)
+            event = torch.cuda.Event(blocking=True, enable_timing=meter is not None)
             event.record(self.stream)
-        return _CudaCopy(event, self.device)
+        if meter is not None:
+            meter.add_events("copy", start, event)
+        return _CudaCopy(event, self.device, meter)
 
     def release_marker(self) -> object:
         event = torch.cuda.Event()
@@ -128,13 +190,17 @@ class CudaTransfer(TransferEngine):
 
 
 class _SimCopy(CopyHandle):
-    def __init__(self) -> None:
+    def __init__(self, meter: LinkMeter | None = None) -> None:
         self._landed = threading.Event()
         self.error: BaseException | None = None
+        self.meter = meter
 
     def wait(self) -> None:
+        start = time.perf_counter()
         if not self._landed.wait(COPY_TIMEOUT_S):
             raise CopyTimeout(f"A simulated copy did not land within {COPY_TIMEOUT_S:.0f} s.")
+        if self.meter is not None:
+            self.meter.add(wait_s=time.perf_counter() - start)
         if self.error is not None:
             raise self.error
 
@@ -166,7 +232,7 @@ class SimulatedLink(TransferEngine):
     def copy(self, dst, src, after=None) -> CopyHandle:
         if self._closed:
             raise RuntimeError("the simulated link is closed")
-        handle = _SimCopy()
+        handle = _SimCopy(self.meter)
         self._tasks.put((dst, src, handle, time.perf_counter()))
         return handle
 
@@ -183,13 +249,18 @@ class SimulatedLink(TransferEngine):
             dst, src, handle, issued_at = task
             try:
                 start = max(issued_at, self._link_free_at)
+                copied_from = time.perf_counter()
                 dst.copy_(src)
+                copy_s = time.perf_counter() - copied_from  # without a bandwidth: at memcpy speed
                 if self.gbps is not None:
                     landed_at = start + self.latency_s + src.numel() * src.element_size() / (self.gbps * 1e9)
+                    copy_s = landed_at - start
                     delay = landed_at - time.perf_counter()
                     if delay > 0:
                         time.sleep(delay)
                     self._link_free_at = landed_at
+                if handle.meter is not None:
+                    handle.meter.add(copy_s=copy_s)
             except BaseException as err:  # handed to the waiter, never lost in this thread
                 handle.error = err
             handle._landed.set()

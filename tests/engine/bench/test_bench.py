@@ -33,13 +33,15 @@ def test_budget_sweep_with_transformers_side_by_side(folder, tmp_path, capsys):
     assert small["simulated_link"] is True and full["simulated_link"] is True
     assert full["hit_rate"] == 1.0 and full["bytes_per_token"] == 0
     assert small["hit_rate"] < 1.0 and small["bytes_per_token"] > 0
+    assert 0.0 <= small["copy_hidden"] <= 1.0  # the share of copying compute did not wait for
     assert small["decode_tokens"] == 2 * 5
     assert result["compared_budget"] == "all experts"
     assert result["speed_vs_transformers"] == pytest.approx(
         side_by_side["tokens_per_s"] / reference["tokens_per_s"]
     )
     table = capsys.readouterr().out
-    assert "tpot_ms" in table and "simulated" in table and "of transformers' generate" in table
+    assert "tpot_ms" in table and "hidden" in table and "simulated" in table
+    assert "of transformers' generate" in table
 
 
 def test_bad_budget_is_an_error_not_a_crash(folder, capsys):

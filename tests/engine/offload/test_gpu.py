@@ -24,7 +24,7 @@ from engine.offload.eviction import LRUPolicy
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertLayout, ExpertStore
 from engine.offload.grouped import groupable
-from engine.offload.transfer import CudaTransfer, make_transfer
+from engine.offload.transfer import CudaTransfer, LinkMeter, make_transfer
 from engine.sampling import SamplingConfig
 from tests.engine.exactness import assert_matches_reference
 
@@ -186,6 +186,18 @@ def test_cache_reuses_a_slot_only_after_compute_released_it(cuda, transfer) -> N
     torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-4)
     assert torch.equal(cache.pool[second.index].cpu(), store.buffer(0, 1))
     cache.release(second)
+
+
+def test_a_meter_times_cuda_copies_and_the_compute_streams_waits(cuda) -> None:
+    transfer = CudaTransfer(cuda)
+    transfer.meter = meter = LinkMeter()
+    src = pinned_bytes(random_matrix(3))
+    dst = torch.empty_like(src, device=cuda)
+    transfer.copy(dst, src).wait()  # the compute stream waits for the whole copy
+    torch.cuda.synchronize()
+    copy_s, wait_s = meter.settle()
+    assert 0 < copy_s < 1 and 0 <= wait_s < 1
+    assert 0.0 <= meter.hidden <= 1.0
 
 
 def test_make_transfer_on_cuda_ignores_the_simulated_link(cuda) -> None:

@@ -17,7 +17,7 @@ from engine.config import ExpertBudget, OffloadConfig
 from engine.generation import GenerationConfig, generate_text
 from engine.loader import load_model
 from engine.model.tiny import make_tiny_model
-from engine.offload.transfer import SimulatedLink, make_transfer
+from engine.offload.transfer import LinkMeter, SimulatedLink, make_transfer
 from engine.sampling import SamplingConfig
 
 MB = 10**6
@@ -218,3 +218,23 @@ def test_decode_time_grows_with_bytes_as_the_bandwidth_says(wide_model_dir) -> N
     slow_ms, fast_ms = (min(f.stats.decode_ms for f in runs[gbps]) for gbps in (slow_gbps, fast_gbps))
     measured_s = (slow_ms - fast_ms) / 1e3
     assert measured_s == pytest.approx(expected_s, rel=0.25)
+
+
+def test_a_meter_sums_the_links_copy_time_and_computes_waits() -> None:
+    """Two 10 MB copies at 0.1 GB/s (100 ms each, modelled): compute waits for the first and works
+    through the second, so about half the copying was hidden."""
+    link = SimulatedLink(gbps=0.1, latency_us=0.0)
+    link.meter = meter = LinkMeter()
+    try:
+        src, dst = torch.ones(10_000_000, dtype=torch.uint8), torch.empty(10_000_000, dtype=torch.uint8)
+        link.copy(dst, src).wait()
+        second = link.copy(dst, src)
+        time.sleep(0.3)  # compute meanwhile
+        second.wait()
+        copy_s, wait_s = meter.settle()
+        assert copy_s == pytest.approx(0.2, rel=1e-6)  # the modelled times, not the memcpy's
+        assert 0.05 < wait_s < copy_s
+        assert 0.25 < meter.hidden < 0.75
+    finally:
+        link.close()
+    assert LinkMeter().hidden is None  # no copies: nothing to hide
