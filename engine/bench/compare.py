@@ -75,6 +75,7 @@ class CompareRow:
     drafter_device_bytes: int
     decode_tokens: int
     simulated_link: bool
+    copy_hidden: float | None = None  # share of the link's copy time compute did not wait for
 
 
 def calibrate_link(folder: str, base: OffloadConfig, prompt_ids, new_tokens: int) -> tuple[float, float]:
@@ -109,6 +110,7 @@ def bench_configuration(conf: Configuration, folder: str, offload: OffloadConfig
     """Median-tpot pass of one configuration, and the token ids it produced."""
     from engine.generation import generate_text
     from engine.loader import load_model
+    from engine.offload.transfer import LinkMeter
 
     model = load_model(folder, replace(offload, policy=conf.policy))
     try:
@@ -116,13 +118,15 @@ def bench_configuration(conf: Configuration, folder: str, offload: OffloadConfig
         generate_text(model, prompt_ids[0][:8], replace(gen, max_new_tokens=8))  # warm-up (loads drafters)
         passes = []
         for _ in range(args.repeats):
+            model.transfer.meter = meter = LinkMeter()
             runs = [generate_text(model, ids, gen) for ids in prompt_ids]
-            passes.append(runs)
+            model.transfer.meter = None
+            passes.append((runs, meter.hidden))
         drafter_bytes = model.drafter_nbytes()
     finally:
         model.close()
-    median = sorted(passes, key=_pass_tpot)[len(passes) // 2]
-    return _row(conf, median, drafter_bytes), [r.token_ids for r in median]
+    median, hidden = sorted(passes, key=lambda p: _pass_tpot(p[0]))[len(passes) // 2]
+    return replace(_row(conf, median, drafter_bytes), copy_hidden=hidden), [r.token_ids for r in median]
 
 
 def _pass_tpot(runs) -> float:
@@ -233,7 +237,7 @@ def format_compare(result: dict) -> str:
         return "-" if value is None else format(value, fmt)
 
     head = f"{'configuration':<20}{'tpot_ms':>9}{'tok/s':>8}{'speedup':>8}{'hit':>6}{'hit_v':>6}"
-    head += f"{'acc_len':>8}{'γ':>5}{'KB/tok':>8}{'pf_prec':>8}{'pf_rec':>7}  same"
+    head += f"{'acc_len':>8}{'γ':>5}{'KB/tok':>8}{'hidden':>7}{'pf_prec':>8}{'pf_rec':>7}  same"
     lines = [head]
     base = result["rows"][0]["tpot_ms"]
     for r in result["rows"]:
@@ -242,6 +246,7 @@ def format_compare(result: dict) -> str:
             f"{num(r['hit_rate'], '.0%'):>6}{num(r['hit_rate_verify'], '.0%'):>6}"
             f"{num(r['accept_len'], '.2f'):>8}{num(r['draft_len'], '.1f'):>5}"
             f"{num(r['h2d_bytes_per_token'] and r['h2d_bytes_per_token'] / 1e3, '.0f'):>8}"
+            f"{num(r.get('copy_hidden'), '.0%'):>7}"
             f"{num(r['prefetch_precision'], '.0%'):>8}{num(r['prefetch_recall'], '.0%'):>7}"
             f"  {'yes' if r['same_tokens_as_baseline'] else 'NO'}"
         )

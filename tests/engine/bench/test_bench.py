@@ -66,6 +66,7 @@ def test_compare_runs_every_configuration_side_by_side_on_a_calibrated_link(fold
         for key in ("name", "spec", "prefetch", "tpot_ms", "tokens_per_s", "hit_rate", "accept_len"):
             assert key in row
         assert row["h2d_bytes_per_token"] is not None and row["tpot_ms"] > 0
+        assert 0.0 <= row["copy_hidden"] <= 1.0  # every configuration copies on this quarter cache
         assert row["same_tokens_as_baseline"] is True  # greedy speculation is lossless
     assert rows["on-demand LRU"]["accept_len"] is None and rows["on-demand LRU"]["prefetch_precision"] is None
     draft = rows["draft+spmoe"]  # the target as its own draft: every draft token is accepted
@@ -73,7 +74,7 @@ def test_compare_runs_every_configuration_side_by_side_on_a_calibrated_link(fold
     assert rows["draft+spmoe"]["prefetch"].startswith("spmoe")
     assert rows["hybrimoe"]["policy"] == "mrs"
     table = capsys.readouterr().out
-    assert "SIMULATED" in table and "calibrated link" in table
+    assert "SIMULATED" in table and "calibrated link" in table and "hidden" in table
 
 
 def test_a_plain_run_on_the_calibrated_link_simulates_it(folder, tmp_path):
