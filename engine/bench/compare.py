@@ -110,7 +110,7 @@ def bench_configuration(conf: Configuration, folder: str, offload: OffloadConfig
     """Median-tpot pass of one configuration, and the token ids it produced."""
     from engine.generation import generate_text
     from engine.loader import load_model
-    from engine.offload.transfer import LinkMeter
+    from engine.offload.transfer import metered
 
     model = load_model(folder, replace(offload, policy=conf.policy))
     try:
@@ -118,9 +118,8 @@ def bench_configuration(conf: Configuration, folder: str, offload: OffloadConfig
         generate_text(model, prompt_ids[0][:8], replace(gen, max_new_tokens=8))  # warm-up (loads drafters)
         passes = []
         for _ in range(args.repeats):
-            model.transfer.meter = meter = LinkMeter()
-            runs = [generate_text(model, ids, gen) for ids in prompt_ids]
-            model.transfer.meter = None
+            with metered(model.transfer) as meter:
+                runs = [generate_text(model, ids, gen) for ids in prompt_ids]
             passes.append((runs, meter.hidden))
         drafter_bytes = model.drafter_nbytes()
     finally:

@@ -42,18 +42,15 @@ log = logging.getLogger(__name__)
 def engine_pass(model, prompt_ids: list[list[int]], new_tokens: int) -> dict:
     """One pass of greedy, fixed-length generations over the prompt set."""
     from engine.generation import generate_text
-    from engine.offload.transfer import LinkMeter
+    from engine.offload.transfer import metered
 
     runs = []
-    model.transfer.meter = meter = LinkMeter()
-    try:
+    with metered(model.transfer) as meter:
         for ids in prompt_ids:
             # every prompt prefilled whole, as llama.cpp's timed runs are (reset()): a kept cache of
             # an earlier pass would make prefill a prefix reuse (engine.model.prefix_cache)
             model.prefix_cache.clear()
             runs.append(generate_text(model, ids, greedy(new_tokens)).stats)
-    finally:
-        model.transfer.meter = None
     decode_tokens = sum(s.generated_tokens - 1 for s in runs)
     decode_s = sum(s.decode_ms for s in runs) / 1e3
     prefill_s = sum(s.prefill_ms for s in runs) / 1e3

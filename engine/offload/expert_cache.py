@@ -309,15 +309,14 @@ class ExpertCache:
         return {slot.key: slot for slot in self._table.values() if can_evict(slot)}
 
     def _evict(self) -> Slot:
+        crowded = self._crowded() if self.policy.layer_share else None
         if self.policy.recency_ordered:
-            key = oldest_preferred(self._table, self._transient, self._crowded(), self.policy)
-            victim = self._table[key]
+            victim = self._table[oldest_preferred(self._table, self._transient, crowded, self.policy)]
             self._unmap(victim)
             return victim
         candidates = self._evictable()
         if not candidates:
             raise NoEvictableSlot
-        crowded = self._crowded() if self.policy.layer_share else None
         return self._evict_one_of(preferred_victims(candidates, crowded))
 
     def _crowded(self) -> set[int]:

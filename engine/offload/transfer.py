@@ -17,7 +17,8 @@ that contract:
   one PCIe link). `wait()` blocks the host until then. Everything measured
   over it is labelled simulated.
 
-A `LinkMeter` set on an engine (`meter`) sums its copy time and compute's waits for copies.
+A `LinkMeter` set on an engine (`meter`, for a block: `metered`) sums its copy time and compute's
+waits for copies.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -88,6 +91,16 @@ class LinkMeter:
         """1 − waited / copying (None without copies)."""
         copy_s, wait_s = self.settle()
         return None if copy_s <= 0 else max(0.0, 1.0 - wait_s / copy_s)
+
+
+@contextmanager
+def metered(transfer: TransferEngine) -> Iterator[LinkMeter]:
+    """A fresh `LinkMeter` on `transfer` for the block; none after it, however it ends."""
+    transfer.meter = meter = LinkMeter()
+    try:
+        yield meter
+    finally:
+        transfer.meter = None
 
 
 class CopyHandle(ABC):

@@ -39,7 +39,7 @@ def preferred_victims(
 def oldest_preferred(
     table: Mapping[ExpertKey, Slot],
     transient: Collection[ExpertKey],
-    crowded: Collection[int],
+    crowded: Collection[int] | None,
     policy: EvictionPolicy,
 ) -> ExpertKey:
     """What `preferred_victims` and a recency-ordered `policy` choose among `table`'s evictable
@@ -48,7 +48,7 @@ def oldest_preferred(
     unprefetched = [k for k in evictable_transient if table[k].prefetch_phase is None]
     if unprefetched:
         return policy.victim(unprefetched)
-    crowded = crowded if policy.layer_share else ()
+    crowded = crowded or ()
     first_unprefetched = first = first_crowded = None
     for key in policy.oldest_first():
         slot = table.get(key)
