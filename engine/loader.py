@@ -154,7 +154,14 @@ def _build_store(folder, checkpoint, hf_model, arch, blocks, dtype, config, prog
     report = (lambda done, total: progress("experts", done, total)) if progress else None
     repack_for = dtype if on_cpu else None  # CPU: repacked where faster there (offload.ggml_repack)
     args = (sorted(blocks), num_experts, shapes, False, report, repack_for, config.kernels)
-    return build_gguf_store(checkpoint, *args), None
+    return build_gguf_store(checkpoint, *args, interleave=on_cpu and _in_place(config)), None
+
+
+def _in_place(config: OffloadConfig) -> bool:
+    """Whether a CPU model's cache will use every expert where the store holds it (ExpertCache's
+    `in_place`): no link simulated and a budget of every expert (the CPU's auto budget is all)."""
+    budget = config.expert_budget
+    return config.sim_link_gbps is None and budget.experts is None and budget.nbytes is None
 
 
 def _gguf_layout_name(store: ExpertStore) -> str:

@@ -34,7 +34,8 @@ from engine.model.checkpoint import Checkpoint
 from engine.offload import ggml_kernels
 from engine.offload.fp8 import FP8_DTYPE, Fp8Weight, scale_shape
 from engine.offload.ggml_quants import linear as ggml_linear
-from engine.offload.ggml_repack import GGML, repacked_linear
+from engine.offload.ggml_repack import GGML_PACKINGS, repacked_linear
+from engine.offload.host_memory import advise_huge_pages
 from engine.offload.int4 import Int4Weight, packed_shapes
 from engine.offload.quant import QuantSpec, is_weight, quantize_into, quantized_fields
 
@@ -70,7 +71,7 @@ class GgmlWeight(NamedTuple):
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T`: how `engine.offload.quant.linear` computes this format."""
-        if self.packing == GGML:
+        if self.packing in GGML_PACKINGS:  # interleaved rows too: ggml knows them by their memory
             return ggml_kernels.linear(x, self.data, self.ggml_type, *self.shape)
         if self.packing is not None:
             return repacked_linear(self.packing, x, self.data, *self.shape)
@@ -285,13 +286,16 @@ def read_expert(
 def allocate_layer(num_experts: int, nbytes: int, pin: bool, layer: int) -> torch.Tensor:
     """An empty `[E, nbytes]` layer buffer in host memory, pinned when asked."""
     try:
-        return torch.empty((num_experts, nbytes), dtype=torch.uint8, pin_memory=pin)
+        memory = torch.empty((num_experts, nbytes), dtype=torch.uint8, pin_memory=pin)
     except RuntimeError as err:
         raise DeviceOutOfMemoryError(
             f"Cannot allocate {nbytes * num_experts / 2**30:.1f} GiB of "
             f"{'pinned ' if pin else ''}host memory for layer {layer}'s experts ({err}). "
             "Close other programs or use a smaller model."
         ) from err
+    if not pin:
+        advise_huge_pages(memory)  # pinned memory is the driver's, already locked in place
+    return memory
 
 
 def pack_expert(

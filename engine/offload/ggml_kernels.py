@@ -12,16 +12,18 @@ This is the path llama.cpp computes on: the activations are quantized to 8 bits 
 result differs from `x @ dequantize(W).T` by about a percent of its scale, as llama.cpp's own
 outputs do; the engine's default kernels (engine.offload.ggml_repack, ggml_linear) stay exact and
 this one is chosen by name only. A call makes one graph: ggml tensors are described in
-a per-thread metadata context (no allocation), bound to the caller's memory through CPU buffers
-made from pointers (`ggml_backend_cpu_buffer_from_ptr`, which needs aligned pointers: the buffer
-starts at the aligned address below), and computed by the CPU backend. Every argument is checked
-here first: ggml aborts the process on a failed assertion.
+a per-thread metadata context (no allocation), bound to the caller's memory through one CPU
+buffer made over the whole address space (`ggml_backend_cpu_buffer_from_ptr`: it owns nothing and
+only bounds where tensors may lie; a buffer a call cost 6 of a matmul call's 16 foreign calls) or,
+for memory ggml allocated itself, that memory's own buffer; and computed by the CPU backend. Every
+argument is checked here first: ggml aborts the process on a failed assertion.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import threading
 from pathlib import Path
 
@@ -32,6 +34,7 @@ _ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT
 _F32 = int(GGMLQuantizationType.F32)
 _I32 = int(GGMLQuantizationType.I32)
 _P = ctypes.c_void_p
+log = logging.getLogger(__name__)
 
 
 class _InitParams(ctypes.Structure):
@@ -42,8 +45,7 @@ class _Ggml:
     """The few ggml functions this module calls, with their C signatures."""
 
     def __init__(self, lib_dir: Path):
-        load = functools.partial(ctypes.CDLL, mode=ctypes.RTLD_GLOBAL)
-        base, cpu = load(str(lib_dir / "libggml-base.so")), load(str(lib_dir / "libggml-cpu.so"))
+        base, cpu = _load(lib_dir, "libggml-base.so"), _load(lib_dir, "libggml-cpu.so")
         i64, size = ctypes.c_int64, ctypes.c_size_t
         self.init = _function(base, "ggml_init", _P, _InitParams)
         self.reset = _function(base, "ggml_reset", None, _P)
@@ -64,6 +66,35 @@ class _Ggml:
         self.cpu_init = _function(cpu, "ggml_backend_cpu_init", _P)
         self.cpu_set_n_threads = _function(cpu, "ggml_backend_cpu_set_n_threads", None, _P, ctypes.c_int)
         self.cpu_buffer_from_ptr = _function(cpu, "ggml_backend_cpu_buffer_from_ptr", _P, _P, size)
+        # llama.cpp's extra CPU buffer types (engine.offload.ggml_interleave)
+        self.cpu_reg = _function(cpu, "ggml_backend_cpu_reg", _P)
+        self.reg_dev_get = _function(base, "ggml_backend_reg_dev_get", _P, _P, size)
+        self.reg_proc_address = _function(base, "ggml_backend_reg_get_proc_address", _P, _P, ctypes.c_char_p)
+        self.buft_name = _function(base, "ggml_backend_buft_name", ctypes.c_char_p, _P)
+        self.buft_alloc_buffer = _function(base, "ggml_backend_buft_alloc_buffer", _P, _P, size)
+        self.buffer_base = _function(base, "ggml_backend_buffer_get_base", _P, _P)
+        self.tensor_set = _function(base, "ggml_backend_tensor_set", None, _P, _P, size, size)
+        _function(base, "ggml_log_set", None, _LogCallback, _P)(_log_to_logging, None)
+
+
+def _load(lib_dir: Path, name: str) -> ctypes.CDLL:
+    """The library by its soname (`<name>.0`) where the wheel has that file: the name llama.cpp's
+    own libraries ask for, so the process holds one ggml (one log, one CPU backend), not a copy
+    that a file of another name would load beside it."""
+    path = lib_dir / f"{name}.0"
+    return ctypes.CDLL(str(path if path.exists() else lib_dir / name), mode=ctypes.RTLD_GLOBAL)
+
+
+_LogCallback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+_LOG_LEVELS = {3: logging.WARNING, 4: logging.ERROR}  # ggml.h: 1 debug, 2 info, 3 warn, 4 error
+
+
+@_LogCallback
+def _log_to_logging(level: int, text: bytes | None, _user_data) -> None:
+    """ggml's warnings and errors into the engine's log; its debug and info lines (one per
+    interleaved weight, engine.offload.ggml_interleave) nowhere, instead of on stderr."""
+    if level in _LOG_LEVELS and text:
+        log.log(_LOG_LEVELS[level], "ggml: %s", text.decode(errors="replace").rstrip())
 
 
 def _function(lib, name: str, restype, *argtypes):
@@ -122,13 +153,38 @@ def _context(ggml: _Ggml) -> tuple[int, int]:
     return _state.context, _state.backend
 
 
-def _buffer(ggml: _Ggml, memory: torch.Tensor, buffers: list[int]) -> int:
-    """A CPU buffer over `memory`, from the aligned address at or below its start."""
-    address = memory.data_ptr()
-    start = address - address % _ALIGNMENT
-    buffer = ggml.cpu_buffer_from_ptr(start, address - start + memory.numel() * memory.element_size())
-    buffers.append(buffer)
+# Memory ggml allocated itself ([start, end) -> its buffer), such as llama.cpp's interleaved rows
+# (engine.offload.ggml_interleave): a tensor there is bound to that buffer, whose type tells ggml
+# how to compute on it, not to a plain buffer made over the pointer.
+owned_buffers: dict[int, tuple[int, int]] = {}  # start address -> (end address, buffer)
+
+
+def owned_buffer(address: int) -> tuple[int, int] | None:
+    """(end address, buffer) of the ggml-allocated memory `address` lies in, if any."""
+    for start, (end, buffer) in owned_buffers.items():
+        if start <= address < end:
+            return end, buffer
+    return None
+
+
+_ADDRESS_SPACE = 1 << 47  # x86-64 and arm64 user addresses lie below
+
+
+@functools.cache
+def _everywhere(ggml: _Ggml) -> int:
+    """A CPU buffer from the first aligned address to the end of user memory: a tensor bound to it
+    may lie anywhere; it owns no memory and lives as long as the process."""
+    buffer = ggml.cpu_buffer_from_ptr(_ALIGNMENT, _ADDRESS_SPACE - _ALIGNMENT)
+    if not buffer:
+        raise RuntimeError("ggml could not make a CPU buffer over the address space")
     return buffer
+
+
+def _buffer(ggml: _Ggml, memory: torch.Tensor) -> int:
+    """The buffer `memory` is bound through: ggml's own where ggml allocated it, else `_everywhere`."""
+    if owned_buffers and (owner := owned_buffer(memory.data_ptr())) is not None:
+        return owner[1]
+    return _everywhere(ggml)
 
 
 def _bind(ggml: _Ggml, tensor: int, buffer: int, address: int) -> None:
@@ -242,24 +298,19 @@ def _compute(ggml: _Ggml, rows, out, blocks, ggml_type: int) -> None:
 
 def _run(ggml: _Ggml, build, out: torch.Tensor, what: str) -> None:
     """Compute the product `build(context, bind)` describes into `out`: `bind(tensor, memory,
-    address=memory's start)` places a tensor in caller memory; the buffers go when it ends."""
+    address=memory's start)` places a tensor in caller memory."""
     context, backend = _context(ggml)
     graph = ggml.new_graph_custom(context, _GRAPH_SIZE, False)
-    buffers: list[int] = []
 
     def bind(tensor: int, memory: torch.Tensor, address: int | None = None) -> None:
         address = memory.data_ptr() if address is None else address
-        _bind(ggml, tensor, _buffer(ggml, memory, buffers), address)
+        _bind(ggml, tensor, _buffer(ggml, memory), address)
 
-    try:
-        product = build(context, bind)
-        bind(product, out)
-        ggml.build_forward_expand(graph, product)
-        if ggml.graph_compute(backend, graph) != 0:
-            raise RuntimeError(f"ggml's CPU backend failed to compute {what}")
-    finally:
-        for buffer in buffers:
-            ggml.buffer_free(buffer)
+    product = build(context, bind)
+    bind(product, out)
+    ggml.build_forward_expand(graph, product)
+    if ggml.graph_compute(backend, graph) != 0:
+        raise RuntimeError(f"ggml's CPU backend failed to compute {what}")
 
 
 @functools.cache

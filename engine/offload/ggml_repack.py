@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from engine.model.gguf_file import DENSE_TYPES
+from engine.offload import ggml_interleave
 from engine.offload.ggml_linear import k_scale_min, scratch_buffer
 from engine.offload.ggml_quants import CHUNK_BYTES, row_bytes, unpack_bits
 
@@ -62,6 +63,8 @@ Q = GGMLQuantizationType
 INT4PACK = "int4pack"  # an `ExpertField.packing`
 Q6_K_INT8 = "q6_k_int8"
 GGML = "ggml"  # the file's blocks as they are, computed by llama.cpp's kernels (`--kernels ggml`)
+GGML_X8 = "ggml-x8"  # the same blocks with 8 rows interleaved, as llama.cpp computes them on this CPU
+GGML_PACKINGS = frozenset({GGML, GGML_X8})  # the ones ggml computes (engine.offload.ggml_kernels)
 # float types ggml computes too: bfloat16 weights times activations rounded to bfloat16 (a bfloat16
 # model's are already), summed in float32 as torch's bfloat16 matmul sums, at llama.cpp's speed
 GGML_FLOATS = frozenset({Q.BF16})
@@ -71,12 +74,20 @@ _SOURCE = {INT4PACK: Q.Q4_K, Q6_K_INT8: Q.Q6_K}
 
 
 def packing_for(
-    ggml_type: int, out_features: int, in_features: int, dtype: torch.dtype, kernels: str = "exact"
+    ggml_type: int,
+    out_features: int,
+    in_features: int,
+    dtype: torch.dtype,
+    kernels: str = "exact",
+    interleave: bool = False,
 ) -> str | None:
     """The packing a CPU model computing in `dtype` with `kernels` gives this weight; None keeps the
-    file's blocks for the exact dequantizing path."""
+    file's blocks for the exact dequantizing path. `interleave`: ggml's kernels read the weight
+    where it lies (in place) and may have it in llama.cpp's interleaved rows (ggml_interleave)."""
     if kernels == "ggml":
-        return GGML if ggml_type not in DENSE_TYPES or ggml_type in GGML_FLOATS else None
+        if ggml_type in DENSE_TYPES and ggml_type not in GGML_FLOATS:
+            return None
+        return GGML_X8 if interleave and ggml_interleave.interleaves(ggml_type, out_features) else GGML
     if ggml_type == Q.Q4_K and dtype == torch.bfloat16 and out_features % _N_BLOCK == 0:
         return INT4PACK
     if ggml_type == Q.Q6_K:

@@ -11,7 +11,9 @@ layout, and a device slot is as wide as the widest.
 With `repack_for` (the compute dtype, when the experts are computed on the CPU), fields are
 repacked as they are read where `engine.offload.ggml_repack` has a faster form: Q4_K for torch's
 int4 kernel in bfloat16 runs (1.11× the bytes), Q6_K as int8 codes in any (bit-exact, 1.30×);
-other types stay as the file has them.
+other types stay as the file has them. With llama.cpp's kernels on experts used where the store
+holds them (`interleave`), a layer lives in ggml's own memory and the types llama.cpp interleaves
+on this CPU are stored so (`engine.offload.ggml_interleave`, the same bytes in another order).
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from engine.errors import (
     UnsupportedQuantizationError,
 )
 from engine.model.gguf_file import GgufCheckpoint
-from engine.offload import ggml_kernels
+from engine.offload import ggml_interleave, ggml_kernels
 from engine.offload.expert_store import ExpertLayout, ExpertStore, allocate_layer
 from engine.offload.ggml_quants import row_bytes
-from engine.offload.ggml_repack import GGML, packed_nbytes, packing_for, repack
+from engine.offload.ggml_repack import GGML, GGML_PACKINGS, GGML_X8, packed_nbytes, packing_for, repack
 
 
 def build_gguf_store(
@@ -43,12 +45,14 @@ def build_gguf_store(
     progress: Callable[[int, int], None] | None = None,
     repack_for: torch.dtype | None = None,
     kernels: str = "exact",
+    interleave: bool = False,
 ) -> ExpertStore:
     """Pack every routed expert of `moe_layers` from the file's blocks, without dequantizing
     (repacked for the CPU computing in `repack_for`, if given).
 
     `shapes` are transformers' per-expert field shapes (`gate_up_proj` [2I, H], `down_proj` [H, I]).
-    With `kernels="ggml"` the CPU computes the file's blocks by llama.cpp's kernels (ggml_kernels)."""
+    With `kernels="ggml"` the CPU computes the file's blocks by llama.cpp's kernels (ggml_kernels),
+    on rows interleaved as llama.cpp has them where `interleave` (the experts are used in place)."""
     if kernels == "ggml" and repack_for is not None:
         ready, reason = ggml_kernels.available()
         if not ready:
@@ -57,8 +61,12 @@ def build_gguf_store(
     total, done = len(moe_layers) * num_experts, 0
     for layer in moe_layers:
         tensors = _layer_tensors(gguf, layer, num_experts, shapes)
-        layout = layer_layout(tensors, repack_for, kernels)
-        packed = allocate_layer(num_experts, layout.nbytes, pin, layer)
+        layout = layer_layout(tensors, repack_for, kernels, interleave)
+        if any(f.packing == GGML_X8 for f in layout.fields):
+            packed = ggml_interleave.allocate(num_experts * layout.nbytes, f"layer {layer}'s experts")
+            packed = packed.view(num_experts, layout.nbytes)
+        else:
+            packed = allocate_layer(num_experts, layout.nbytes, pin, layer)
         if any(f.packing not in (None, GGML) for f in layout.fields):
             _repack_layer(gguf, packed, layout, tensors)
         else:
@@ -98,7 +106,7 @@ def _layer_tensors(gguf: GgufCheckpoint, layer: int, num_experts: int, shapes) -
 
 
 def layer_layout(
-    tensors: dict, repack_for: torch.dtype | None = None, kernels: str = "exact"
+    tensors: dict, repack_for: torch.dtype | None = None, kernels: str = "exact", interleave: bool = False
 ) -> ExpertLayout:
     """One expert of a layer: gate and up rows as `gate_up_proj`, then `down_proj`, in ggml blocks
     (repacked for the CPU computing in `repack_for` with `kernels`, where `ggml_repack` has a form)."""
@@ -110,9 +118,11 @@ def layer_layout(
         ("down_proj", (hidden, inter), int(down.tensor_type)),
     ):
         packing = (
-            packing_for(ggml_type, out, columns, repack_for, kernels) if repack_for is not None else None
+            packing_for(ggml_type, out, columns, repack_for, kernels, interleave)
+            if repack_for is not None
+            else None
         )
-        if packing not in (None, GGML):  # GGML: the file's blocks, for llama.cpp's kernels
+        if packing not in (None, *GGML_PACKINGS):  # the file's blocks (interleaved: the same bytes)
             per_row = packed_nbytes(packing, out, columns) // out
         else:
             per_row = row_bytes(ggml_type, columns)
@@ -137,7 +147,9 @@ def _repack_layer(gguf: GgufCheckpoint, packed: torch.Tensor, layout: ExpertLayo
         source, target = file_layout.views(staging[0]), layout.views(packed[expert])
         for field in layout.fields:
             blocks, row = source[field.name].data, target[field.name].data
-            if field.packing is not None:
+            if field.packing == GGML_X8:
+                ggml_interleave.interleave_into(row, blocks, field.ggml_type, *field.weight_shape)
+            elif field.packing not in (None, GGML):
                 row.copy_(repack(field.packing, blocks, *field.weight_shape).view(row.shape))
             else:
                 row.copy_(blocks)

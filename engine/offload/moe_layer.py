@@ -46,7 +46,7 @@ from engine.model.hf_calls import decoder_of
 from engine.offload import ggml_kernels, quant
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertStore
-from engine.offload.ggml_repack import GGML
+from engine.offload.ggml_repack import GGML_PACKINGS
 from engine.offload.grouped import accumulate_in_groups, in_groups
 from engine.offload.pipeline import ready_experts
 
@@ -175,10 +175,8 @@ class OffloadedExperts(nn.Module):
             return self._forward_substitute(hidden_states, top_k_index, top_k_weights, draft.substitute)
         step = self._route(hidden_states, top_k_index, top_k_weights, draft)
         if self._grouped_in_ggml:  # every expert lies in the store: nothing to plan or bring in
-            order = sorted(step.routes, key=lambda e: -len(step.routes[e]))  # as `_plan` orders hits
-            self.cache.use_in_place(self.layer, order)
-            self._accumulate_routed(order, step)
-            return step.out
+            self.cache.use_in_place(self.layer, sorted(step.routes, key=lambda e: -len(step.routes[e])))
+            return self._routed_in_ggml(step)
         plan = self._plan(step, drafting=draft is not None)
         for expert in plan.on_cpu:
             self._compute_on_cpu(step.routes[expert], expert, step)
@@ -262,29 +260,34 @@ class OffloadedExperts(nn.Module):
         """Whether the layer's experts go through ggml together: llama.cpp's kernels (`--kernels
         ggml`) on the store itself (in place: no slot is reused while the step runs)."""
         fields = self.cache.store.layout_of(self.layer).fields
-        return self.cache.in_place and not self.has_bias and all(f.packing == GGML for f in fields)
+        return self.cache.in_place and not self.has_bias and all(f.packing in GGML_PACKINGS for f in fields)
 
-    def _accumulate_routed(self, order: list[int], step: _Step) -> None:
+    @functools.cached_property
+    def _ggml_fields(self) -> tuple[torch.Tensor, tuple[int, int, int, int], tuple[int, int, int, int]]:
+        """The layer's experts in the store and where gate/up and down lie in each (`linear_routed`)."""
+        fields = {
+            f.name: (f.offset, f.ggml_type, *f.weight_shape)
+            for f in self.cache.store.layout_of(self.layer).fields
+        }
+        gate_up = fields["gate_up_proj" if self.has_gate else "up_proj"]
+        return self.cache.store.layer_buffer(self.layer), gate_up, fields["down_proj"]
+
+    def _routed_in_ggml(self, step: _Step) -> torch.Tensor:
         """Every route of the step through the layer's experts where they lie in the store, one ggml
         node a projection (llama.cpp's `mul_mat_id`: a token's row quantized once for all its
-        experts). Each value is the one `_accumulate` computes and is combined in the same order,
-        so the in-place and slot-copied paths give the same tokens."""
-        layout = self.cache.store.layout_of(self.layer)
-        experts = self.cache.store.layer_buffer(self.layer)
-        fields = {f.name: (f.offset, f.ggml_type, *f.weight_shape) for f in layout.fields}
-        flat = torch.tensor([p for expert in order for p in step.routes[expert]], device=step.hidden.device)
-        scale = step.weights[flat, None]
+        experts); each route's output weighted as `_accumulate` weights it, a token's routes summed
+        in their top-k order: `[T, H]`."""
+        experts, gate_up, down = self._ggml_fields
+        weights = step.weights.view(len(step.index), step.top_k, 1)  # [T, K, 1]
         x = step.hidden  # [T, H]: every route of a token multiplies the same row
         if self.scales_input:  # Llama 4: a row per route, scaled by its weight
-            x = x[:, None, :] * step.weights.view(len(step.index), step.top_k, 1)
-        gate_up = fields["gate_up_proj" if self.has_gate else "up_proj"]
+            x = x[:, None, :] * weights
         up = ggml_kernels.linear_routed(x, experts, gate_up, step.index).to(x.dtype)  # [T, K, 2I]
         act = self.template._apply_gate(up) if self.has_gate else self.template.act_fn(up)
-        y = ggml_kernels.linear_routed(act, experts, fields["down_proj"], step.index).to(x.dtype)
-        y = y.view(-1, y.shape[-1])[flat]  # [T·K, H], in the order `_accumulate` adds them
+        y = ggml_kernels.linear_routed(act, experts, down, step.index).to(x.dtype)  # [T, K, H]
         if not self.scales_input:
-            y = y * scale
-        step.out.index_put_((flat // step.top_k,), y.to(step.out.dtype), accumulate=True)
+            y = y * weights
+        return y.sum(dim=1, dtype=step.out.dtype)
 
     def _compute_on_cpu(self, positions: list[int], expert: int, step: _Step) -> None:
         """A missing expert computed on the CPU from the host store (Fiddler/HybriMoE): no copy."""

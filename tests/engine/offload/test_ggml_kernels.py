@@ -20,8 +20,9 @@ from engine.loader import load_model
 from engine.model.ggml_encode import quantize
 from engine.model.tiny_gguf import write_tiny_gguf
 from engine.offload import ggml_kernels
+from engine.offload.ggml_interleave import interleaves
 from engine.offload.ggml_quants import dequantize
-from engine.offload.ggml_repack import GGML
+from engine.offload.ggml_repack import GGML, GGML_X8
 from engine.offload.ggml_resident import GgmlLinear
 from engine.offload.moe_layer import OffloadedExperts
 
@@ -135,7 +136,10 @@ def test_a_gguf_model_with_ggml_kernels_keeps_the_files_blocks_and_stays_close_t
             if kernels == "exact":
                 assert not kept
             else:
-                assert fields["gate_up_proj"].packing == GGML and fields["down_proj"].packing == GGML
+                # used in place: Q4_K gate/up rows interleaved where llama.cpp does so on this CPU
+                rows = fields["gate_up_proj"].weight_shape[0]
+                assert fields["gate_up_proj"].packing == (GGML_X8 if interleaves(QT.Q4_K, rows) else GGML)
+                assert fields["down_proj"].packing == GGML  # Q6_K: no interleaved form on x86
                 # the attention's Q8_0 matrices and the head stay in their blocks; the F32 router not
                 assert "model.layers.0.self_attn.q_proj" in kept and "lm_head" in kept
                 assert not any(name.endswith("mlp.gate") for name in kept)
@@ -168,8 +172,10 @@ def test_ggml_kernels_without_llama_cpp_are_refused_by_name(tiny_q4_k_m, monkeyp
 @needs_ggml
 def test_with_ggml_kernels_speculation_streaming_and_cpu_misses_keep_plain_greedy_tokens(tiny_q4_k_m):
     """ggml's products do not depend on how many tokens a call carries, so self-speculation stays
-    lossless; experts copied into cache slots over a simulated link (computed one by one) and misses
-    computed on the CPU give the same tokens as the in-place store (a layer's experts together)."""
+    lossless; experts copied into cache slots over a simulated link (computed one by one, from the
+    file's rows) and misses computed on the CPU give the same tokens as the in-place store (a
+    layer's experts together, from rows interleaved as llama.cpp keeps them: the same products up
+    to float32 rounding)."""
     greedy = {"max_new_tokens": 16, "sampling": SamplingConfig(greedy=True), "ignore_eos": True}
     spec = SpecConfig(mode="self", top_r=1, draft_len=4)
     tokens = []
@@ -188,6 +194,10 @@ def test_with_ggml_kernels_speculation_streaming_and_cpu_misses_keep_plain_greed
             # in place a layer's experts go through ggml together; from cache slots one by one
             layers = [m for m in model.hf_model.modules() if isinstance(m, OffloadedExperts)]
             assert [m._grouped_in_ggml for m in layers] == [link is None] * len(layers)
+            # rows are interleaved only where ggml reads them in place, never in copies into slots
+            gate_up = model.store.layout_of(0).fields[0]
+            interleaved = link is None and interleaves(QT.Q4_K, gate_up.weight_shape[0])
+            assert gate_up.packing == (GGML_X8 if interleaved else GGML)
         finally:
             model.close()
         tokens.append(plain)

@@ -1,0 +1,92 @@
+"""llama.cpp's interleaved expert rows (`engine.offload.ggml_interleave`): a layer's experts kept
+in ggml's own interleaving buffer give the products of the file's rows to float32 rounding, a
+token's products do not depend on the batch it comes in, the memory goes back to ggml with the
+last tensor over it, and what ggml would abort on is a ValueError here."""
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine.model.ggml_encode import quantize
+from engine.offload import ggml_interleave, ggml_kernels
+
+needs_interleaving = pytest.mark.skipif(
+    not ggml_kernels.available()[0] or not ggml_interleave.interleaves(int(QT.Q4_K), 64),
+    reason="llama-cpp-python is not installed or its ggml interleaves no Q4_K rows on this CPU",
+)
+EXPERTS, OUT, IN = 6, 64, 512
+
+
+def _plain_layer(offset: int) -> tuple[torch.Tensor, int]:
+    """`EXPERTS` random Q4_K `[OUT, IN]` weights, each at `offset` in its expert's bytes."""
+    rng = np.random.default_rng(1)
+    weights = [quantize(rng.standard_normal((OUT, IN)).astype(np.float32), QT.Q4_K) for _ in range(EXPERTS)]
+    nbytes = weights[0].nbytes
+    layer = torch.zeros(EXPERTS, offset + nbytes + 64, dtype=torch.uint8)
+    for e, weight in enumerate(weights):
+        layer[e, offset : offset + nbytes] = torch.from_numpy(weight.view(np.uint8).reshape(-1))
+    return layer, nbytes
+
+
+def _interleaved(plain: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    layer = ggml_interleave.allocate(plain.numel(), "a test layer").view(plain.shape)
+    layer.copy_(plain)
+    for e in range(EXPERTS):
+        field = plain[e, offset : offset + nbytes].contiguous()
+        ggml_interleave.interleave_into(layer[e, offset : offset + nbytes], field, int(QT.Q4_K), OUT, IN)
+    return layer
+
+
+def test_only_weights_of_eight_row_groups_in_an_interleaved_type_interleave():
+    assert not ggml_interleave.interleaves(int(QT.Q4_K), 12)  # ggml's groups are 8 rows
+    assert not ggml_interleave.interleaves(int(QT.BF16), 64)
+    assert not ggml_interleave.interleaves(int(QT.Q4_K), 0)
+
+
+@needs_interleaving
+def test_interleaved_experts_give_the_files_products_to_rounding_and_one_tokens_products_in_a_batch():
+    offset = 64  # a field after another inside each expert, as gate/up and down lie
+    plain, nbytes = _plain_layer(offset)
+    layer = _interleaved(plain, offset, nbytes)
+    assert not torch.equal(layer, plain)  # the rows really were reordered
+    field, ids = (offset, int(QT.Q4_K), OUT, IN), [[1, 4], [0, 5], [4, 1], [2, 3]]
+    x = torch.randn(4, IN)
+    got, want = (ggml_kernels.linear_routed(x, mem, field, ids) for mem in (layer, plain))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    for t in range(4):  # mul_mat_id runs each route on its own row: no 4-row kernel for a batch
+        alone = ggml_kernels.linear_routed(x[t : t + 1], layer, field, ids[t : t + 1])
+        assert torch.equal(alone[0], got[t])
+    one = ggml_kernels.linear(x[:1], layer[1, offset : offset + nbytes].view(OUT, -1), QT.Q4_K, OUT, IN)
+    torch.testing.assert_close(one[0], got[0, 0], rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_interleaving
+def test_interleaving_memory_goes_back_to_ggml_with_its_last_tensor():
+    layer = ggml_interleave.allocate(4096, "a test layer")
+    start = layer.data_ptr()
+    view = layer[128:]
+    del layer
+    gc.collect()
+    assert ggml_kernels.owned_buffer(start) is not None  # a view still holds it
+    del view
+    gc.collect()
+    assert ggml_kernels.owned_buffer(start) is None
+
+
+@needs_interleaving
+def test_what_ggml_would_abort_on_is_a_value_error():
+    plain, nbytes = _plain_layer(0)
+    layer = ggml_interleave.allocate(plain.numel(), "a test layer").view(plain.shape)
+    blocks = plain[0, :nbytes].contiguous()
+    with pytest.raises(ValueError, match="does not lie inside"):
+        ggml_interleave.interleave_into(plain[0, :nbytes], blocks, int(QT.Q4_K), OUT, IN)
+    with pytest.raises(ValueError, match="does not lie inside"):  # would run past the buffer's end
+        ggml_interleave.interleave_into(layer[-1, -64:], blocks, int(QT.Q4_K), OUT, IN)
+    with pytest.raises(ValueError, match="contiguous bytes"):
+        ggml_interleave.interleave_into(layer[0, :nbytes], blocks[:-1], int(QT.Q4_K), OUT, IN)
+    half = nbytes // 2
+    with pytest.raises(ValueError, match="does not interleave"):  # 60 rows: not in groups of 8
+        ggml_interleave.interleave_into(layer[0, :half], blocks[:half], int(QT.Q4_K), OUT - 4, IN)
