@@ -55,6 +55,7 @@ class _Ggml:
         self.view_init = _function(base, "ggml_backend_view_init", ctypes.c_int, _P)
         self.mul_mat = _function(base, "ggml_mul_mat", _P, _P, _P, _P)
         self.mul_mat_id = _function(base, "ggml_mul_mat_id", _P, _P, _P, _P, _P)
+        self.swiglu = _function(base, "ggml_swiglu", _P, _P, _P)
         self.new_graph_custom = _function(base, "ggml_new_graph_custom", _P, _P, size, ctypes.c_bool)
         self.build_forward_expand = _function(base, "ggml_build_forward_expand", None, _P, _P)
         self.tensor_overhead = _function(base, "ggml_tensor_overhead", size)
@@ -125,7 +126,7 @@ def available() -> tuple[bool, str]:
 # Graph slots: ggml's default 2048-slot graph costs more to set up than a decode step's matmul
 # takes to run; a call's graph has at most two nodes (a view and a product) and three leaves.
 _GRAPH_SIZE = 8
-_MAX_TENSORS = 8  # tensors a call describes in its context (linear_routed's: a view and four)
+_MAX_TENSORS = 12  # tensors a call describes in its context (routed_swiglu's: two views and seven)
 
 
 class _ThreadState(threading.local):
@@ -238,6 +239,60 @@ def linear_routed(
     weight `W[e]` inside each; `ids` the `[T][K]` experts' indices (host values: checked here
     without a device read). A token's row is quantized once for all its experts, and the threads
     share one node instead of one per expert."""
+    ggml = _checked_routes(x.shape, experts, field, ids)
+    rows, routes = _float_rows(x, field[3]), torch.tensor(ids, dtype=torch.int32)  # [T or T·K, in]
+    out = torch.empty((len(ids), routes.shape[-1], field[2]), dtype=torch.float32)
+    if ids:
+
+        def build(context, bind):
+            activations, index = _routed_inputs(ggml, context, bind, rows, routes)
+            return ggml.mul_mat_id(
+                context, _experts_view(ggml, context, bind, experts, field), activations, index
+            )
+
+        _run(ggml, build, out, "a routed matmul")
+    return out
+
+
+def routed_swiglu(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    gate_up: tuple[int, int, int, int],
+    down: tuple[int, int, int, int],
+    ids: list[list[int]],
+) -> torch.Tensor:
+    """`down(silu(gate(x)) · up(x))` of every route in one ggml graph, llama.cpp's MoE FFN: the
+    `linear_routed` products of `gate_up` (gate rows, then up rows: transformers' `gate_up_proj`)
+    and `down` with ggml's SwiGLU between them, no tensor of the step leaving ggml; `[T, K, out]`
+    float32 for `x [T, in]`."""
+    ggml = _checked_routes(x.shape, experts, gate_up, ids)
+    _checked_routes((len(ids), len(ids[0]) if ids else 0, down[3]), experts, down, ids)
+    if gate_up[2] != 2 * down[3] or x.dim() != 2:
+        raise ValueError(f"{gate_up[2]} gate and up rows do not feed a down projection of width {down[3]}")
+    rows, routes = _float_rows(x, gate_up[3]), torch.tensor(ids, dtype=torch.int32)
+    tokens, top_k = len(ids), routes.shape[-1]
+    up = torch.empty((tokens, top_k, gate_up[2]), dtype=torch.float32)
+    act = torch.empty((tokens, top_k, down[3]), dtype=torch.float32)
+    out = torch.empty((tokens, top_k, down[2]), dtype=torch.float32)
+    if ids:
+
+        def build(context, bind):
+            activations, index = _routed_inputs(ggml, context, bind, rows, routes)
+            both = ggml.mul_mat_id(
+                context, _experts_view(ggml, context, bind, experts, gate_up), activations, index
+            )
+            bind(both, up)
+            gated = ggml.swiglu(context, both)  # silu(first half) · second half, row by row
+            bind(gated, act)
+            return ggml.mul_mat_id(context, _experts_view(ggml, context, bind, experts, down), gated, index)
+
+        _run(ggml, build, out, "a routed MLP")
+    return out
+
+
+def _checked_routes(shape: tuple[int, ...], experts: torch.Tensor, field, ids: list[list[int]]) -> _Ggml:
+    """ggml, once activations of `shape` and `ids` fit a routed product of `field` inside
+    `experts` (else ValueError)."""
     ggml, reason = _library()
     if ggml is None:
         raise RuntimeError(reason)
@@ -249,38 +304,35 @@ def linear_routed(
         raise ValueError(f"ggml cannot multiply a {out_features}×{in_features} weight in {ggml_type} blocks")
     if offset < 0 or offset + row * out_features > stride:
         raise ValueError(f"a {out_features}×{in_features} weight at byte {offset} overruns {stride} bytes")
-    if x.shape[0] != tokens or x.shape[-1] != in_features or (x.dim() == 3 and x.shape[1] != top_k):
-        raise ValueError(f"activations {tuple(x.shape)} do not fit {tokens}×{top_k} routes")
+    if shape[0] != tokens or shape[-1] != in_features or (len(shape) == 3 and shape[1] != top_k):
+        raise ValueError(f"activations {tuple(shape)} do not fit {tokens}×{top_k} routes")
     if any(len(token) != top_k or min(token) < 0 or max(token) >= num_experts for token in ids):
         raise ValueError(f"a route names an expert outside 0..{num_experts - 1} (or routes differ in length)")
-    rows = _float_rows(x, in_features)  # [T or T·K, in]
-    routes = torch.tensor(ids, dtype=torch.int32)
-    out = torch.empty((tokens, top_k, out_features), dtype=torch.float32)
-    if tokens:
-        _compute_routed(ggml, rows, experts, (offset, int(ggml_type), row), routes, out)
-    return out
+    return ggml
 
 
-def _compute_routed(ggml: _Ggml, rows, experts, field, routes, out) -> None:
-    offset, ggml_type, row = field
+def _routed_inputs(ggml: _Ggml, context, bind, rows: torch.Tensor, routes: torch.Tensor) -> tuple[int, int]:
+    """The activations `[T, rows a token, in]` and the `[T, K]` expert indices as ggml tensors."""
+    tokens, top_k = routes.shape
+    activations = ggml.new_tensor_3d(context, _F32, rows.shape[1], rows.shape[0] // tokens, tokens)
+    index = ggml.new_tensor_2d(context, _I32, top_k, tokens)
+    bind(activations, rows)
+    bind(index, routes)
+    return activations, index
+
+
+def _experts_view(ggml: _Ggml, context, bind, experts: torch.Tensor, field) -> int:
+    """Every expert's weight `field`, `stride` bytes apart: a 3-D view `[E, out, in]` over the
+    layer's memory seen as rows of the field's type."""
+    offset, ggml_type, out_features, in_features = field
     num_experts, stride = experts.shape
-    tokens, top_k, out_features = out.shape
-    in_features, per_token = rows.shape[1], rows.shape[0] // tokens
-
-    def build(context, bind):
-        # every expert's weight, `stride` bytes apart: a 3-D view over the layer's rows of this type
-        whole = ggml.new_tensor_2d(context, ggml_type, in_features, (num_experts * stride - offset) // row)
-        bind(whole, experts, experts.data_ptr() + offset)
-        weights = ggml.view_3d(context, whole, in_features, out_features, num_experts, row, stride, 0)
-        if ggml.view_init(weights) != 0:
-            raise RuntimeError("ggml could not view a layer's experts")
-        activations = ggml.new_tensor_3d(context, _F32, in_features, per_token, tokens)
-        ids = ggml.new_tensor_2d(context, _I32, top_k, tokens)
-        bind(activations, rows)
-        bind(ids, routes)
-        return ggml.mul_mat_id(context, weights, activations, ids)  # [T, K, out] in ggml's ne order
-
-    _run(ggml, build, out, "a routed matmul")
+    row = _row_bytes(ggml, int(ggml_type), in_features)
+    whole = ggml.new_tensor_2d(context, int(ggml_type), in_features, (num_experts * stride - offset) // row)
+    bind(whole, experts, experts.data_ptr() + offset)
+    weights = ggml.view_3d(context, whole, in_features, out_features, num_experts, row, stride, 0)
+    if ggml.view_init(weights) != 0:
+        raise RuntimeError("ggml could not view a layer's experts")
+    return weights
 
 
 def _compute(ggml: _Ggml, rows, out, blocks, ggml_type: int) -> None:

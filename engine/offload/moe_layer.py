@@ -272,6 +272,16 @@ class OffloadedExperts(nn.Module):
         gate_up = fields["gate_up_proj" if self.has_gate else "up_proj"]
         return self.cache.store.layer_buffer(self.layer), gate_up, fields["down_proj"]
 
+    @functools.cached_property
+    def _swiglu(self) -> bool:
+        """Whether the experts gate as SwiGLU (`silu(gate) · up`, gate rows first), which ggml
+        computes itself: asked of the family's own gate on a probe, not read off its name."""
+        if not self.has_gate:
+            return False
+        probe = torch.linspace(-4.0, 4.0, 16).view(2, 8)
+        gate, up = probe.chunk(2, dim=-1)
+        return torch.equal(self.template._apply_gate(probe), torch.nn.functional.silu(gate) * up)
+
     def _routed_in_ggml(self, step: _Step) -> torch.Tensor:
         """Every route of the step through the layer's experts where they lie in the store, one ggml
         node a projection (llama.cpp's `mul_mat_id`: a token's row quantized once for all its
@@ -282,9 +292,12 @@ class OffloadedExperts(nn.Module):
         x = step.hidden  # [T, H]: every route of a token multiplies the same row
         if self.scales_input:  # Llama 4: a row per route, scaled by its weight
             x = x[:, None, :] * weights
-        up = ggml_kernels.linear_routed(x, experts, gate_up, step.index).to(x.dtype)  # [T, K, 2I]
-        act = self.template._apply_gate(up) if self.has_gate else self.template.act_fn(up)
-        y = ggml_kernels.linear_routed(act, experts, down, step.index).to(x.dtype)  # [T, K, H]
+        if self._swiglu and x.dtype == torch.float32:  # the whole expert in one ggml graph
+            y = ggml_kernels.routed_swiglu(x, experts, gate_up, down, step.index)  # [T, K, H]
+        else:
+            up = ggml_kernels.linear_routed(x, experts, gate_up, step.index).to(x.dtype)  # [T, K, 2I]
+            act = self.template._apply_gate(up) if self.has_gate else self.template.act_fn(up)
+            y = ggml_kernels.linear_routed(act, experts, down, step.index).to(x.dtype)  # [T, K, H]
         if not self.scales_input:
             y = y * weights
         return y.sum(dim=1, dtype=step.out.dtype)

@@ -113,6 +113,36 @@ def test_routed_products_are_each_experts_product_bit_for_bit(ggml_type):
         ggml_kernels.linear_routed(torch.randn(2, IN), layer, field, ids)
 
 
+@needs_ggml
+def test_a_routed_swiglu_is_its_two_routed_products_with_silu_between():
+    """`routed_swiglu` (gate/up, SwiGLU and down in one ggml graph) gives what `linear_routed`,
+    torch's `silu(gate) · up` and `linear_routed` give in turn, to ggml's float rounding of silu; a
+    token's values do not depend on the batch; mismatched widths are a ValueError."""
+    experts, inter, hidden = 4, 64, 256
+    rng = np.random.default_rng(5)
+    gate_up = [
+        quantize(rng.standard_normal((2 * inter, hidden)).astype(np.float32), QT.Q4_K) for _ in range(experts)
+    ]
+    down = [
+        quantize(rng.standard_normal((hidden, inter)).astype(np.float32), QT.Q8_0) for _ in range(experts)
+    ]
+    split = gate_up[0].nbytes
+    layer = torch.zeros(experts, split + down[0].nbytes, dtype=torch.uint8)
+    for e in range(experts):
+        layer[e, :split] = torch.from_numpy(gate_up[e].view(np.uint8).reshape(-1))
+        layer[e, split:] = torch.from_numpy(down[e].view(np.uint8).reshape(-1))
+    fields = (0, int(QT.Q4_K), 2 * inter, hidden), (split, int(QT.Q8_0), hidden, inter)
+    ids, x = [[0, 3], [2, 1], [3, 2]], torch.randn(3, hidden)
+    got = ggml_kernels.routed_swiglu(x, layer, *fields, ids)
+    gate, up = ggml_kernels.linear_routed(x, layer, fields[0], ids).chunk(2, dim=-1)
+    want = ggml_kernels.linear_routed(torch.nn.functional.silu(gate) * up, layer, fields[1], ids)
+    assert got.shape == (3, 2, hidden)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert torch.equal(ggml_kernels.routed_swiglu(x[1:2], layer, *fields, ids[1:2])[0], got[1])
+    with pytest.raises(ValueError, match="do not feed"):
+        ggml_kernels.routed_swiglu(x, layer, (0, int(QT.Q4_K), inter, hidden), fields[1], ids)
+
+
 @pytest.fixture(scope="module")
 def tiny_q4_k_m(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ggml-kernels")
@@ -157,6 +187,29 @@ def test_a_gguf_model_with_ggml_kernels_keeps_the_files_blocks_and_stays_close_t
     row_error = (fast - exact).abs().max(dim=-1).values / exact.abs().max()
     assert row_error.median() < 0.05
     assert (fast.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.75
+
+
+@needs_ggml
+def test_float32_in_place_experts_go_through_one_ggml_graph_with_the_same_tokens(tiny_q4_k_m):
+    """A float32 model's SwiGLU experts, used in place, run gate/up, SwiGLU and down as one ggml
+    graph (`routed_swiglu`): the logits of two ggml calls with torch's gate between, to rounding,
+    and the same greedy tokens."""
+    model = load_model(tiny_q4_k_m, dataclasses.replace(_config("ggml"), dtype="float32"))
+    try:
+        layers = [m for m in model.hf_model.modules() if isinstance(m, OffloadedExperts)]
+        assert model.dtype == torch.float32 and all(m._grouped_in_ggml and m._swiglu for m in layers)
+        greedy = GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(greedy=True), ignore_eos=True)
+        runs = []
+        for fused in (True, False):
+            for m in layers:
+                m.__dict__["_swiglu"] = fused
+            logits = model.forward(torch.tensor(PROMPT), model.new_kv_cache(), logits_to_keep=0)
+            runs.append((logits, list(generate_text(model, PROMPT, greedy).token_ids)))
+        (one, tokens_one), (two, tokens_two) = runs
+        torch.testing.assert_close(one, two, rtol=1e-4, atol=1e-4 * two.abs().max().item())
+        assert tokens_one == tokens_two
+    finally:
+        model.close()
 
 
 def test_ggml_kernels_without_llama_cpp_are_refused_by_name(tiny_q4_k_m, monkeypatch):
