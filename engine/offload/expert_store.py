@@ -35,7 +35,6 @@ from engine.offload import ggml_kernels
 from engine.offload.fp8 import FP8_DTYPE, Fp8Weight, scale_shape
 from engine.offload.ggml_quants import linear as ggml_linear
 from engine.offload.ggml_repack import GGML_PACKINGS, repacked_linear
-from engine.offload.host_memory import advise_huge_pages
 from engine.offload.int4 import Int4Weight, packed_shapes
 from engine.offload.quant import QuantSpec, is_weight, quantize_into, quantized_fields
 
@@ -286,16 +285,13 @@ def read_expert(
 def allocate_layer(num_experts: int, nbytes: int, pin: bool, layer: int) -> torch.Tensor:
     """An empty `[E, nbytes]` layer buffer in host memory, pinned when asked."""
     try:
-        memory = torch.empty((num_experts, nbytes), dtype=torch.uint8, pin_memory=pin)
+        return torch.empty((num_experts, nbytes), dtype=torch.uint8, pin_memory=pin)
     except RuntimeError as err:
         raise DeviceOutOfMemoryError(
             f"Cannot allocate {nbytes * num_experts / 2**30:.1f} GiB of "
             f"{'pinned ' if pin else ''}host memory for layer {layer}'s experts ({err}). "
             "Close other programs or use a smaller model."
         ) from err
-    if not pin:
-        advise_huge_pages(memory)  # pinned memory is the driver's, already locked in place
-    return memory
 
 
 def pack_expert(

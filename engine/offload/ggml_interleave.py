@@ -29,7 +29,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.errors import DeviceOutOfMemoryError
 from engine.offload import ggml_kernels
-from engine.offload.host_memory import advise_huge_pages
 
 _P = ctypes.c_void_p
 _OBJECT_BYTES = 32  # ggml.c's struct ggml_object, which precedes each tensor in a context
@@ -114,9 +113,7 @@ def allocate(nbytes: int, what: str) -> torch.Tensor:
     array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(start))
     ggml_kernels.owned_buffers[start] = (start + nbytes, buffer)
     weakref.finalize(array, _free, start, buffer)  # the tensor below keeps `array` alive
-    memory = torch.from_numpy(array)
-    advise_huge_pages(memory)
-    return memory
+    return torch.from_numpy(array)
 
 
 def _free(start: int, buffer: int) -> None:

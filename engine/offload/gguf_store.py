@@ -33,7 +33,7 @@ from engine.model.gguf_file import GgufCheckpoint
 from engine.offload import ggml_interleave, ggml_kernels
 from engine.offload.expert_store import ExpertLayout, ExpertStore, allocate_layer
 from engine.offload.ggml_quants import row_bytes
-from engine.offload.ggml_repack import GGML, GGML_PACKINGS, GGML_X8, packed_nbytes, packing_for, repack
+from engine.offload.ggml_repack import GGML_PACKINGS, GGML_X8, packed_nbytes, packing_for, repack
 
 
 def build_gguf_store(
@@ -67,10 +67,11 @@ def build_gguf_store(
             packed = packed.view(num_experts, layout.nbytes)
         else:
             packed = allocate_layer(num_experts, layout.nbytes, pin, layer)
-        if any(f.packing not in (None, GGML) for f in layout.fields):
+        if any(f.packing not in (None, *GGML_PACKINGS) for f in layout.fields):
             _repack_layer(gguf, packed, layout, tensors)
-        else:
+        else:  # the file's bytes as they are; interleaved rows are the same bytes, reordered after
             _pack_layer(gguf, packed.numpy(), layout, tensors)
+            _interleave_layer(packed, layout)
         layouts[layer], layers[layer] = layout, packed
         done += num_experts
         if progress is not None:
@@ -147,12 +148,23 @@ def _repack_layer(gguf: GgufCheckpoint, packed: torch.Tensor, layout: ExpertLayo
         source, target = file_layout.views(staging[0]), layout.views(packed[expert])
         for field in layout.fields:
             blocks, row = source[field.name].data, target[field.name].data
-            if field.packing == GGML_X8:
-                ggml_interleave.interleave_into(row, blocks, field.ggml_type, *field.weight_shape)
-            elif field.packing not in (None, GGML):
+            if field.packing is not None:
                 row.copy_(repack(field.packing, blocks, *field.weight_shape).view(row.shape))
             else:
                 row.copy_(blocks)
+
+
+def _interleave_layer(packed: torch.Tensor, layout: ExpertLayout) -> None:
+    """Each expert's fields of packing GGML_X8, read in the file's rows, interleaved where they lie
+    by way of a one-field copy (ggml's repack writes one weight while it reads another)."""
+    for field in layout.fields:
+        if field.packing != GGML_X8:
+            continue
+        scratch = torch.empty(field.shape, dtype=torch.uint8)
+        for expert in range(packed.shape[0]):
+            row = layout.views(packed[expert])[field.name].data
+            scratch.copy_(row)
+            ggml_interleave.interleave_into(row, scratch, field.ggml_type, *field.weight_shape)
 
 
 def _pack_layer(
