@@ -220,7 +220,12 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.bench",
+        description=__doc__.splitlines()[0],
+        epilog="The plain rows (and --vs-llama-cpp) decode greedily without speculation or prefetch, "
+        "whatever --spec and --prefetch say: --compare runs those configurations.",
+    )
     add_offload_arguments(parser)
     parser.set_defaults(expert_budget=None)
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
