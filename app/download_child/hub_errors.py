@@ -176,7 +176,7 @@ READ_TIMEOUT_S = 60.0  # a Hub that accepted the connection but sends nothing fo
 
 
 def bound_hub_requests() -> None:
-    """Bound every HTTP request huggingface_hub makes. Its API calls pass `timeout=None` (a server
+    """Bound every HTTP request huggingface_hub makes. Its API calls pass no timeout (a server
     that accepts a connection and never answers would hang a search or a download forever), and it
     replaces its shared client after a failed attempt: so each client its factory makes gets a
     transport that fills in our bounds wherever a request says None."""

@@ -111,13 +111,13 @@ def allocate(nbytes: int, what: str) -> torch.Tensor:
         )
     start = ggml.buffer_base(buffer)
     array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(start))
-    ggml_kernels.owned_buffers[start] = (start + nbytes, buffer)
+    ggml_kernels.own(start, start + nbytes, buffer)
     weakref.finalize(array, _free, start, buffer)  # the tensor below keeps `array` alive
     return torch.from_numpy(array)
 
 
 def _free(start: int, buffer: int) -> None:
-    ggml_kernels.owned_buffers.pop(start, None)
+    ggml_kernels.disown(start)
     ggml, _ = ggml_kernels._library()
     ggml.buffer_free(buffer)
 

@@ -21,6 +21,7 @@ argument is checked here first: ggml aborts the process on a failed assertion.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 import logging
@@ -124,7 +125,8 @@ def available() -> tuple[bool, str]:
 
 
 # Graph slots: ggml's default 2048-slot graph costs more to set up than a decode step's matmul
-# takes to run; a call's graph has at most two nodes (a view and a product) and three leaves.
+# takes to run; a call's graph has at most five nodes (routed_swiglu's two views and three
+# products) and four leaves.
 _GRAPH_SIZE = 8
 _MAX_TENSORS = 12  # tensors a call describes in its context (routed_swiglu's: two views and seven)
 
@@ -154,18 +156,32 @@ def _context(ggml: _Ggml) -> tuple[int, int]:
     return _state.context, _state.backend
 
 
-# Memory ggml allocated itself ([start, end) -> its buffer), such as llama.cpp's interleaved rows
-# (engine.offload.ggml_interleave): a tensor there is bound to that buffer, whose type tells ggml
-# how to compute on it, not to a plain buffer made over the pointer.
-owned_buffers: dict[int, tuple[int, int]] = {}  # start address -> (end address, buffer)
+# Memory ggml allocated itself, such as llama.cpp's interleaved rows (engine.offload.ggml_interleave):
+# a tensor there is bound to that buffer, whose type tells ggml how to compute on it, not to a plain
+# buffer over the pointer. Looked up on every bind, so by bisection over the regions' starts.
+_owned_starts: list[int] = []  # sorted
+_owned: dict[int, tuple[int, int]] = {}  # start address -> (end address, buffer)
+
+
+def own(start: int, end: int, buffer: int) -> None:
+    """Record that ggml's `buffer` holds the memory [start, end)."""
+    bisect.insort(_owned_starts, start)
+    _owned[start] = (end, buffer)
+
+
+def disown(start: int) -> None:
+    """Forget the region `own` recorded at `start` (its buffer is being freed)."""
+    if _owned.pop(start, None) is not None:
+        del _owned_starts[bisect.bisect_left(_owned_starts, start)]
 
 
 def owned_buffer(address: int) -> tuple[int, int] | None:
     """(end address, buffer) of the ggml-allocated memory `address` lies in, if any."""
-    for start, (end, buffer) in owned_buffers.items():
-        if start <= address < end:
-            return end, buffer
-    return None
+    index = bisect.bisect_right(_owned_starts, address) - 1
+    if index < 0:
+        return None
+    end, buffer = _owned[_owned_starts[index]]
+    return (end, buffer) if address < end else None
 
 
 _ADDRESS_SPACE = 1 << 47  # x86-64 and arm64 user addresses lie below
@@ -183,7 +199,7 @@ def _everywhere(ggml: _Ggml) -> int:
 
 def _buffer(ggml: _Ggml, memory: torch.Tensor) -> int:
     """The buffer `memory` is bound through: ggml's own where ggml allocated it, else `_everywhere`."""
-    if owned_buffers and (owner := owned_buffer(memory.data_ptr())) is not None:
+    if _owned and (owner := owned_buffer(memory.data_ptr())) is not None:
         return owner[1]
     return _everywhere(ggml)
 
@@ -264,10 +280,10 @@ def routed_swiglu(
     """`down(silu(gate(x)) · up(x))` of every route in one ggml graph, llama.cpp's MoE FFN: the
     `linear_routed` products of `gate_up` (gate rows, then up rows: transformers' `gate_up_proj`)
     and `down` with ggml's SwiGLU between them, no tensor of the step leaving ggml; `[T, K, out]`
-    float32 for `x [T, in]`."""
+    float32 for `x [T, in]` (or `[T, K, in]`, a row per route, as `linear_routed` takes)."""
     ggml = _checked_routes(x.shape, experts, gate_up, ids)
     _checked_routes((len(ids), len(ids[0]) if ids else 0, down[3]), experts, down, ids)
-    if gate_up[2] != 2 * down[3] or x.dim() != 2:
+    if gate_up[2] != 2 * down[3]:
         raise ValueError(f"{gate_up[2]} gate and up rows do not feed a down projection of width {down[3]}")
     rows, routes = _float_rows(x, gate_up[3]), torch.tensor(ids, dtype=torch.int32)
     tokens, top_k = len(ids), routes.shape[-1]

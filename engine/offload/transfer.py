@@ -217,9 +217,8 @@ class _SimCopy(CopyHandle):
         if self.error is not None:
             raise self.error
 
-    def synchronize(self) -> None:
-        """The host is the consumer here: the same bounded wait (`COPY_TIMEOUT_S`)."""
-        self.wait()
+    # the host is the consumer here: synchronizing is the same wait, bounded by COPY_TIMEOUT_S
+    synchronize = wait
 
     def done(self) -> bool:
         return self._landed.is_set()

@@ -65,8 +65,11 @@ def test_interleaved_experts_give_the_files_products_to_rounding_and_one_tokens_
 
 @needs_interleaving
 def test_interleaving_memory_goes_back_to_ggml_with_its_last_tensor():
-    layer = ggml_interleave.allocate(4096, "a test layer")
+    layer, other = ggml_interleave.allocate(4096, "a test layer"), ggml_interleave.allocate(8192, "another")
     start = layer.data_ptr()
+    assert ggml_kernels.owned_buffer(start + 4095)[0] == start + 4096  # each region found as its own
+    assert ggml_kernels.owned_buffer(other.data_ptr() + 8191)[0] == other.data_ptr() + 8192
+    assert ggml_kernels.owned_buffer(start + 4096) in (None, ggml_kernels.owned_buffer(other.data_ptr()))
     view = layer[128:]
     del layer
     gc.collect()

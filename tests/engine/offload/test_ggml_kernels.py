@@ -139,6 +139,8 @@ def test_a_routed_swiglu_is_its_two_routed_products_with_silu_between():
     assert got.shape == (3, 2, hidden)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     assert torch.equal(ggml_kernels.routed_swiglu(x[1:2], layer, *fields, ids[1:2])[0], got[1])
+    per_route = x[:, None, :].expand(3, 2, hidden).contiguous()  # a row per route, as Llama 4 has
+    assert torch.equal(ggml_kernels.routed_swiglu(per_route, layer, *fields, ids), got)
     with pytest.raises(ValueError, match="do not feed"):
         ggml_kernels.routed_swiglu(x, layer, (0, int(QT.Q4_K), inter, hidden), fields[1], ids)
 
