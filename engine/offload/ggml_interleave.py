@@ -29,37 +29,17 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.errors import DeviceOutOfMemoryError
 from engine.offload import ggml_kernels
+from engine.offload.ggml_graphs import Tensor, readable
+from engine.offload.ggml_library import library
 
 _P = ctypes.c_void_p
-_OBJECT_BYTES = 32  # ggml.c's struct ggml_object, which precedes each tensor in a context
-
-
-class _Tensor(ctypes.Structure):
-    """ggml.h's `struct ggml_tensor`, read for the `extra` ggml sets on an interleaved weight."""
-
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("buffer", _P),
-        ("ne", ctypes.c_int64 * 4),
-        ("nb", ctypes.c_size_t * 4),
-        ("op", ctypes.c_int),
-        ("op_params", ctypes.c_int32 * 16),
-        ("flags", ctypes.c_int32),
-        ("src", _P * 10),
-        ("view_src", _P),
-        ("view_offs", ctypes.c_size_t),
-        ("data", _P),
-        ("name", ctypes.c_char * 64),
-        ("extra", _P),
-        ("padding", ctypes.c_char * 8),
-    ]
 
 
 @functools.cache
 def _repack_type() -> int | None:
-    """ggml's `CPU_REPACK` buffer type, where this ggml has it and its tensors read as `_Tensor`."""
-    ggml, _ = ggml_kernels._library()
-    if ggml is None or ctypes.sizeof(_Tensor) + _OBJECT_BYTES != ggml.tensor_overhead():
+    """ggml's `CPU_REPACK` buffer type, where this ggml has it and its tensors read as `Tensor`."""
+    ggml, _ = library()
+    if ggml is None or not readable(ggml):
         return None  # another ggml.h than this module was written against: the plain kernels
     reg = ggml.cpu_reg()
     address = ggml.reg_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
@@ -81,7 +61,7 @@ def interleaves(ggml_type: int, rows: int) -> bool:
     buffer_type = _repack_type()
     if buffer_type is None or rows <= 0:
         return False
-    ggml, _ = ggml_kernels._library()
+    ggml, _ = library()
     block_weights, _ = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     buffer = ggml.buft_alloc_buffer(buffer_type, ggml.row_size(ggml_type, block_weights) * rows)
     if not buffer:
@@ -89,7 +69,7 @@ def interleaves(ggml_type: int, rows: int) -> bool:
     try:
         context, _ = ggml_kernels._context(ggml)
         tensor = ggml.new_tensor_2d(context, ggml_type, block_weights, rows)
-        head = _Tensor.from_address(tensor)
+        head = Tensor.from_address(tensor)
         if head.type != ggml_type or list(head.ne) != [block_weights, rows, 1, 1]:
             return False
         return ggml.tensor_alloc(buffer, tensor, ggml.buffer_base(buffer)) == 0 and bool(head.extra)
@@ -99,7 +79,7 @@ def interleaves(ggml_type: int, rows: int) -> bool:
 
 def allocate(nbytes: int, what: str) -> torch.Tensor:
     """`nbytes` of uint8 host memory in a ggml interleaving buffer (`what` names it in errors)."""
-    ggml, _ = ggml_kernels._library()
+    ggml, _ = library()
     buffer_type = _repack_type()
     if buffer_type is None:
         raise RuntimeError("this ggml has no interleaving CPU buffers")
@@ -118,7 +98,7 @@ def allocate(nbytes: int, what: str) -> torch.Tensor:
 
 def _free(start: int, buffer: int) -> None:
     ggml_kernels.disown(start)
-    ggml, _ = ggml_kernels._library()
+    ggml, _ = library()
     ggml.buffer_free(buffer)
 
 
@@ -128,7 +108,7 @@ def interleave_into(
     """Write the `[out, in]` weight whose ggml blocks are `blocks` (uint8, the file's rows) into
     `target`, as many bytes inside `allocate`d memory, with its rows interleaved. Every argument is
     checked here: ggml aborts the process on a failed assertion."""
-    ggml, _ = ggml_kernels._library()
+    ggml, _ = library()
     nbytes = ggml.row_size(ggml_type, in_features) * out_features
     address = target.data_ptr()
     owner = ggml_kernels.owned_buffer(address)

@@ -1,9 +1,8 @@
 """llama.cpp's own CPU matmul kernels, on a GGUF weight's blocks where they lie (`--kernels ggml`).
 
-Contract: `available()` says whether ggml's shared libraries can be loaded (they come with the
-optional `llama-cpp-python` package, the `llama` extra) and why not; `linear(x, blocks, ggml_type,
-out, in)` is `x @ W.T` for the weight `W [out, in]` whose ggml blocks are `blocks` (uint8, `[out,
-row bytes]`, the file's layout), computed by ggml's CPU backend with as many threads as torch uses;
+Contract (where engine.offload.ggml_library.available()): `linear(x, blocks, ggml_type, out, in)`
+is `x @ W.T` for the weight `W [out, in]` whose ggml blocks are `blocks` (uint8, `[out, row
+bytes]`, the file's layout), computed by ggml's CPU backend with as many threads as torch uses;
 `linear_routed(x, experts, field, ids)` runs every route of a MoE layer through its experts where
 they lie in a packed layer buffer, in one node (`ggml_mul_mat_id`, as llama.cpp runs the layer).
 
@@ -11,7 +10,8 @@ This is the path llama.cpp computes on: the activations are quantized to 8 bits 
 (Q8_K for the K-quants, Q8_0 for the others) and multiplied with integer dot products, so the
 result differs from `x @ dequantize(W).T` by about a percent of its scale, as llama.cpp's own
 outputs do; the engine's default kernels (engine.offload.ggml_repack, ggml_linear) stay exact and
-this one is chosen by name only. A call makes one graph: ggml tensors are described in
+this one is chosen by name only. A call makes one graph (a one-token call's is kept and only
+pointed at the call's memory: engine.offload.ggml_graphs): ggml tensors are described in
 a per-thread metadata context (no allocation), bound to the caller's memory through one CPU
 buffer made over the whole address space (`ggml_backend_cpu_buffer_from_ptr`: it owns nothing and
 only bounds where tensors may lie; a buffer a call cost 6 of a matmul call's 16 foreign calls) or,
@@ -26,102 +26,18 @@ import ctypes
 import functools
 import logging
 import threading
-from pathlib import Path
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from engine.offload.ggml_graphs import KeptGraph, KeptGraphs, readable
+from engine.offload.ggml_library import Ggml, InitParams, library
 
 _ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT
 _F32 = int(GGMLQuantizationType.F32)
 _I32 = int(GGMLQuantizationType.I32)
 _P = ctypes.c_void_p
 log = logging.getLogger(__name__)
-
-
-class _InitParams(ctypes.Structure):
-    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", _P), ("no_alloc", ctypes.c_bool)]
-
-
-class _Ggml:
-    """The few ggml functions this module calls, with their C signatures."""
-
-    def __init__(self, lib_dir: Path):
-        base, cpu = _load(lib_dir, "libggml-base.so"), _load(lib_dir, "libggml-cpu.so")
-        i64, size = ctypes.c_int64, ctypes.c_size_t
-        self.init = _function(base, "ggml_init", _P, _InitParams)
-        self.reset = _function(base, "ggml_reset", None, _P)
-        self.new_tensor_2d = _function(base, "ggml_new_tensor_2d", _P, _P, ctypes.c_int, i64, i64)
-        self.new_tensor_3d = _function(base, "ggml_new_tensor_3d", _P, _P, ctypes.c_int, i64, i64, i64)
-        self.view_3d = _function(base, "ggml_view_3d", _P, _P, _P, i64, i64, i64, size, size, size)
-        self.view_init = _function(base, "ggml_backend_view_init", ctypes.c_int, _P)
-        self.mul_mat = _function(base, "ggml_mul_mat", _P, _P, _P, _P)
-        self.mul_mat_id = _function(base, "ggml_mul_mat_id", _P, _P, _P, _P, _P)
-        self.swiglu = _function(base, "ggml_swiglu", _P, _P, _P)
-        self.new_graph_custom = _function(base, "ggml_new_graph_custom", _P, _P, size, ctypes.c_bool)
-        self.build_forward_expand = _function(base, "ggml_build_forward_expand", None, _P, _P)
-        self.tensor_overhead = _function(base, "ggml_tensor_overhead", size)
-        self.graph_overhead_custom = _function(base, "ggml_graph_overhead_custom", size, size, ctypes.c_bool)
-        self.row_size = _function(base, "ggml_row_size", size, ctypes.c_int, i64)
-        self.tensor_alloc = _function(base, "ggml_backend_tensor_alloc", ctypes.c_int, _P, _P, _P)
-        self.buffer_free = _function(base, "ggml_backend_buffer_free", None, _P)
-        self.graph_compute = _function(base, "ggml_backend_graph_compute", ctypes.c_int, _P, _P)
-        self.cpu_init = _function(cpu, "ggml_backend_cpu_init", _P)
-        self.cpu_set_n_threads = _function(cpu, "ggml_backend_cpu_set_n_threads", None, _P, ctypes.c_int)
-        self.cpu_buffer_from_ptr = _function(cpu, "ggml_backend_cpu_buffer_from_ptr", _P, _P, size)
-        # llama.cpp's extra CPU buffer types (engine.offload.ggml_interleave)
-        self.cpu_reg = _function(cpu, "ggml_backend_cpu_reg", _P)
-        self.reg_dev_get = _function(base, "ggml_backend_reg_dev_get", _P, _P, size)
-        self.reg_proc_address = _function(base, "ggml_backend_reg_get_proc_address", _P, _P, ctypes.c_char_p)
-        self.buft_name = _function(base, "ggml_backend_buft_name", ctypes.c_char_p, _P)
-        self.buft_alloc_buffer = _function(base, "ggml_backend_buft_alloc_buffer", _P, _P, size)
-        self.buffer_base = _function(base, "ggml_backend_buffer_get_base", _P, _P)
-        self.tensor_set = _function(base, "ggml_backend_tensor_set", None, _P, _P, size, size)
-        _function(base, "ggml_log_set", None, _LogCallback, _P)(_log_to_logging, None)
-
-
-def _load(lib_dir: Path, name: str) -> ctypes.CDLL:
-    """The library by its soname (`<name>.0`) where the wheel has that file: the name llama.cpp's
-    own libraries ask for, so the process holds one ggml (one log, one CPU backend), not a copy
-    that a file of another name would load beside it."""
-    path = lib_dir / f"{name}.0"
-    return ctypes.CDLL(str(path if path.exists() else lib_dir / name), mode=ctypes.RTLD_GLOBAL)
-
-
-_LogCallback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
-_LOG_LEVELS = {3: logging.WARNING, 4: logging.ERROR}  # ggml.h: 1 debug, 2 info, 3 warn, 4 error
-
-
-@_LogCallback
-def _log_to_logging(level: int, text: bytes | None, _user_data) -> None:
-    """ggml's warnings and errors into the engine's log; its debug and info lines (one per
-    interleaved weight, engine.offload.ggml_interleave) nowhere, instead of on stderr."""
-    if level in _LOG_LEVELS and text:
-        log.log(_LOG_LEVELS[level], "ggml: %s", text.decode(errors="replace").rstrip())
-
-
-def _function(lib, name: str, restype, *argtypes):
-    function = getattr(lib, name)
-    function.restype, function.argtypes = restype, list(argtypes)
-    return function
-
-
-@functools.cache
-def _library() -> tuple[_Ggml | None, str]:
-    try:
-        import llama_cpp
-    except ImportError:
-        return None, "ggml's kernels come with llama-cpp-python: pip install 'moe-chat[llama]'"
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    try:
-        return _Ggml(lib_dir), ""
-    except (OSError, AttributeError) as err:
-        return None, f"llama-cpp-python's ggml libraries in {lib_dir} cannot be used ({err})"
-
-
-def available() -> tuple[bool, str]:
-    """Whether ggml's kernels can run here, and why not."""
-    ggml, reason = _library()
-    return ggml is not None, reason
 
 
 # Graph slots: ggml's default 2048-slot graph costs more to set up than a decode step's matmul
@@ -135,25 +51,37 @@ class _ThreadState(threading.local):
     context: int | None = None
     backend: int | None = None
     threads = 0
+    kept: KeptGraphs | None = None  # one-token products' graphs (engine.offload.ggml_graphs)
 
 
 _state = _ThreadState()
 
 
-def _context(ggml: _Ggml) -> tuple[int, int]:
+def _context_bytes(ggml: Ggml) -> int:
+    return ggml.tensor_overhead() * _MAX_TENSORS + ggml.graph_overhead_custom(_GRAPH_SIZE, False) + 4096
+
+
+def _context(ggml: Ggml) -> tuple[int, int]:
     """This thread's metadata context (reset for each call) and CPU backend."""
     if _state.context is None:
-        size = ggml.tensor_overhead() * _MAX_TENSORS + ggml.graph_overhead_custom(_GRAPH_SIZE, False)
-        _state.context = ggml.init(_InitParams(size + 4096, None, True))
-        _state.backend = ggml.cpu_init()
-        if not _state.context or not _state.backend:
-            raise RuntimeError("ggml could not make a context or a CPU backend")
+        _state.context = ggml.init(InitParams(_context_bytes(ggml), None, True))
+        if not _state.context:
+            raise RuntimeError("ggml could not make a context")
     ggml.reset(_state.context)
+    return _state.context, _backend(ggml)
+
+
+def _backend(ggml: Ggml) -> int:
+    """This thread's CPU backend, computing with as many threads as torch."""
+    if _state.backend is None:
+        _state.backend = ggml.cpu_init()
+        if not _state.backend:
+            raise RuntimeError("ggml could not make a CPU backend")
     threads = torch.get_num_threads()
     if threads != _state.threads:
         ggml.cpu_set_n_threads(_state.backend, threads)
         _state.threads = threads
-    return _state.context, _state.backend
+    return _state.backend
 
 
 # Memory ggml allocated itself, such as llama.cpp's interleaved rows (engine.offload.ggml_interleave):
@@ -188,7 +116,7 @@ _ADDRESS_SPACE = 1 << 47  # x86-64 and arm64 user addresses lie below
 
 
 @functools.cache
-def _everywhere(ggml: _Ggml) -> int:
+def _everywhere(ggml: Ggml) -> int:
     """A CPU buffer from the first aligned address to the end of user memory: a tensor bound to it
     may lie anywhere; it owns no memory and lives as long as the process."""
     buffer = ggml.cpu_buffer_from_ptr(_ALIGNMENT, _ADDRESS_SPACE - _ALIGNMENT)
@@ -197,19 +125,19 @@ def _everywhere(ggml: _Ggml) -> int:
     return buffer
 
 
-def _buffer(ggml: _Ggml, memory: torch.Tensor) -> int:
+def _buffer(ggml: Ggml, memory: torch.Tensor) -> int:
     """The buffer `memory` is bound through: ggml's own where ggml allocated it, else `_everywhere`."""
     if _owned and (owner := owned_buffer(memory.data_ptr())) is not None:
         return owner[1]
     return _everywhere(ggml)
 
 
-def _bind(ggml: _Ggml, tensor: int, buffer: int, address: int) -> None:
+def _bind(ggml: Ggml, tensor: int, buffer: int, address: int) -> None:
     if ggml.tensor_alloc(buffer, tensor, address) != 0:
         raise RuntimeError("ggml could not bind a tensor to its memory")
 
 
-def _checked(ggml: _Ggml, blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int) -> None:
+def _checked(ggml: Ggml, blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int) -> None:
     row = _row_bytes(ggml, int(ggml_type), in_features)
     if row is None or blocks.dtype != torch.uint8 or blocks.device.type != "cpu":
         raise ValueError(f"ggml cannot multiply a {out_features}×{in_features} weight in {ggml_type} blocks")
@@ -229,14 +157,15 @@ def linear(
     x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int
 ) -> torch.Tensor:
     """`x @ W.T` by ggml's CPU kernels, `x [..., in]`, in x's dtype (computed in float32)."""
-    ggml, reason = _library()
+    ggml, reason = library()
     if ggml is None:
         raise RuntimeError(reason)
     _checked(ggml, blocks, ggml_type, out_features, in_features)
     rows = _float_rows(x, in_features)
     out = torch.empty((rows.shape[0], out_features), dtype=torch.float32)
     if rows.shape[0]:
-        _compute(ggml, rows, out, blocks, int(ggml_type))
+        key = ("mm", blocks.data_ptr(), _buffer(ggml, blocks), int(ggml_type), out_features, in_features)
+        _compute(ggml, rows, out, blocks, int(ggml_type), key if rows.shape[0] == 1 else None)
     if x.dtype != torch.float32:
         out = out.to(x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
@@ -266,7 +195,8 @@ def linear_routed(
                 context, _experts_view(ggml, context, bind, experts, field), activations, index
             )
 
-        _run(ggml, build, out, "a routed matmul")
+        key = _routed_key(ggml, experts, (field,), x, ids)
+        _run(ggml, build, out, "a routed matmul", (rows, routes), key)
     return out
 
 
@@ -302,14 +232,15 @@ def routed_swiglu(
             bind(gated, act)
             return ggml.mul_mat_id(context, _experts_view(ggml, context, bind, experts, down), gated, index)
 
-        _run(ggml, build, out, "a routed MLP")
+        key = _routed_key(ggml, experts, (gate_up, down), x, ids)
+        _run(ggml, build, out, "a routed MLP", (rows, routes, up, act), key)
     return out
 
 
-def _checked_routes(shape: tuple[int, ...], experts: torch.Tensor, field, ids: list[list[int]]) -> _Ggml:
+def _checked_routes(shape: tuple[int, ...], experts: torch.Tensor, field, ids: list[list[int]]) -> Ggml:
     """ggml, once activations of `shape` and `ids` fit a routed product of `field` inside
     `experts` (else ValueError)."""
-    ggml, reason = _library()
+    ggml, reason = library()
     if ggml is None:
         raise RuntimeError(reason)
     offset, ggml_type, out_features, in_features = field
@@ -327,7 +258,7 @@ def _checked_routes(shape: tuple[int, ...], experts: torch.Tensor, field, ids: l
     return ggml
 
 
-def _routed_inputs(ggml: _Ggml, context, bind, rows: torch.Tensor, routes: torch.Tensor) -> tuple[int, int]:
+def _routed_inputs(ggml: Ggml, context, bind, rows: torch.Tensor, routes: torch.Tensor) -> tuple[int, int]:
     """The activations `[T, rows a token, in]` and the `[T, K]` expert indices as ggml tensors."""
     tokens, top_k = routes.shape
     activations = ggml.new_tensor_3d(context, _F32, rows.shape[1], rows.shape[0] // tokens, tokens)
@@ -337,7 +268,7 @@ def _routed_inputs(ggml: _Ggml, context, bind, rows: torch.Tensor, routes: torch
     return activations, index
 
 
-def _experts_view(ggml: _Ggml, context, bind, experts: torch.Tensor, field) -> int:
+def _experts_view(ggml: Ggml, context, bind, experts: torch.Tensor, field) -> int:
     """Every expert's weight `field`, `stride` bytes apart: a 3-D view `[E, out, in]` over the
     layer's memory seen as rows of the field's type."""
     offset, ggml_type, out_features, in_features = field
@@ -351,8 +282,8 @@ def _experts_view(ggml: _Ggml, context, bind, experts: torch.Tensor, field) -> i
     return weights
 
 
-def _compute(ggml: _Ggml, rows, out, blocks, ggml_type: int) -> None:
-    """`out = rows @ W.T` in a one-node graph."""
+def _compute(ggml: Ggml, rows, out, blocks, ggml_type: int, key) -> None:
+    """`out = rows @ W.T` in a one-node graph (kept under `key`, unless None)."""
 
     def build(context, bind):
         weight = ggml.new_tensor_2d(context, ggml_type, rows.shape[1], out.shape[1])
@@ -361,28 +292,72 @@ def _compute(ggml: _Ggml, rows, out, blocks, ggml_type: int) -> None:
         bind(activations, rows)
         return ggml.mul_mat(context, weight, activations)  # [rows, out] in ggml's ne order
 
-    _run(ggml, build, out, "a matmul")
+    _run(ggml, build, out, "a matmul", (rows,), key)
 
 
-def _run(ggml: _Ggml, build, out: torch.Tensor, what: str) -> None:
+def _routed_key(ggml: Ggml, experts: torch.Tensor, fields: tuple, x: torch.Tensor, ids: list[list[int]]):
+    """What a one-token routed graph depends on (None for several tokens: not kept)."""
+    if len(ids) != 1:
+        return None
+    return ("id", experts.data_ptr(), _buffer(ggml, experts), experts.shape, fields, len(ids[0]), x.dim())
+
+
+def _run(ggml: Ggml, build, out: torch.Tensor, what: str, moving: tuple = (), key=None) -> None:
     """Compute the product `build(context, bind)` describes into `out`: `bind(tensor, memory,
-    address=memory's start)` places a tensor in caller memory."""
-    context, backend = _context(ggml)
-    graph = ggml.new_graph_custom(context, _GRAPH_SIZE, False)
+    address=memory's start)` places a tensor in caller memory. `moving` is the call's memory
+    other than `out` and the weights; with a `key`, the graph is kept and later calls under that
+    key only point its tensors at their `moving` memory and `out` (engine.offload.ggml_graphs)."""
+    memories = (*moving, out)
+    if key is not None and readable(ggml):
+        if _state.kept is None:
+            _state.kept = KeptGraphs()
+        kept = _state.kept.get(key)
+        if kept is None:
+            kept = _keep(ggml, build, memories)
+            _state.kept.keep(key, kept)
+        status = kept.compute(_backend(ggml), memories)
+    else:
+        context, backend = _context(ggml)
+        graph = ggml.new_graph_custom(context, _GRAPH_SIZE, False)
+        ggml.build_forward_expand(graph, _built(ggml, context, build, memories, []))
+        status = ggml.graph_compute(backend, graph)
+    if status != 0:
+        raise RuntimeError(f"ggml's CPU backend failed to compute {what}")
+
+
+def _built(ggml: Ggml, context: int, build, memories: tuple, moving: list) -> int:
+    """The product `build` describes, bound to `memories[-1]`; each tensor placed in one of
+    `memories` appended to `moving` as (tensor, which, byte offset)."""
 
     def bind(tensor: int, memory: torch.Tensor, address: int | None = None) -> None:
         address = memory.data_ptr() if address is None else address
         _bind(ggml, tensor, _buffer(ggml, memory), address)
+        which = next((i for i, m in enumerate(memories) if m is memory), None)
+        if which is not None:
+            moving.append((tensor, which, address - memory.data_ptr()))
 
     product = build(context, bind)
-    bind(product, out)
-    ggml.build_forward_expand(graph, product)
-    if ggml.graph_compute(backend, graph) != 0:
-        raise RuntimeError(f"ggml's CPU backend failed to compute {what}")
+    bind(product, memories[-1])
+    return product
+
+
+def _keep(ggml: Ggml, build, memories: tuple) -> KeptGraph:
+    """`build`'s graph in a context of its own, to be run again on other memories."""
+    context = ggml.init(InitParams(_context_bytes(ggml), None, True))
+    if not context:
+        raise RuntimeError("ggml could not make a context")
+    try:
+        moving: list = []
+        graph = ggml.new_graph_custom(context, _GRAPH_SIZE, False)
+        ggml.build_forward_expand(graph, _built(ggml, context, build, memories, moving))
+    except BaseException:
+        ggml.free(context)
+        raise
+    return KeptGraph(ggml, context, graph, moving)
 
 
 @functools.cache
-def _row_bytes(ggml: _Ggml, ggml_type: int, in_features: int) -> int | None:
+def _row_bytes(ggml: Ggml, ggml_type: int, in_features: int) -> int | None:
     """Bytes of one row of `in_features` weights in `ggml_type` blocks; None when rows of that
     width do not fill whole blocks."""
     block_weights, _ = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]

@@ -30,7 +30,7 @@ from engine.errors import (
     UnsupportedQuantizationError,
 )
 from engine.model.gguf_file import GgufCheckpoint
-from engine.offload import ggml_interleave, ggml_kernels
+from engine.offload import ggml_interleave, ggml_library
 from engine.offload.expert_store import ExpertLayout, ExpertStore, allocate_layer
 from engine.offload.ggml_quants import row_bytes
 from engine.offload.ggml_repack import GGML_PACKINGS, GGML_X8, packed_nbytes, packing_for, repack
@@ -54,7 +54,7 @@ def build_gguf_store(
     With `kernels="ggml"` the CPU computes the file's blocks by llama.cpp's kernels (ggml_kernels),
     on rows interleaved as llama.cpp has them where `interleave` (the experts are used in place)."""
     if kernels == "ggml" and repack_for is not None:
-        ready, reason = ggml_kernels.available()
+        ready, reason = ggml_library.available()
         if not ready:
             raise InvalidConfigError(f"--kernels ggml cannot run: {reason}. Use --kernels exact.")
     layouts, layers = {}, {}

@@ -11,10 +11,10 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine.model.ggml_encode import quantize
-from engine.offload import ggml_interleave, ggml_kernels
+from engine.offload import ggml_interleave, ggml_kernels, ggml_library
 
 needs_interleaving = pytest.mark.skipif(
-    not ggml_kernels.available()[0] or not ggml_interleave.interleaves(int(QT.Q4_K), 64),
+    not ggml_library.available()[0] or not ggml_interleave.interleaves(int(QT.Q4_K), 64),
     reason="llama-cpp-python is not installed or its ggml interleaves no Q4_K rows on this CPU",
 )
 EXPERTS, OUT, IN = 6, 64, 512

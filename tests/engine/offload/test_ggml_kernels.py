@@ -19,7 +19,7 @@ from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfi
 from engine.loader import load_model
 from engine.model.ggml_encode import quantize
 from engine.model.tiny_gguf import write_tiny_gguf
-from engine.offload import ggml_kernels
+from engine.offload import ggml_kernels, ggml_library
 from engine.offload.ggml_interleave import interleaves
 from engine.offload.ggml_quants import dequantize
 from engine.offload.ggml_repack import GGML, GGML_X8
@@ -28,7 +28,7 @@ from engine.offload.moe_layer import OffloadedExperts
 
 OUT, IN = 96, 512
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 64]
-needs_ggml = pytest.mark.skipif(not ggml_kernels.available()[0], reason="llama-cpp-python is not installed")
+needs_ggml = pytest.mark.skipif(not ggml_library.available()[0], reason="llama-cpp-python is not installed")
 
 
 def _weight(ggml_type: QT) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +215,7 @@ def test_float32_in_place_experts_go_through_one_ggml_graph_with_the_same_tokens
 
 
 def test_ggml_kernels_without_llama_cpp_are_refused_by_name(tiny_q4_k_m, monkeypatch):
-    monkeypatch.setattr(ggml_kernels, "_library", lambda: (None, "ggml's kernels come with llama-cpp-python"))
+    monkeypatch.setattr(ggml_library, "library", lambda: (None, "ggml's kernels come with llama-cpp-python"))
     with pytest.raises(
         InvalidConfigError, match="--kernels ggml cannot run: ggml's kernels come with llama-cpp"
     ):
