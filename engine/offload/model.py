@@ -21,6 +21,7 @@ from engine.errors import DeviceOutOfMemoryError, InvalidRequestError
 from engine.model.adapters.base import Architecture
 from engine.model.hf_calls import with_cache
 from engine.model.kv_cache import new_kv_cache
+from engine.model.lean_decode import LeanDecode
 from engine.model.prefix_cache import PrefixCache
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertStore
@@ -98,6 +99,7 @@ class OffloadedModel:
         for module in hf_model.modules():
             if isinstance(module, OffloadedExperts):
                 self.experts[module.layer] = module
+        self.lean = LeanDecode.of(hf_model)  # one-token steps without transformers' wrappers, or None
 
     @property
     def hf_config(self):
@@ -208,6 +210,8 @@ class OffloadedModel:
         """Logits `[n, V]` of the last `logits_to_keep` positions of `input_ids [T]` (0 keeps all)."""
         try:
             inputs = input_ids.view(1, -1).to(self.device)
+            if inputs.shape[1] == 1 and self.lean is not None and self.lean.takes(kv_cache):
+                return self.lean.step(inputs, kv_cache)
             kwargs = with_cache(self.hf_model, kv_cache, use_cache=True, logits_to_keep=logits_to_keep)
             output = self.hf_model(input_ids=inputs, **kwargs)
         except torch.OutOfMemoryError as err:

@@ -28,6 +28,7 @@ from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfi
 from engine.loader import load_model
 from engine.model.adapters import NOT_SUPPORTED, SUPPORTED_MODEL_TYPES
 from engine.model.adapters.families import NO_SPECULATION
+from engine.model.hf_calls import with_cache
 from engine.model.tiny import TINY_ARCHITECTURES, save_tiny_model, tiny_config
 from engine.model.tiny_registry import is_multimodal, moe_model_types, shrunk_config
 from tests.engine.exactness import assert_matches_reference
@@ -52,6 +53,23 @@ MTP_FAMILIES = (
 # Exact in plain decoding, not yet in speculative decoding: family -> why (none today: the
 # engine's cache is the model's own, and recurrent state goes back by a saved copy).
 SPEC_XFAIL: dict[str, str] = {}
+
+# Families whose one-token steps go through engine.model.lean_decode (the standard pre-norm
+# decoder with full attention); the others decode through transformers' forward.
+LEAN_FAMILIES = {
+    "aria_text",
+    "ernie4_5_moe",
+    "glm4_moe",
+    "hy_v3",
+    "minimax_m2",
+    "minimax_m3_vl_text",
+    "mixtral",
+    "olmoe",
+    "phimoe",
+    "qwen2_moe",
+    "qwen3_moe",
+    "solar_open",
+}
 
 PROMPT_LENGTH, NEW_TOKENS = 12, 32
 EAGER = {"dtype": torch.float32, "attn_implementation": "eager", "experts_implementation": "eager"}
@@ -106,6 +124,33 @@ def test_logits_and_greedy_tokens_equal_transformers(family):
     _, reference, model, shared = family
     prompt = _prompt(reference.config.get_text_config().vocab_size)
     shared["plain"] = assert_matches_reference(model, reference, prompt, NEW_TOKENS)
+
+
+def test_lean_decode_steps_are_the_forward_bit_for_bit(family):
+    """Where the engine decodes one token without transformers' wrappers (engine.model.lean_decode),
+    each step's logits are the very ones transformers' forward gives on the same cache: the same
+    operators on the same tensors. The families that take that path are the ones listed."""
+    model_type, reference, model, _ = family
+    assert (model.lean is not None) == (model_type in LEAN_FAMILIES), _lean_refusal(model)
+    if model.lean is None:
+        return
+    prompt = torch.tensor(_prompt(reference.config.get_text_config().vocab_size))
+    through_hf, lean = model.new_kv_cache(), model.new_kv_cache()
+    model.forward(prompt, through_hf)
+    model.forward(prompt, lean)
+    for token in (5, 9, 2, 7):
+        ids = torch.tensor([[token]])
+        kwargs = with_cache(model.hf_model, through_hf, use_cache=True, logits_to_keep=1)
+        with torch.inference_mode():
+            expected = model.hf_model(input_ids=ids, **kwargs).logits[0]
+        assert torch.equal(model.forward(ids.view(-1), lean), expected)
+    assert lean.get_seq_length() == through_hf.get_seq_length() == len(prompt) + 4
+
+
+def _lean_refusal(model) -> str:
+    from engine.model.lean_decode import _refusal
+
+    return _refusal(model.hf_model) or "taken"
 
 
 def test_greedy_self_speculation_is_plain_greedy(family):

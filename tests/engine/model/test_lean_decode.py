@@ -1,0 +1,122 @@
+"""engine.model.lean_decode: when a one-token step leaves transformers' forward, and when it must not.
+
+Bit-for-bit equality with the forward on every family it takes is in test_all_families.py
+(`test_lean_decode_steps_are_the_forward_bit_for_bit`); here: what hooks, caches, norms and
+configs make it step aside, so nothing that watches the forward misses a step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import ExpertBudget, OffloadConfig
+from engine.loader import load_model
+from engine.model import lean_decode
+from engine.model.cpu_attention import use_cpu_attention
+from engine.model.hf_calls import decoder_of
+from engine.model.tiny import TINY_ARCHITECTURES, build_tiny_model, save_tiny_model, tiny_config
+from engine.model.tiny_registry import shrunk_config
+
+PROMPT = torch.tensor([3, 17, 42, 99, 7, 25, 11, 64])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = save_tiny_model(build_tiny_model("qwen3_moe"), tmp_path_factory.mktemp("lean"))
+    config = OffloadConfig(device="cpu", dtype="float32", expert_budget=ExpertBudget.parse("all"))
+    loaded = load_model(folder, config)
+    yield loaded
+    loaded.close()
+
+
+def _steps(model, count: int = 3) -> torch.Tensor:
+    cache = model.new_kv_cache()
+    model.forward(PROMPT, cache)
+    return torch.stack([model.forward(torch.tensor([5 + i]), cache)[0] for i in range(count)])
+
+
+def test_a_standard_decoder_steps_lean_and_its_rms_norms_run_as_one_operator(model):
+    assert model.lean is not None
+    layer = model.lean.layers[0]
+    assert isinstance(layer.input_norm, lean_decode.functools.partial)  # torch's rms_norm, checked equal
+    calls = []
+    original = lean_decode.LeanDecode.step
+    try:
+        lean_decode.LeanDecode.step = lambda self, *args: calls.append(1) or original(self, *args)
+        _steps(model)
+    finally:
+        lean_decode.LeanDecode.step = original
+    assert len(calls) == 3  # the prompt's prefill went through transformers; each one-token step not
+
+
+def test_a_hook_on_the_decoder_or_the_model_sends_steps_through_transformers(model):
+    """An MTP drafter records the decoder's output on every forward: with a hook there, every
+    step is transformers' forward, so the hook sees it; the logits are the same either way."""
+    plain = _steps(model)
+    decoder = decoder_of(model.hf_model)
+    for module in (decoder, model.hf_model):
+        seen = []
+        handle = module.register_forward_hook(lambda _m, _a, _o, seen=seen: seen.append(1))
+        try:
+            assert torch.equal(_steps(model), plain)
+        finally:
+            handle.remove()
+        assert len(seen) == 1 + 3  # the prefill and every step
+
+
+def test_a_hooked_norm_is_called_as_a_module():
+    """A norm something watches (a prefetcher's pre-hook) stays the module, so its hook runs."""
+    hf = build_tiny_model("qwen3_moe")
+    norm = hf.model.layers[0].post_attention_layernorm
+    seen = []
+    norm.register_forward_pre_hook(lambda _m, _a: seen.append(1))
+    assert lean_decode._fused(norm) is norm
+    other = hf.model.layers[1].post_attention_layernorm
+    assert lean_decode._fused(other) is not other
+
+
+def test_a_norm_torchs_rms_norm_does_not_reproduce_stays_the_module():
+    class OffsetNorm(torch.nn.Module):  # Gemma's and Qwen3-Next's (1 + weight) norms, in spirit
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(16))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            return torch.nn.functional.rms_norm(x, (16,), 1 + self.weight, self.variance_epsilon)
+
+    norm = OffsetNorm()
+    assert lean_decode._fused(norm) is norm
+
+
+def test_a_cache_of_other_layers_or_another_length_is_not_taken(model):
+    cache = model.new_kv_cache()
+    assert model.lean.takes(cache)
+    cache.layers = cache.layers[:-1]
+    assert not model.lean.takes(cache)
+    assert not model.lean.takes(object())
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "reason"),
+    [
+        ("gpt_oss", {}, "not the engine's CPU attention"),  # sinks: transformers' eager attention
+        ("granitemoe", {}, "scales or caps"),  # its embedding, residual and logits multipliers
+        ("qwen3_moe", {"layer_types": ["full_attention", "sliding_attention"]}, "attends fully"),
+    ],
+)
+def test_decoders_other_than_the_standard_one_are_refused_with_the_reason(model_type, overrides, reason):
+    config = _config(model_type)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    attention = "eager" if model_type == "gpt_oss" else "sdpa"  # as the engine loads each (no sdpa for sinks)
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+    use_cpu_attention(hf)
+    assert reason in lean_decode._refusal(hf)
+    assert lean_decode.LeanDecode.of(hf) is None
+
+
+def _config(model_type: str):
+    return tiny_config(model_type) if model_type in TINY_ARCHITECTURES else shrunk_config(model_type)
