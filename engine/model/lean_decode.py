@@ -1,4 +1,4 @@
-"""A one-token decode step on the CPU without transformers' per-call machinery around the layers.
+"""Decode and verification steps on the CPU without transformers' per-call machinery around the layers.
 
 Contract: `LeanDecode.of(hf_model)` is a `LeanDecode` when the model is the standard pre-norm
 decoder this module reproduces, else None (the reason logged at debug level):
@@ -10,11 +10,14 @@ with every layer's attention full (no sliding window, sinks, soft-capping or pos
 made of `q_proj`/`k_proj`/`v_proj`/`o_proj` and optional `q_norm`/`k_norm` (per head or over the
 whole projection, as the norm's width says), attending through the engine's CPU attention
 (engine.model.cpu_attention), and no multiplier, scaling or extra norm in the decoder or around
-it. `step(token, kv_cache)` is the logits `[1, V]` of one token appended to `kv_cache`, computed
+it. `step(tokens, kv_cache, logits_to_keep)` is the logits of a few tokens (at most
+MAX_FOLDED_QUERIES: a decode step or a speculative verification) appended to `kv_cache`, computed
 by calling the model's own submodules in the order its forward calls them (so the projections'
 kernels, the offloaded experts, the routers' hooks and the family's own rotary function all run as
 they do there): the same operations on the same tensors, so the logits equal the model's forward
-bit for bit. tests/engine/model/test_all_families.py checks that on every family this accepts.
+bit for bit (a verification's causal mask built as transformers' sdpa mask says: a query sees the
+cache and the new positions up to its own). tests/engine/model/test_all_families.py checks that on
+every family this accepts.
 `takes(kv_cache)` says whether a step may go this way now: no hook on the decoder or the model
 (an MTP drafter records the decoder's output) and a cache of attention layers only.
 
@@ -30,6 +33,7 @@ import inspect
 import logging
 import sys
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -83,15 +87,22 @@ class LeanDecode:
         layers = getattr(kv_cache, "layers", ())
         return len(layers) == len(self.layers) and all(isinstance(layer, DynamicLayer) for layer in layers)
 
-    def step(self, token: torch.Tensor, kv_cache) -> torch.Tensor:
-        """Logits `[1, V]` of the one token `token` (`[1, 1]` ids) after `kv_cache`'s positions."""
+    def step(self, tokens: torch.Tensor, kv_cache, logits_to_keep: int = 1) -> torch.Tensor:
+        """Logits `[n, V]` of the last `logits_to_keep` (0: all) of `tokens` (`[1, T]` ids, T at
+        most MAX_FOLDED_QUERIES: a decode or verification step) after `kv_cache`'s positions."""
         decoder = self.decoder
-        hidden = decoder.embed_tokens(token)  # [1, 1, H]
-        position = torch.tensor([[kv_cache.get_seq_length()]], device=token.device)
-        cos, sin = decoder.rotary_emb(hidden, position)
+        hidden = decoder.embed_tokens(tokens)  # [1, T, H]
+        past, count = kv_cache.get_seq_length(), tokens.shape[1]
+        positions = torch.arange(past, past + count, device=tokens.device)
+        cos, sin = decoder.rotary_emb(hidden, positions[None])
+        # a query sees every cached position and the new ones up to its own, as the causal mask says
+        mask = (
+            None if count == 1 else (torch.arange(past + count, device=tokens.device) <= positions[:, None])
+        )
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, kv_cache, self.apply_rotary)
-        return self.hf_model.lm_head(decoder.norm(hidden))[0]
+            hidden = layer(hidden, cos, sin, kv_cache, self.apply_rotary, mask)
+        kept = hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:]
+        return self.hf_model.lm_head(decoder.norm(kept))[0]
 
 
 class _Layer:
@@ -109,18 +120,41 @@ class _Layer:
         self.head_dim, self.scaling, self.index = attention.head_dim, attention.scaling, attention.layer_idx
         self.q_norm = _Norm.of(getattr(attention, "q_norm", None), self.head_dim)
         self.k_norm = _Norm.of(getattr(attention, "k_norm", None), self.head_dim)
+        self.ends: AttentionEnds | None = None  # set by engine.offload.ggml_layer where it applies
 
-    def __call__(self, hidden: torch.Tensor, cos, sin, kv_cache, apply_rotary) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, cos, sin, kv_cache, apply_rotary, mask) -> torch.Tensor:
+        if self.ends is not None and hidden.dtype == torch.float32:
+            return self._around_ends(hidden, cos, sin, kv_cache, mask)
         x = self.input_norm(hidden)
-        heads = (1, 1, -1, self.head_dim)  # [B, T, heads, D], as the attention views its projections
+        count = hidden.shape[1]
+        heads = (1, count, -1, self.head_dim)  # [B, T, heads, D], as the attention views its projections
         query = self.q_norm(self.q_proj(x), heads).transpose(1, 2)
         key = self.k_norm(self.k_proj(x), heads).transpose(1, 2)
         value = self.v_proj(x).view(heads).transpose(1, 2)
         query, key = apply_rotary(query, key, cos, sin)
         key, value = kv_cache.update(key, value, self.index)
-        out = folded_attention(query, key, value, None, self.scaling)  # [1, heads, 1, D]
-        hidden = hidden + self.o_proj(out.transpose(1, 2).reshape(1, 1, -1))
+        mask = None if mask is None else mask[None, None]  # [1, 1, T, L]
+        out = folded_attention(query, key, value, mask, self.scaling)  # [1, heads, T, D]
+        hidden = hidden + self.o_proj(out.transpose(1, 2).reshape(1, count, -1))
         return hidden + self.mlp(self.post_norm(hidden))
+
+    def _around_ends(self, hidden: torch.Tensor, cos, sin, kv_cache, mask) -> torch.Tensor:
+        """The step with the work before and after the attention done by `ends`."""
+        query, key, value = self.ends.inputs(hidden, cos, sin)
+        key, value = kv_cache.update(key, value, self.index)
+        mask = None if mask is None else mask[None, None]
+        out = folded_attention(query, key, value, mask, self.scaling)  # [1, heads, T, D]
+        hidden, x = self.ends.outputs(out.transpose(1, 2).reshape(1, hidden.shape[1], -1), hidden)
+        return hidden + self.mlp(x)
+
+
+class AttentionEnds(Protocol):
+    """A layer's work before its attention (input norm, q/k/v, q/k norms, rotation) and after it
+    (o_proj, residual, post-attention norm) done elsewhere: engine.offload.ggml_layer."""
+
+    def inputs(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple: ...
+
+    def outputs(self, attended: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class _Norm:

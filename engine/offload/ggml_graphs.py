@@ -55,18 +55,27 @@ def readable(ggml) -> bool:
 
 
 class KeptGraph:
-    def __init__(self, ggml, context: int, graph: int, moving: Sequence[tuple[int, int, int]]):
-        """`moving`: (tensor, index of the argument it lies in, byte offset there) per moving tensor."""
+    def __init__(
+        self, ggml, context: int, graph: int, moving: Sequence[tuple[int, int, int]], allocator=None
+    ):
+        """`moving`: (tensor, index of the argument it lies in, byte offset there) per moving tensor;
+        `allocator`: the ggml graph allocator holding the graph's intermediate tensors, if any."""
         self._compute = ggml.graph_compute
         self.graph = graph
         self.moving = [(Tensor.from_address(tensor), index, offset) for tensor, index, offset in moving]
-        weakref.finalize(self, ggml.free, context)
+        weakref.finalize(self, _free, ggml, context, allocator)
 
     def compute(self, backend: int, memories: Sequence[torch.Tensor]) -> int:
         """Run the graph on this call's `memories` (ggml's status: 0 when it computed)."""
         for head, index, offset in self.moving:
             head.data = memories[index].data_ptr() + offset
         return self._compute(backend, self.graph)
+
+
+def _free(ggml, context: int, allocator: int | None) -> None:
+    if allocator:
+        ggml.gallocr_free(allocator)
+    ggml.free(context)
 
 
 class KeptGraphs:

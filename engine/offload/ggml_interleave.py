@@ -28,7 +28,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.errors import DeviceOutOfMemoryError
-from engine.offload import ggml_kernels
+from engine.offload import ggml_kernels, ggml_memory
 from engine.offload.ggml_graphs import Tensor, readable
 from engine.offload.ggml_library import library
 
@@ -91,13 +91,13 @@ def allocate(nbytes: int, what: str) -> torch.Tensor:
         )
     start = ggml.buffer_base(buffer)
     array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(start))
-    ggml_kernels.own(start, start + nbytes, buffer)
+    ggml_memory.own(start, start + nbytes, buffer)
     weakref.finalize(array, _free, start, buffer)  # the tensor below keeps `array` alive
     return torch.from_numpy(array)
 
 
 def _free(start: int, buffer: int) -> None:
-    ggml_kernels.disown(start)
+    ggml_memory.disown(start)
     ggml, _ = library()
     ggml.buffer_free(buffer)
 
@@ -111,7 +111,7 @@ def interleave_into(
     ggml, _ = library()
     nbytes = ggml.row_size(ggml_type, in_features) * out_features
     address = target.data_ptr()
-    owner = ggml_kernels.owned_buffer(address)
+    owner = ggml_memory.owned_buffer(address)
     if owner is None or address + nbytes > owner[0]:
         raise ValueError("the target does not lie inside memory from ggml_interleave.allocate")
     if not interleaves(ggml_type, out_features):

@@ -21,7 +21,6 @@ argument is checked here first: ggml aborts the process on a failed assertion.
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import functools
 import logging
@@ -30,10 +29,10 @@ import threading
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from engine.offload import ggml_memory
 from engine.offload.ggml_graphs import KeptGraph, KeptGraphs, readable
 from engine.offload.ggml_library import Ggml, InitParams, library
 
-_ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT
 _F32 = int(GGMLQuantizationType.F32)
 _I32 = int(GGMLQuantizationType.I32)
 _P = ctypes.c_void_p
@@ -57,8 +56,8 @@ class _ThreadState(threading.local):
 _state = _ThreadState()
 
 
-def _context_bytes(ggml: Ggml) -> int:
-    return ggml.tensor_overhead() * _MAX_TENSORS + ggml.graph_overhead_custom(_GRAPH_SIZE, False) + 4096
+def _context_bytes(ggml: Ggml, tensors: int = _MAX_TENSORS, nodes: int = _GRAPH_SIZE) -> int:
+    return ggml.tensor_overhead() * tensors + ggml.graph_overhead_custom(nodes, False) + 4096
 
 
 def _context(ggml: Ggml) -> tuple[int, int]:
@@ -82,59 +81,6 @@ def _backend(ggml: Ggml) -> int:
         ggml.cpu_set_n_threads(_state.backend, threads)
         _state.threads = threads
     return _state.backend
-
-
-# Memory ggml allocated itself, such as llama.cpp's interleaved rows (engine.offload.ggml_interleave):
-# a tensor there is bound to that buffer, whose type tells ggml how to compute on it, not to a plain
-# buffer over the pointer. Looked up on every bind, so by bisection over the regions' starts.
-_owned_starts: list[int] = []  # sorted
-_owned: dict[int, tuple[int, int]] = {}  # start address -> (end address, buffer)
-
-
-def own(start: int, end: int, buffer: int) -> None:
-    """Record that ggml's `buffer` holds the memory [start, end)."""
-    bisect.insort(_owned_starts, start)
-    _owned[start] = (end, buffer)
-
-
-def disown(start: int) -> None:
-    """Forget the region `own` recorded at `start` (its buffer is being freed)."""
-    if _owned.pop(start, None) is not None:
-        del _owned_starts[bisect.bisect_left(_owned_starts, start)]
-
-
-def owned_buffer(address: int) -> tuple[int, int] | None:
-    """(end address, buffer) of the ggml-allocated memory `address` lies in, if any."""
-    index = bisect.bisect_right(_owned_starts, address) - 1
-    if index < 0:
-        return None
-    end, buffer = _owned[_owned_starts[index]]
-    return (end, buffer) if address < end else None
-
-
-_ADDRESS_SPACE = 1 << 47  # x86-64 and arm64 user addresses lie below
-
-
-@functools.cache
-def _everywhere(ggml: Ggml) -> int:
-    """A CPU buffer from the first aligned address to the end of user memory: a tensor bound to it
-    may lie anywhere; it owns no memory and lives as long as the process."""
-    buffer = ggml.cpu_buffer_from_ptr(_ALIGNMENT, _ADDRESS_SPACE - _ALIGNMENT)
-    if not buffer:
-        raise RuntimeError("ggml could not make a CPU buffer over the address space")
-    return buffer
-
-
-def _buffer(ggml: Ggml, memory: torch.Tensor) -> int:
-    """The buffer `memory` is bound through: ggml's own where ggml allocated it, else `_everywhere`."""
-    if _owned and (owner := owned_buffer(memory.data_ptr())) is not None:
-        return owner[1]
-    return _everywhere(ggml)
-
-
-def _bind(ggml: Ggml, tensor: int, buffer: int, address: int) -> None:
-    if ggml.tensor_alloc(buffer, tensor, address) != 0:
-        raise RuntimeError("ggml could not bind a tensor to its memory")
 
 
 def _checked(ggml: Ggml, blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int) -> None:
@@ -164,7 +110,14 @@ def linear(
     rows = _float_rows(x, in_features)
     out = torch.empty((rows.shape[0], out_features), dtype=torch.float32)
     if rows.shape[0]:
-        key = ("mm", blocks.data_ptr(), _buffer(ggml, blocks), int(ggml_type), out_features, in_features)
+        key = (
+            "mm",
+            blocks.data_ptr(),
+            ggml_memory.buffer_of(ggml, blocks),
+            int(ggml_type),
+            out_features,
+            in_features,
+        )
         _compute(ggml, rows, out, blocks, int(ggml_type), key if rows.shape[0] == 1 else None)
     if x.dtype != torch.float32:
         out = out.to(x.dtype)
@@ -299,7 +252,15 @@ def _routed_key(ggml: Ggml, experts: torch.Tensor, fields: tuple, x: torch.Tenso
     """What a one-token routed graph depends on (None for several tokens: not kept)."""
     if len(ids) != 1:
         return None
-    return ("id", experts.data_ptr(), _buffer(ggml, experts), experts.shape, fields, len(ids[0]), x.dim())
+    return (
+        "id",
+        experts.data_ptr(),
+        ggml_memory.buffer_of(ggml, experts),
+        experts.shape,
+        fields,
+        len(ids[0]),
+        x.dim(),
+    )
 
 
 def _run(ggml: Ggml, build, out: torch.Tensor, what: str, moving: tuple = (), key=None) -> None:
@@ -319,41 +280,84 @@ def _run(ggml: Ggml, build, out: torch.Tensor, what: str, moving: tuple = (), ke
     else:
         context, backend = _context(ggml)
         graph = ggml.new_graph_custom(context, _GRAPH_SIZE, False)
-        ggml.build_forward_expand(graph, _built(ggml, context, build, memories, []))
+        for product in _built(ggml, context, build, memories, []):
+            ggml.build_forward_expand(graph, product)
         status = ggml.graph_compute(backend, graph)
     if status != 0:
         raise RuntimeError(f"ggml's CPU backend failed to compute {what}")
 
 
-def _built(ggml: Ggml, context: int, build, memories: tuple, moving: list) -> int:
-    """The product `build` describes, bound to `memories[-1]`; each tensor placed in one of
-    `memories` appended to `moving` as (tensor, which, byte offset)."""
+def compute_kept(key, build, moving: tuple, outputs: tuple, what: str, tensors: int, nodes: int) -> None:
+    """A graph of several outputs kept under `key` (engine.offload.ggml_layer): `build(context,
+    bind)` returns its products, one for each of `outputs` (bound there); `moving` is the call's
+    other memory; `tensors` and `nodes` bound the graph's size. Needs `kept_graphs_work()`."""
+    ggml, reason = library()
+    if ggml is None:
+        raise RuntimeError(reason)
+    if _state.kept is None:
+        _state.kept = KeptGraphs()
+    memories = (*moving, *outputs)
+    kept = _state.kept.get(key)
+    if kept is None:
+        kept = _keep(ggml, build, memories, tensors, nodes, intermediates=True)
+        _state.kept.keep(key, kept)
+    if kept.compute(_backend(ggml), memories) != 0:
+        raise RuntimeError(f"ggml's CPU backend failed to compute {what}")
+
+
+def kept_graphs_work() -> bool:
+    """Whether ggml is here and its graphs can be kept (its tensors read as ggml_graphs.Tensor)."""
+    ggml, _ = library()
+    return ggml is not None and readable(ggml)
+
+
+def _built(ggml: Ggml, context: int, build, memories: tuple, moving: list) -> tuple[int, ...]:
+    """The products `build` describes (one, or a tuple), bound to the last of `memories`; each
+    tensor placed in one of `memories` appended to `moving` as (tensor, which, byte offset)."""
 
     def bind(tensor: int, memory: torch.Tensor, address: int | None = None) -> None:
         address = memory.data_ptr() if address is None else address
-        _bind(ggml, tensor, _buffer(ggml, memory), address)
+        ggml_memory.bind(ggml, tensor, ggml_memory.buffer_of(ggml, memory), address)
         which = next((i for i, m in enumerate(memories) if m is memory), None)
         if which is not None:
             moving.append((tensor, which, address - memory.data_ptr()))
 
-    product = build(context, bind)
-    bind(product, memories[-1])
-    return product
+    products = build(context, bind)
+    products = products if isinstance(products, tuple) else (products,)
+    for product, memory in zip(products, memories[len(memories) - len(products) :], strict=True):
+        bind(product, memory)
+    return products
 
 
-def _keep(ggml: Ggml, build, memories: tuple) -> KeptGraph:
-    """`build`'s graph in a context of its own, to be run again on other memories."""
-    context = ggml.init(InitParams(_context_bytes(ggml), None, True))
+def _keep(
+    ggml: Ggml,
+    build,
+    memories: tuple,
+    tensors: int = _MAX_TENSORS,
+    nodes: int = _GRAPH_SIZE,
+    intermediates: bool = False,
+) -> KeptGraph:
+    """`build`'s graph in a context of its own, to be run again on other memories; with
+    `intermediates`, the tensors between its nodes get memory of their own (ggml's allocator)."""
+    context = ggml.init(InitParams(_context_bytes(ggml, tensors, nodes), None, True))
     if not context:
         raise RuntimeError("ggml could not make a context")
+    allocator = None
     try:
         moving: list = []
-        graph = ggml.new_graph_custom(context, _GRAPH_SIZE, False)
-        ggml.build_forward_expand(graph, _built(ggml, context, build, memories, moving))
+        graph = ggml.new_graph_custom(context, nodes, False)
+        for product in _built(ggml, context, build, memories, moving):
+            ggml.build_forward_expand(graph, product)
+        if intermediates:
+            allocator = ggml.gallocr_new(ggml.cpu_buffer_type())
+            if not allocator or not ggml.gallocr_alloc_graph(allocator, graph):
+                raise RuntimeError("ggml could not allocate a graph's intermediate tensors")
     except BaseException:
+        if allocator:
+            ggml.gallocr_free(allocator)
         ggml.free(context)
         raise
-    return KeptGraph(ggml, context, graph, moving)
+    return KeptGraph(ggml, context, graph, moving, allocator)
 
 
 @functools.cache

@@ -19,10 +19,12 @@ from transformers import DynamicCache
 from engine.config import OffloadConfig
 from engine.errors import DeviceOutOfMemoryError, InvalidRequestError
 from engine.model.adapters.base import Architecture
+from engine.model.cpu_attention import MAX_FOLDED_QUERIES
 from engine.model.hf_calls import with_cache
 from engine.model.kv_cache import new_kv_cache
 from engine.model.lean_decode import LeanDecode
 from engine.model.prefix_cache import PrefixCache
+from engine.offload import ggml_layer
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertStore
 from engine.offload.moe_layer import ExpertControl, OffloadedExperts, RoutingTrace
@@ -99,7 +101,9 @@ class OffloadedModel:
         for module in hf_model.modules():
             if isinstance(module, OffloadedExperts):
                 self.experts[module.layer] = module
-        self.lean = LeanDecode.of(hf_model)  # one-token steps without transformers' wrappers, or None
+        self.lean = LeanDecode.of(hf_model)  # decode steps without transformers' wrappers, or None
+        if config.kernels == "ggml":  # and each layer's norms, projections and rotation in two graphs
+            ggml_layer.attach(self.lean)
 
     @property
     def hf_config(self):
@@ -210,8 +214,8 @@ class OffloadedModel:
         """Logits `[n, V]` of the last `logits_to_keep` positions of `input_ids [T]` (0 keeps all)."""
         try:
             inputs = input_ids.view(1, -1).to(self.device)
-            if inputs.shape[1] == 1 and self.lean is not None and self.lean.takes(kv_cache):
-                return self.lean.step(inputs, kv_cache)
+            if inputs.shape[1] <= MAX_FOLDED_QUERIES and self.lean is not None and self.lean.takes(kv_cache):
+                return self.lean.step(inputs, kv_cache, logits_to_keep)
             kwargs = with_cache(self.hf_model, kv_cache, use_cache=True, logits_to_keep=logits_to_keep)
             output = self.hf_model(input_ids=inputs, **kwargs)
         except torch.OutOfMemoryError as err:

@@ -127,8 +127,9 @@ def test_logits_and_greedy_tokens_equal_transformers(family):
 
 
 def test_lean_decode_steps_are_the_forward_bit_for_bit(family):
-    """Where the engine decodes one token without transformers' wrappers (engine.model.lean_decode),
-    each step's logits are the very ones transformers' forward gives on the same cache: the same
+    """Where the engine decodes or verifies a few tokens without transformers' wrappers
+    (engine.model.lean_decode), each step's logits are the very ones transformers' forward gives
+    on the same cache: the same
     operators on the same tensors. The families that take that path are the ones listed."""
     model_type, reference, model, _ = family
     assert (model.lean is not None) == (model_type in LEAN_FAMILIES), _lean_refusal(model)
@@ -138,13 +139,13 @@ def test_lean_decode_steps_are_the_forward_bit_for_bit(family):
     through_hf, lean = model.new_kv_cache(), model.new_kv_cache()
     model.forward(prompt, through_hf)
     model.forward(prompt, lean)
-    for token in (5, 9, 2, 7):
-        ids = torch.tensor([[token]])
-        kwargs = with_cache(model.hf_model, through_hf, use_cache=True, logits_to_keep=1)
+    for tokens, keep in (([5], 1), ([9], 1), ([2, 7, 4], 0), ([8, 1], 1), ([3], 1)):  # decodes, verifications
+        ids = torch.tensor([tokens])
+        kwargs = with_cache(model.hf_model, through_hf, use_cache=True, logits_to_keep=keep)
         with torch.inference_mode():
             expected = model.hf_model(input_ids=ids, **kwargs).logits[0]
-        assert torch.equal(model.forward(ids.view(-1), lean), expected)
-    assert lean.get_seq_length() == through_hf.get_seq_length() == len(prompt) + 4
+        assert torch.equal(model.forward(ids.view(-1), lean, logits_to_keep=keep), expected)
+    assert lean.get_seq_length() == through_hf.get_seq_length() == len(prompt) + 8
 
 
 def _lean_refusal(model) -> str:

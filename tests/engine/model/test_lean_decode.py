@@ -19,7 +19,7 @@ from engine.model.hf_calls import decoder_of
 from engine.model.tiny import TINY_ARCHITECTURES, build_tiny_model, save_tiny_model, tiny_config
 from engine.model.tiny_registry import shrunk_config
 
-PROMPT = torch.tensor([3, 17, 42, 99, 7, 25, 11, 64])
+PROMPT = torch.tensor([3, 17, 42, 99, 7, 25, 11, 64] * 3)  # longer than a verification: a prefill
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,15 @@ def test_a_standard_decoder_steps_lean_and_its_rms_norms_run_as_one_operator(mod
     finally:
         lean_decode.LeanDecode.step = original
     assert len(calls) == 3  # the prompt's prefill went through transformers; each one-token step not
+    calls.clear()
+    cache = model.new_kv_cache()
+    model.forward(PROMPT, cache)
+    try:
+        lean_decode.LeanDecode.step = lambda self, *args: calls.append(1) or original(self, *args)
+        assert model.forward(torch.tensor([5, 6, 7]), cache, logits_to_keep=0).shape[0] == 3
+    finally:
+        lean_decode.LeanDecode.step = original
+    assert len(calls) == 1  # a verification of three tokens too
 
 
 def test_a_hook_on_the_decoder_or_the_model_sends_steps_through_transformers(model):

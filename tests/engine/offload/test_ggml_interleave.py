@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine.model.ggml_encode import quantize
-from engine.offload import ggml_interleave, ggml_kernels, ggml_library
+from engine.offload import ggml_interleave, ggml_kernels, ggml_library, ggml_memory
 
 needs_interleaving = pytest.mark.skipif(
     not ggml_library.available()[0] or not ggml_interleave.interleaves(int(QT.Q4_K), 64),
@@ -67,16 +67,16 @@ def test_interleaved_experts_give_the_files_products_to_rounding_and_one_tokens_
 def test_interleaving_memory_goes_back_to_ggml_with_its_last_tensor():
     layer, other = ggml_interleave.allocate(4096, "a test layer"), ggml_interleave.allocate(8192, "another")
     start = layer.data_ptr()
-    assert ggml_kernels.owned_buffer(start + 4095)[0] == start + 4096  # each region found as its own
-    assert ggml_kernels.owned_buffer(other.data_ptr() + 8191)[0] == other.data_ptr() + 8192
-    assert ggml_kernels.owned_buffer(start + 4096) in (None, ggml_kernels.owned_buffer(other.data_ptr()))
+    assert ggml_memory.owned_buffer(start + 4095)[0] == start + 4096  # each region found as its own
+    assert ggml_memory.owned_buffer(other.data_ptr() + 8191)[0] == other.data_ptr() + 8192
+    assert ggml_memory.owned_buffer(start + 4096) in (None, ggml_memory.owned_buffer(other.data_ptr()))
     view = layer[128:]
     del layer
     gc.collect()
-    assert ggml_kernels.owned_buffer(start) is not None  # a view still holds it
+    assert ggml_memory.owned_buffer(start) is not None  # a view still holds it
     del view
     gc.collect()
-    assert ggml_kernels.owned_buffer(start) is None
+    assert ggml_memory.owned_buffer(start) is None
 
 
 @needs_interleaving

@@ -1,0 +1,196 @@
+"""A standard layer's work before and after its attention as two ggml graphs (`--kernels ggml`).
+
+Contract: `attach(lean)` gives each layer of a `LeanDecode` (engine.model.lean_decode) whose parts
+allow it an `AttentionEnds`, and says how many got one. A layer qualifies when ggml's graphs can be
+kept here, its four projections are llama.cpp-kernel matrices without bias (`GgmlLinear`), its
+norms are RMS norms (torch's `rms_norm` gives their values: the lean step's probe) and the family's
+rotary function is the rotate-half rotation of the whole head (asked of it on a probe). Then, for
+float32 activations of T tokens:
+
+    inputs(hidden, cos, sin) -> query [1, H, T, D], key and value [1, KV, T, D]
+        input norm, q/k/v products, q/k norms, rotation by the rotary module's cos and sin
+    outputs(attended, hidden) -> (hidden + o_proj(attended), post-attention norm of that)
+
+each one ggml graph kept per token count (engine.offload.ggml_graphs), where the lean step took ~25
+torch operators and four ggml calls. Values: ggml's; its products quantize their activations to 8
+bits as every `--kernels ggml` product does, and its norms and rotation round in float32 in another
+order than torch's (~1e-7 relative, which the 8-bit rounding of the next product can carry to ~1%
+of a value: llama.cpp's own numerics). Both graphs compute row by row whatever the token count
+(tested): a verification's rows through them are its tokens' decode rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from engine.offload import ggml_kernels
+from engine.offload.ggml_graphs import Tensor
+from engine.offload.ggml_library import library
+from engine.offload.ggml_resident import GgmlLinear
+
+_F32 = ggml_kernels._F32
+_TENSORS = _NODES = 64  # a graph's tensors and nodes: the inputs graph has ~35
+
+
+def attach(lean) -> int:
+    """Give each layer of `lean` that qualifies its `AttentionEnds`; how many got one."""
+    if lean is None or not ggml_kernels.kept_graphs_work() or not _whole_head_rotation(lean):
+        return 0
+    for layer in lean.layers:
+        layer.ends = AttentionEnds.of(layer)
+    return sum(layer.ends is not None for layer in lean.layers)
+
+
+class AttentionEnds:
+    def __init__(self, layer, norms: dict[str, tuple[torch.Tensor, float] | None]):
+        self.layer, self.norms = layer, norms
+        self.heads = layer.q_proj.out_features // layer.head_dim
+        self.kv_heads = layer.k_proj.out_features // layer.head_dim
+        self._key = object()  # this layer's graphs, whatever memory is freed and reused around it
+
+    @classmethod
+    def of(cls, layer) -> AttentionEnds | None:
+        projections = (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)
+        if not all(isinstance(p, GgmlLinear) and p.bias is None for p in projections):
+            return None
+        norms = {"input": _rms(layer.input_norm), "post": _rms(layer.post_norm)}
+        for name, norm in (("q", layer.q_norm), ("k", layer.k_norm)):
+            norms[name] = None if norm.norm is None else _rms(norm.norm)
+            if norm.norm is not None and norms[name] is None:
+                return None
+        if norms["input"] is None or norms["post"] is None:
+            return None
+        return cls(layer, norms)
+
+    def inputs(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Query, key and value of `hidden [1, T, H]`'s tokens, rotated, as the attention takes them."""
+        tokens, dim = hidden.shape[1], self.layer.head_dim
+        rows = hidden.reshape(tokens, -1)
+        cos, sin = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
+        query = torch.empty((1, tokens, self.heads, dim))
+        key, value = (torch.empty((1, tokens, self.kv_heads, dim)) for _ in range(2))
+        ggml_kernels.compute_kept(
+            (self._key, "inputs", tokens),
+            lambda context, bind: self._inputs_graph(context, bind, rows, cos, sin, tokens),
+            (rows, cos, sin),
+            (query, key, value),
+            "a layer's attention inputs",
+            _TENSORS,
+            _NODES,
+        )
+        return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+    def outputs(self, attended: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`hidden` + o_proj(`attended` [1, T, H·D]), its post-attention norm), each `[1, T, H]`."""
+        tokens = hidden.shape[1]
+        attended, rows = attended.reshape(tokens, -1).contiguous(), hidden.reshape(tokens, -1)
+        summed, normed = torch.empty_like(rows), torch.empty_like(rows)
+        ggml_kernels.compute_kept(
+            (self._key, "outputs", tokens),
+            lambda context, bind: self._outputs_graph(context, bind, attended, rows, tokens),
+            (attended, rows),
+            (summed, normed),
+            "a layer's attention output",
+            _TENSORS,
+            _NODES,
+        )
+        return summed.view(hidden.shape), normed.view(hidden.shape)
+
+    def _inputs_graph(self, context, bind, rows, cos, sin, tokens: int):
+        ggml, layer, dim = _ggml(), self.layer, self.layer.head_dim
+        x = _normed(ggml, context, bind, _rows(ggml, context, bind, rows), self.norms["input"])
+        angles = [ggml.new_tensor_3d(context, _F32, dim, 1, tokens) for _ in range(2)]
+        bind(angles[0], cos)
+        bind(angles[1], sin)
+        query = self._heads(context, bind, layer.q_proj, x, self.norms["q"], layer.q_norm.per_head, tokens)
+        key = self._heads(context, bind, layer.k_proj, x, self.norms["k"], layer.k_norm.per_head, tokens)
+        value = ggml.mul_mat(context, _weight(ggml, context, bind, layer.v_proj), x)
+        return _rotated(ggml, context, query, *angles), _rotated(ggml, context, key, *angles), value
+
+    def _heads(self, context, bind, projection, x, norm, per_head: bool, tokens: int) -> int:
+        """A projection's heads `[D, heads, T]` (ggml's order), normed as the family norms them."""
+        ggml, dim = _ggml(), self.layer.head_dim
+        projected = ggml.mul_mat(context, _weight(ggml, context, bind, projection), x)
+        if norm is not None and not per_head:  # the whole projection (OLMoE)
+            projected = _normed(ggml, context, bind, projected, norm)
+        heads = ggml.reshape_3d(context, projected, dim, projection.out_features // dim, tokens)
+        return _normed(ggml, context, bind, heads, norm) if norm is not None and per_head else heads
+
+    def _outputs_graph(self, context, bind, attended, rows, tokens: int):
+        ggml = _ggml()
+        out = ggml.mul_mat(
+            context, _weight(ggml, context, bind, self.layer.o_proj), _rows(ggml, context, bind, attended)
+        )
+        summed = ggml.add(context, _rows(ggml, context, bind, rows), out)
+        return summed, _normed(ggml, context, bind, summed, self.norms["post"])
+
+
+def _ggml():
+    ggml, reason = library()
+    if ggml is None:
+        raise RuntimeError(reason)
+    return ggml
+
+
+def _rows(ggml, context, bind, rows: torch.Tensor) -> int:
+    tensor = ggml.new_tensor_2d(context, _F32, rows.shape[1], rows.shape[0])
+    bind(tensor, rows)
+    return tensor
+
+
+def _weight(ggml, context, bind, linear: GgmlLinear) -> int:
+    tensor = ggml.new_tensor_2d(context, linear.ggml_type, linear.in_features, linear.out_features)
+    bind(tensor, linear.blocks)
+    return tensor
+
+
+def _normed(ggml, context, bind, x: int, norm: tuple[torch.Tensor, float]) -> int:
+    """RMS norm over ggml's first dimension, times the norm's weight."""
+    weight, eps = norm
+    scale = ggml.new_tensor_1d(context, _F32, weight.numel())
+    bind(scale, weight)
+    return ggml.mul(context, ggml.rms_norm(context, x, eps), scale)
+
+
+def _rotated(ggml, context, heads: int, cos: int, sin: int) -> int:
+    """`heads · cos + rotate_half(heads) · sin`, `rotate_half(x) = [-x₂, x₁]` (x's two halves)."""
+    view = Tensor.from_address(heads)
+    half, count, tokens = view.ne[0] // 2, view.ne[1], view.ne[2]
+    first, second = (
+        ggml.view_3d(context, heads, half, count, tokens, view.nb[1], view.nb[2], offset)
+        for offset in (0, half * 4)
+    )
+    rotated = ggml.concat(context, ggml.neg(context, second), first, 0)
+    return ggml.add(context, ggml.mul(context, heads, cos), ggml.mul(context, rotated, sin))
+
+
+def _rms(norm) -> tuple[torch.Tensor, float] | None:
+    """(weight, eps) of a norm the lean step runs as torch's `rms_norm`, in float32; else None."""
+    if not isinstance(norm, functools.partial) or norm.func is not torch.nn.functional.rms_norm:
+        return None
+    weight, eps = norm.keywords["weight"], norm.keywords["eps"]
+    if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.device.type != "cpu":
+        return None
+    return weight, float(eps)
+
+
+def _whole_head_rotation(lean) -> bool:
+    """Whether the family's rotary function is the rotate-half rotation of the whole head with the
+    rotary module's cos and sin (as wide as a head): asked of it on a probe."""
+    rotary = lean.decoder.rotary_emb
+    dim = lean.layers[0].head_dim
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.numel() * 2 != dim:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn((1, heads, 3, dim), generator=generator) for heads in (4, 2))
+    cos, sin = (torch.randn((1, 3, dim), generator=generator) for _ in range(2))
+
+    def rotate_half(x):
+        return torch.cat((-x[..., dim // 2 :], x[..., : dim // 2]), dim=-1)
+
+    got = lean.apply_rotary(q, k, cos, sin)
+    wanted = (t * cos[:, None] + rotate_half(t) * sin[:, None] for t in (q, k))
+    return all(torch.equal(a, b) for a, b in zip(got, wanted, strict=True))

@@ -1,0 +1,132 @@
+"""engine.offload.ggml_layer: a standard layer's norms, projections and rotation in two ggml graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from engine.config import ExpertBudget, OffloadConfig
+from engine.generation import generate_text
+from engine.generation_config import GenerationConfig, SamplingConfig
+from engine.loader import load_model
+from engine.model.tiny_gguf import write_tiny_gguf
+from engine.offload import ggml_layer, ggml_library
+
+needs_ggml = pytest.mark.skipif(not ggml_library.available()[0], reason="llama-cpp-python is not installed")
+PROMPT = torch.tensor([3, 17, 42, 99, 7, 25, 11, 64] * 3)
+
+
+def _load(folder, other_type: QT):
+    path = write_tiny_gguf(folder, expert_type=QT.Q4_K, down_type=QT.Q6_K, other_type=other_type)
+    config = OffloadConfig(
+        device="cpu", dtype="float32", expert_budget=ExpertBudget.parse("all"), kernels="ggml"
+    )
+    return load_model(path, config)
+
+
+@pytest.fixture(scope="module")
+def q8_model(tmp_path_factory):
+    model = _load(tmp_path_factory.mktemp("q8"), QT.Q8_0)
+    yield model
+    model.close()
+
+
+def _ends(model) -> list:
+    return [layer.ends for layer in model.lean.layers]
+
+
+def _without_ends(model, call):
+    ends = _ends(model)
+    for layer in model.lean.layers:
+        layer.ends = None
+    try:
+        return call()
+    finally:
+        for layer, end in zip(model.lean.layers, ends, strict=True):
+            layer.ends = end
+
+
+def _steps(model, tokens=(5, 9, 2, 7)) -> torch.Tensor:
+    cache = model.new_kv_cache()
+    model.forward(PROMPT, cache)
+    return torch.stack([model.forward(torch.tensor([t]), cache)[0] for t in tokens])
+
+
+@needs_ggml
+def test_every_layer_gets_its_graphs_and_they_compute_what_its_modules_do(q8_model):
+    """The graphs' query, key, value and outputs against the layer's own modules (whose projections
+    are the same ggml kernels): equal to the 8-bit activation rounding both quantize with, where a
+    wrong norm, rotation or layout would be off by the values' own size."""
+    assert all(end is not None for end in _ends(q8_model))
+    layer, hf_layer = q8_model.lean.layers[1], q8_model.hf_model.model.layers[1]
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(1, 3, q8_model.hf_config.hidden_size, generator=generator)
+    cos, sin = q8_model.lean.decoder.rotary_emb(hidden, torch.tensor([[4, 5, 6]]))
+    attention, heads = hf_layer.self_attn, (1, 3, -1, layer.head_dim)
+    x = hf_layer.input_layernorm(hidden)
+    query = attention.q_norm(attention.q_proj(x).view(heads)).transpose(1, 2)
+    key = attention.k_norm(attention.k_proj(x).view(heads)).transpose(1, 2)
+    value = attention.v_proj(x).view(heads).transpose(1, 2)
+    wanted = (*q8_model.lean.apply_rotary(query, key, cos, sin), value)
+    attended = torch.randn(1, 3, layer.ends.heads * layer.head_dim, generator=generator)
+    summed = hidden + attention.o_proj(attended)
+    wanted += (summed, hf_layer.post_attention_layernorm(summed))
+    got = (*layer.ends.inputs(hidden, cos, sin), *layer.ends.outputs(attended, hidden))
+    for a, b in zip(got, wanted, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=0, atol=0.03 * b.abs().max().item())
+    with_graphs = _steps(q8_model)
+    with_modules = _without_ends(q8_model, lambda: _steps(q8_model))
+    torch.testing.assert_close(with_graphs, with_modules, rtol=0, atol=0.05 * with_modules.abs().max().item())
+    assert torch.equal(with_graphs.argmax(-1), with_modules.argmax(-1))
+
+
+@needs_ggml
+def test_the_graphs_compute_row_by_row_whatever_the_token_count(q8_model):
+    """A verification's rows are its tokens' one-token rows bit for bit, so speculation verifies
+    what decoding would have computed (given the same attention)."""
+    end = q8_model.lean.layers[0].ends
+    hidden = torch.randn(1, 3, q8_model.hf_config.hidden_size, generator=torch.Generator().manual_seed(1))
+    dim = q8_model.lean.layers[0].head_dim
+    cos, sin = torch.randn(1, 3, dim), torch.randn(1, 3, dim)
+    together = end.inputs(hidden, cos, sin)
+    attended = torch.randn(1, 3, end.heads * dim)
+    summed, normed = end.outputs(attended, hidden)
+    for t in range(3):
+        alone = end.inputs(hidden[:, t : t + 1], cos[:, t : t + 1], sin[:, t : t + 1])
+        for a, b in zip(alone, together, strict=True):
+            assert torch.equal(a[:, :, 0], b[:, :, t])
+        one = end.outputs(attended[:, t : t + 1], hidden[:, t : t + 1])
+        assert torch.equal(one[0][:, 0], summed[:, t]) and torch.equal(one[1][:, 0], normed[:, t])
+
+
+@needs_ggml
+def test_greedy_tokens_with_the_graphs_are_the_modules_tokens(q8_model):
+    greedy = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(greedy=True), ignore_eos=True)
+    prompt = PROMPT.tolist()
+    with_graphs = generate_text(q8_model, prompt, greedy).token_ids
+    q8_model.prefix_cache.clear()
+    with_modules = _without_ends(q8_model, lambda: generate_text(q8_model, prompt, greedy).token_ids)
+    q8_model.prefix_cache.clear()
+    assert list(with_graphs) == list(with_modules)
+
+
+@needs_ggml
+def test_a_biased_projection_a_module_norm_or_another_rotation_keeps_the_modules(q8_model, monkeypatch):
+    layer = q8_model.lean.layers[0]
+    assert ggml_layer.AttentionEnds.of(layer) is not None
+    monkeypatch.setattr(layer.q_proj, "bias", torch.nn.Parameter(torch.zeros(layer.q_proj.out_features)))
+    assert ggml_layer.AttentionEnds.of(layer) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(layer, "input_norm", q8_model.hf_model.model.layers[0].input_layernorm)  # the module
+    assert ggml_layer.AttentionEnds.of(layer) is None
+    monkeypatch.undo()
+
+    def partial_rotation(q, k, cos, sin):  # GLM's: only part of each head turns
+        half = q.shape[-1] // 2
+        return q * 1, torch.cat([k[..., :half] * cos[:, None, :, :half], k[..., half:]], dim=-1)
+
+    monkeypatch.setattr(q8_model.lean, "apply_rotary", partial_rotation)
+    assert not ggml_layer._whole_head_rotation(q8_model.lean)
+    assert ggml_layer.attach(q8_model.lean) == 0
