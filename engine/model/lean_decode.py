@@ -1,4 +1,4 @@
-"""Decode and verification steps on the CPU without transformers' per-call machinery around the layers.
+"""The CPU forward of the standard decoder without transformers' per-call machinery around its layers.
 
 Contract: `LeanDecode.of(hf_model)` is a `LeanDecode` when the model is the standard pre-norm
 decoder this module reproduces, else None (the reason logged at debug level):
@@ -10,20 +10,24 @@ with every layer's attention full (no sliding window, sinks, soft-capping or pos
 made of `q_proj`/`k_proj`/`v_proj`/`o_proj` and optional `q_norm`/`k_norm` (per head or over the
 whole projection, as the norm's width says), attending through the engine's CPU attention
 (engine.model.cpu_attention), and no multiplier, scaling or extra norm in the decoder or around
-it. `step(tokens, kv_cache, logits_to_keep)` is the logits of a few tokens (at most
-MAX_FOLDED_QUERIES: a decode step or a speculative verification) appended to `kv_cache`, computed
+it. `step(tokens, kv_cache, logits_to_keep)` is the logits of the last `logits_to_keep` of
+`tokens` (a prefill, a decode step, a speculative verification) appended to `kv_cache`, computed
 by calling the model's own submodules in the order its forward calls them (so the projections'
 kernels, the offloaded experts, the routers' hooks and the family's own rotary function all run as
-they do there): the same operations on the same tensors, so the logits equal the model's forward
-bit for bit (a verification's causal mask built as transformers' sdpa mask says: a query sees the
-cache and the new positions up to its own). tests/engine/model/test_all_families.py checks that on
-every family this accepts.
-`takes(kv_cache)` says whether a step may go this way now: no hook on the decoder or the model
-(an MTP drafter records the decoder's output) and a cache of attention layers only.
+they do there), and its attention function with the mask transformers' sdpa mask gives: the same
+operations on the same tensors, so the logits equal the model's forward bit for bit — except that
+the last layer's MLP runs on the kept positions only, as llama.cpp's output rows do (nothing reads
+the others; a prompt's last layer then routes one token, not all), which changes those rows'
+products by their batch's rounding. tests/engine/model/test_all_families.py checks both on every
+family this accepts. A layer given `ends` (engine.offload.ggml_layer) has them do its work before
+and after the attention in decode and verification steps. `takes(kv_cache)` says whether a step
+may go this way now: no hook on the decoder or the model (an MTP drafter records the decoder's
+output) and a cache of attention layers only.
 
 Why: on a 2-core CPU, a decode step of a Qwen3-30B-A3B-shaped model spent ~0.5 ms a token in
 transformers' wrappers (decorators, output records, mask and position bookkeeping) on top of the
-same operators — a tenth of the step when llama.cpp's whole step takes 2.7 ms.
+same operators — a tenth of the step when llama.cpp's whole step takes 2.7 ms; and a 2-layer
+model's prefill computed the last layer's experts for every prompt token.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicLayer
 
-from engine.model.cpu_attention import ATTENTION, folded_attention
+from engine.model.cpu_attention import ATTENTION, MAX_FOLDED_QUERIES, cpu_attention_forward
 from engine.model.hf_calls import decoder_of
 
 log = logging.getLogger(__name__)
@@ -88,28 +92,32 @@ class LeanDecode:
         return len(layers) == len(self.layers) and all(isinstance(layer, DynamicLayer) for layer in layers)
 
     def step(self, tokens: torch.Tensor, kv_cache, logits_to_keep: int = 1) -> torch.Tensor:
-        """Logits `[n, V]` of the last `logits_to_keep` (0: all) of `tokens` (`[1, T]` ids, T at
-        most MAX_FOLDED_QUERIES: a decode or verification step) after `kv_cache`'s positions."""
+        """Logits `[n, V]` of the last `logits_to_keep` (0: all) of `tokens` (`[1, T]` ids) after
+        `kv_cache`'s positions. The last layer's MLP runs on those positions only (llama.cpp's
+        output rows): nothing else reads the others' outputs."""
         decoder = self.decoder
         hidden = decoder.embed_tokens(tokens)  # [1, T, H]
         past, count = kv_cache.get_seq_length(), tokens.shape[1]
         positions = torch.arange(past, past + count, device=tokens.device)
         cos, sin = decoder.rotary_emb(hidden, positions[None])
-        # a query sees every cached position and the new ones up to its own, as the causal mask says
-        mask = (
-            None if count == 1 else (torch.arange(past + count, device=tokens.device) <= positions[:, None])
-        )
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, kv_cache, self.apply_rotary, mask)
-        kept = hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:]
-        return self.hf_model.lm_head(decoder.norm(kept))[0]
+        # transformers' sdpa mask: none where every query may see every key before it (one query,
+        # or no cache: the attention is causal), else a query sees the cache and the new positions
+        # up to its own
+        mask = None
+        if count > 1 and past:
+            mask = (torch.arange(past + count, device=tokens.device) <= positions[:, None])[None, None]
+        keep = count if logits_to_keep == 0 else min(logits_to_keep, count)
+        for index, layer in enumerate(self.layers):
+            rows = keep if index == len(self.layers) - 1 else count
+            hidden = layer(hidden, cos, sin, kv_cache, self.apply_rotary, mask, rows)
+        return self.hf_model.lm_head(decoder.norm(hidden[:, -keep:]))[0]
 
 
 class _Layer:
     """One decoder layer's step: its modules as its forward calls them."""
 
     def __init__(self, layer: nn.Module):
-        attention = layer.self_attn
+        attention = self.attention = layer.self_attn
         self.input_norm, self.post_norm = (
             _fused(layer.input_layernorm),
             _fused(layer.post_attention_layernorm),
@@ -122,30 +130,31 @@ class _Layer:
         self.k_norm = _Norm.of(getattr(attention, "k_norm", None), self.head_dim)
         self.ends: AttentionEnds | None = None  # set by engine.offload.ggml_layer where it applies
 
-    def __call__(self, hidden: torch.Tensor, cos, sin, kv_cache, apply_rotary, mask) -> torch.Tensor:
-        if self.ends is not None and hidden.dtype == torch.float32:
-            return self._around_ends(hidden, cos, sin, kv_cache, mask)
-        x = self.input_norm(hidden)
+    def __call__(
+        self, hidden: torch.Tensor, cos, sin, kv_cache, apply_rotary, mask, rows: int
+    ) -> torch.Tensor:
+        """The layer's output for the last `rows` of `hidden`'s positions (its attention for all)."""
         count = hidden.shape[1]
-        heads = (1, count, -1, self.head_dim)  # [B, T, heads, D], as the attention views its projections
-        query = self.q_norm(self.q_proj(x), heads).transpose(1, 2)
-        key = self.k_norm(self.k_proj(x), heads).transpose(1, 2)
-        value = self.v_proj(x).view(heads).transpose(1, 2)
-        query, key = apply_rotary(query, key, cos, sin)
+        # the ends' graphs are kept per token count: decode and verification steps only
+        ends = self.ends if hidden.dtype == torch.float32 and count <= MAX_FOLDED_QUERIES else None
+        if ends is not None:
+            query, key, value = ends.inputs(hidden, cos, sin)
+        else:
+            x = self.input_norm(hidden)
+            heads = (1, count, -1, self.head_dim)  # [B, T, heads, D], as the attention views its projections
+            query = self.q_norm(self.q_proj(x), heads).transpose(1, 2)
+            key = self.k_norm(self.k_proj(x), heads).transpose(1, 2)
+            value = self.v_proj(x).view(heads).transpose(1, 2)
+            query, key = apply_rotary(query, key, cos, sin)
         key, value = kv_cache.update(key, value, self.index)
-        mask = None if mask is None else mask[None, None]  # [1, 1, T, L]
-        out = folded_attention(query, key, value, mask, self.scaling)  # [1, heads, T, D]
-        hidden = hidden + self.o_proj(out.transpose(1, 2).reshape(1, count, -1))
+        # what transformers' attention calls, with its arguments: `[1, T, heads, D]`
+        out, _ = cpu_attention_forward(self.attention, query, key, value, mask, scaling=self.scaling)
+        out = out.reshape(1, count, -1)
+        if ends is not None:
+            hidden, x = ends.outputs(out, hidden)
+            return hidden[:, -rows:] + self.mlp(x[:, -rows:])
+        hidden = (hidden + self.o_proj(out))[:, -rows:]
         return hidden + self.mlp(self.post_norm(hidden))
-
-    def _around_ends(self, hidden: torch.Tensor, cos, sin, kv_cache, mask) -> torch.Tensor:
-        """The step with the work before and after the attention done by `ends`."""
-        query, key, value = self.ends.inputs(hidden, cos, sin)
-        key, value = kv_cache.update(key, value, self.index)
-        mask = None if mask is None else mask[None, None]
-        out = folded_attention(query, key, value, mask, self.scaling)  # [1, heads, T, D]
-        hidden, x = self.ends.outputs(out.transpose(1, 2).reshape(1, hidden.shape[1], -1), hidden)
-        return hidden + self.mlp(x)
 
 
 class AttentionEnds(Protocol):

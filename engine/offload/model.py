@@ -19,7 +19,6 @@ from transformers import DynamicCache
 from engine.config import OffloadConfig
 from engine.errors import DeviceOutOfMemoryError, InvalidRequestError
 from engine.model.adapters.base import Architecture
-from engine.model.cpu_attention import MAX_FOLDED_QUERIES
 from engine.model.hf_calls import with_cache
 from engine.model.kv_cache import new_kv_cache
 from engine.model.lean_decode import LeanDecode
@@ -214,7 +213,7 @@ class OffloadedModel:
         """Logits `[n, V]` of the last `logits_to_keep` positions of `input_ids [T]` (0 keeps all)."""
         try:
             inputs = input_ids.view(1, -1).to(self.device)
-            if inputs.shape[1] <= MAX_FOLDED_QUERIES and self.lean is not None and self.lean.takes(kv_cache):
+            if self.lean is not None and self.lean.takes(kv_cache):
                 return self.lean.step(inputs, kv_cache, logits_to_keep)
             kwargs = with_cache(self.hf_model, kv_cache, use_cache=True, logits_to_keep=logits_to_keep)
             output = self.hf_model(input_ids=inputs, **kwargs)

@@ -299,7 +299,8 @@ def _unique_experts_measured(model) -> tuple[float, ...] | None:
         reply = generate_text(model, prompt_ids, replace(greedy, ignore_eos=True))
         ids = torch.tensor(prompt_ids + list(reply.token_ids), device=model.device)
         model.trace.clear()
-        model.forward(ids, model.new_kv_cache(), logits_to_keep=1)
+        # every position's logits kept: else the last layer routes the last position only
+        model.forward(ids, model.new_kv_cache(), logits_to_keep=0)
         for logits in model.trace.logits.values():  # [T, E] per MoE layer
             if logits.dim() != 2 or logits.shape[0] != len(ids):
                 return None  # a router whose output is not per-token logits: not measurable here

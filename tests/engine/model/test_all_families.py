@@ -126,26 +126,32 @@ def test_logits_and_greedy_tokens_equal_transformers(family):
     shared["plain"] = assert_matches_reference(model, reference, prompt, NEW_TOKENS)
 
 
-def test_lean_decode_steps_are_the_forward_bit_for_bit(family):
-    """Where the engine decodes or verifies a few tokens without transformers' wrappers
-    (engine.model.lean_decode), each step's logits are the very ones transformers' forward gives
-    on the same cache: the same
-    operators on the same tensors. The families that take that path are the ones listed."""
+def test_lean_steps_are_the_forward_bit_for_bit(family):
+    """Where the engine runs the decoder without transformers' wrappers (engine.model.lean_decode),
+    a prompt's logits at every position, decode steps' and verifications' are the very ones
+    transformers' forward gives on the same cache: the same operators on the same tensors. A
+    prompt whose last position alone is kept runs the last layer's MLP on that row only: the same
+    logits to its batch rounding. The families that take that path are the ones listed."""
     model_type, reference, model, _ = family
     assert (model.lean is not None) == (model_type in LEAN_FAMILIES), _lean_refusal(model)
     if model.lean is None:
         return
-    prompt = torch.tensor(_prompt(reference.config.get_text_config().vocab_size))
+    prompt = torch.tensor([_prompt(reference.config.get_text_config().vocab_size)])
     through_hf, lean = model.new_kv_cache(), model.new_kv_cache()
-    model.forward(prompt, through_hf)
-    model.forward(prompt, lean)
-    for tokens, keep in (([5], 1), ([9], 1), ([2, 7, 4], 0), ([8, 1], 1), ([3], 1)):  # decodes, verifications
-        ids = torch.tensor([tokens])
+
+    def forward(ids, keep):
         kwargs = with_cache(model.hf_model, through_hf, use_cache=True, logits_to_keep=keep)
         with torch.inference_mode():
             expected = model.hf_model(input_ids=ids, **kwargs).logits[0]
-        assert torch.equal(model.forward(ids.view(-1), lean, logits_to_keep=keep), expected)
-    assert lean.get_seq_length() == through_hf.get_seq_length() == len(prompt) + 8
+        return model.forward(ids.view(-1), lean, logits_to_keep=keep), expected
+
+    assert torch.equal(*forward(prompt, 0))
+    for tokens, keep in (([5], 1), ([9], 1), ([2, 7, 4], 0), ([8, 1], 0), ([3], 1)):  # decodes, verifications
+        assert torch.equal(*forward(torch.tensor([tokens]), keep))
+    assert lean.get_seq_length() == through_hf.get_seq_length() == prompt.shape[1] + 8
+    through_hf, lean = model.new_kv_cache(), model.new_kv_cache()
+    got, expected = forward(prompt, 1)  # a prefill keeping its last position
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
 def _lean_refusal(model) -> str:

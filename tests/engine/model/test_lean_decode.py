@@ -19,7 +19,7 @@ from engine.model.hf_calls import decoder_of
 from engine.model.tiny import TINY_ARCHITECTURES, build_tiny_model, save_tiny_model, tiny_config
 from engine.model.tiny_registry import shrunk_config
 
-PROMPT = torch.tensor([3, 17, 42, 99, 7, 25, 11, 64] * 3)  # longer than a verification: a prefill
+PROMPT = torch.tensor([3, 17, 42, 99, 7, 25, 11, 64] * 3)
 
 
 @pytest.fixture(scope="module")
@@ -37,27 +37,42 @@ def _steps(model, count: int = 3) -> torch.Tensor:
     return torch.stack([model.forward(torch.tensor([5 + i]), cache)[0] for i in range(count)])
 
 
-def test_a_standard_decoder_steps_lean_and_its_rms_norms_run_as_one_operator(model):
+def test_a_standard_decoder_runs_lean_and_its_rms_norms_run_as_one_operator(model, monkeypatch):
     assert model.lean is not None
     layer = model.lean.layers[0]
     assert isinstance(layer.input_norm, lean_decode.functools.partial)  # torch's rms_norm, checked equal
     calls = []
     original = lean_decode.LeanDecode.step
-    try:
-        lean_decode.LeanDecode.step = lambda self, *args: calls.append(1) or original(self, *args)
-        _steps(model)
-    finally:
-        lean_decode.LeanDecode.step = original
-    assert len(calls) == 3  # the prompt's prefill went through transformers; each one-token step not
-    calls.clear()
+    monkeypatch.setattr(
+        lean_decode.LeanDecode, "step", lambda self, *args: calls.append(1) or original(self, *args)
+    )
     cache = model.new_kv_cache()
     model.forward(PROMPT, cache)
+    model.forward(torch.tensor([5]), cache)
+    assert model.forward(torch.tensor([5, 6, 7]), cache, logits_to_keep=0).shape[0] == 3
+    assert len(calls) == 3  # a prompt, a decode step, a verification
+
+
+def test_a_prompt_runs_its_last_layers_mlp_on_the_kept_positions_only(model):
+    """The last layer's MLP sees the rows whose logits are asked for; the earlier layers every row
+    (their outputs are the next layer's keys and values)."""
+    seen = []
+    handles = [
+        layer.mlp.register_forward_hook(
+            lambda _m, args, _o, index=index: seen.append((index, args[0].shape[1]))
+        )
+        for index, layer in enumerate(model.lean.layers)
+    ]
     try:
-        lean_decode.LeanDecode.step = lambda self, *args: calls.append(1) or original(self, *args)
-        assert model.forward(torch.tensor([5, 6, 7]), cache, logits_to_keep=0).shape[0] == 3
+        model.forward(PROMPT, model.new_kv_cache(), logits_to_keep=1)
+        last = len(model.lean.layers) - 1
+        assert seen == [(i, len(PROMPT)) for i in range(last)] + [(last, 1)]
+        seen.clear()
+        model.forward(PROMPT, model.new_kv_cache(), logits_to_keep=0)
+        assert seen == [(i, len(PROMPT)) for i in range(last + 1)]
     finally:
-        lean_decode.LeanDecode.step = original
-    assert len(calls) == 1  # a verification of three tokens too
+        for handle in handles:
+            handle.remove()
 
 
 def test_a_hook_on_the_decoder_or_the_model_sends_steps_through_transformers(model):
@@ -72,7 +87,7 @@ def test_a_hook_on_the_decoder_or_the_model_sends_steps_through_transformers(mod
             assert torch.equal(_steps(model), plain)
         finally:
             handle.remove()
-        assert len(seen) == 1 + 3  # the prefill and every step
+        assert len(seen) == 1 + 3  # the prompt and every step
 
 
 def test_a_hooked_norm_is_called_as_a_module():
