@@ -173,10 +173,11 @@ class OffloadedExperts(nn.Module):
         draft = self.control.draft
         if draft is not None and draft.substitute is not None:
             return self._forward_substitute(hidden_states, top_k_index, top_k_weights, draft.substitute)
-        step = self._route(hidden_states, top_k_index, top_k_weights, draft)
         if self._grouped_in_ggml:  # every expert lies in the store: nothing to plan or bring in
-            self.cache.use_in_place(self.layer, sorted(step.routes, key=lambda e: -len(step.routes[e])))
-            return self._routed_in_ggml(step)
+            index, weights = self._routes(top_k_index, top_k_weights, draft)
+            self.cache.use_in_place(self.layer, dict.fromkeys(e for token in index for e in token))
+            return self._routed_in_ggml(hidden_states, weights, index)
+        step = self._route(hidden_states, top_k_index, top_k_weights, draft)
         plan = self._plan(step, drafting=draft is not None)
         for expert in plan.on_cpu:
             self._compute_on_cpu(step.routes[expert], expert, step)
@@ -191,24 +192,24 @@ class OffloadedExperts(nn.Module):
                 self._accumulate(step.routes[expert], weights, step)
         return step.out
 
-    def _route(
-        self,
-        hidden: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-        draft: DraftRouting | None,
-    ) -> _Step:
-        """The routes each expert serves; a score-based cache policy sees the router's scores."""
+    def _routes(
+        self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, draft: DraftRouting | None
+    ) -> tuple[list[list[int]], torch.Tensor]:
+        """`[T][K]` experts (the layer's one host synchronisation) and their `[T, K]` weights, after a
+        draft's top-r cut; a score-based cache policy sees the router's scores."""
         if draft is not None and draft.top_r is not None:
             top_k_index, top_k_weights = self._draft_routes(top_k_index, top_k_weights, draft)
         if self.cache.policy.uses_scores and self.layer in self.trace.logits:
             scores = self.trace.logits[self.layer].float().softmax(dim=-1).mean(dim=0)  # [E]
             self.cache.policy.observe_scores(self.layer, scores.tolist())
-        index = top_k_index.tolist()  # the layer's one host synchronisation
+        return top_k_index.tolist(), top_k_weights
+
+    def _route(self, hidden: torch.Tensor, top_k_index, top_k_weights, draft: DraftRouting | None) -> _Step:
+        """The routes each expert serves."""
+        index, weights = self._routes(top_k_index, top_k_weights, draft)
         out = torch.zeros_like(hidden)  # [T, H]
-        return _Step(
-            hidden, top_k_weights.reshape(-1), top_k_index.shape[-1], out, _group_by_expert(index), index
-        )
+        top_k = len(index[0]) if index else 0
+        return _Step(hidden, weights.reshape(-1), top_k, out, _group_by_expert(index), index)
 
     def _plan(self, step: _Step, drafting: bool) -> _Plan:
         """CPU misses first (HybriMoE's cost model, target steps only); then hits before misses,
@@ -282,25 +283,27 @@ class OffloadedExperts(nn.Module):
         gate, up = probe.chunk(2, dim=-1)
         return torch.equal(self.template._apply_gate(probe), torch.nn.functional.silu(gate) * up)
 
-    def _routed_in_ggml(self, step: _Step) -> torch.Tensor:
+    def _routed_in_ggml(
+        self, hidden: torch.Tensor, weights: torch.Tensor, index: list[list[int]]
+    ) -> torch.Tensor:
         """Every route of the step through the layer's experts where they lie in the store, one ggml
         node a projection (llama.cpp's `mul_mat_id`: a token's row quantized once for all its
         experts); each route's output weighted as `_accumulate` weights it, a token's routes summed
         in their top-k order: `[T, H]`."""
         experts, gate_up, down = self._ggml_fields
-        weights = step.weights.view(len(step.index), step.top_k, 1)  # [T, K, 1]
-        x = step.hidden  # [T, H]: every route of a token multiplies the same row
+        weights = weights.reshape(len(index), -1, 1)  # [T, K, 1]
+        x = hidden  # [T, H]: every route of a token multiplies the same row
         if self.scales_input:  # Llama 4: a row per route, scaled by its weight
             x = x[:, None, :] * weights
         if self._swiglu and x.dtype == torch.float32:  # the whole expert in one ggml graph
-            y = ggml_kernels.routed_swiglu(x, experts, gate_up, down, step.index)  # [T, K, H]
+            y = ggml_kernels.routed_swiglu(x, experts, gate_up, down, index)  # [T, K, H]
         else:
-            up = ggml_kernels.linear_routed(x, experts, gate_up, step.index).to(x.dtype)  # [T, K, 2I]
+            up = ggml_kernels.linear_routed(x, experts, gate_up, index).to(x.dtype)  # [T, K, 2I]
             act = self.template._apply_gate(up) if self.has_gate else self.template.act_fn(up)
-            y = ggml_kernels.linear_routed(act, experts, down, step.index).to(x.dtype)  # [T, K, H]
+            y = ggml_kernels.linear_routed(act, experts, down, index).to(x.dtype)  # [T, K, H]
         if not self.scales_input:
             y = y * weights
-        return y.sum(dim=1, dtype=step.out.dtype)
+        return y.sum(dim=1, dtype=hidden.dtype)
 
     def _compute_on_cpu(self, positions: list[int], expert: int, step: _Step) -> None:
         """A missing expert computed on the CPU from the host store (Fiddler/HybriMoE): no copy."""
