@@ -178,7 +178,8 @@ class _Norm:
     @classmethod
     def of(cls, norm: nn.Module | None, head_dim: int) -> _Norm:
         weight = getattr(norm, "weight", None)
-        return cls(norm and _fused(norm), weight is not None and weight.numel() == head_dim)
+        fused = None if norm is None else _fused(norm)
+        return cls(fused, weight is not None and weight.numel() == head_dim)
 
     def __call__(self, projected: torch.Tensor, heads: tuple[int, ...]) -> torch.Tensor:
         if self.norm is None:

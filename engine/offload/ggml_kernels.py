@@ -21,9 +21,7 @@ argument is checked here first: ggml aborts the process on a failed assertion.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import logging
 import threading
 
 import torch
@@ -31,12 +29,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.offload import ggml_memory
 from engine.offload.ggml_graphs import KeptGraph, KeptGraphs, readable
-from engine.offload.ggml_library import Ggml, InitParams, library
+from engine.offload.ggml_library import Ggml, InitParams, library, loaded
 
 _F32 = int(GGMLQuantizationType.F32)
 _I32 = int(GGMLQuantizationType.I32)
-_P = ctypes.c_void_p
-log = logging.getLogger(__name__)
 
 
 # Graph slots: ggml's default 2048-slot graph costs more to set up than a decode step's matmul
@@ -103,22 +99,16 @@ def linear(
     x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int
 ) -> torch.Tensor:
     """`x @ W.T` by ggml's CPU kernels, `x [..., in]`, in x's dtype (computed in float32)."""
-    ggml, reason = library()
-    if ggml is None:
-        raise RuntimeError(reason)
+    ggml = loaded()
     _checked(ggml, blocks, ggml_type, out_features, in_features)
     rows = _float_rows(x, in_features)
     out = torch.empty((rows.shape[0], out_features), dtype=torch.float32)
     if rows.shape[0]:
-        key = (
-            "mm",
-            blocks.data_ptr(),
-            ggml_memory.buffer_of(ggml, blocks),
-            int(ggml_type),
-            out_features,
-            in_features,
-        )
-        _compute(ggml, rows, out, blocks, int(ggml_type), key if rows.shape[0] == 1 else None)
+        key = None  # several tokens: the graph is built for the call
+        if rows.shape[0] == 1:
+            buffer = ggml_memory.buffer_of(ggml, blocks)
+            key = ("mm", blocks.data_ptr(), buffer, int(ggml_type), out_features, in_features)
+        _compute(ggml, rows, out, blocks, int(ggml_type), key)
     if x.dtype != torch.float32:
         out = out.to(x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
@@ -165,7 +155,7 @@ def routed_swiglu(
     and `down` with ggml's SwiGLU between them, no tensor of the step leaving ggml; `[T, K, out]`
     float32 for `x [T, in]` (or `[T, K, in]`, a row per route, as `linear_routed` takes)."""
     ggml = _checked_routes(x.shape, experts, gate_up, ids)
-    _checked_routes((len(ids), len(ids[0]) if ids else 0, down[3]), experts, down, ids)
+    _checked_field(ggml, experts, down)  # the routes were checked with gate_up
     if gate_up[2] != 2 * down[3]:
         raise ValueError(f"{gate_up[2]} gate and up rows do not feed a down projection of width {down[3]}")
     rows, routes = _float_rows(x, gate_up[3]), torch.tensor(ids, dtype=torch.int32)
@@ -193,22 +183,26 @@ def routed_swiglu(
 def _checked_routes(shape: tuple[int, ...], experts: torch.Tensor, field, ids: list[list[int]]) -> Ggml:
     """ggml, once activations of `shape` and `ids` fit a routed product of `field` inside
     `experts` (else ValueError)."""
-    ggml, reason = library()
-    if ggml is None:
-        raise RuntimeError(reason)
-    offset, ggml_type, out_features, in_features = field
-    num_experts, stride = experts.shape
+    ggml = loaded()
+    _checked_field(ggml, experts, field)
+    in_features, num_experts = field[3], experts.shape[0]
     tokens, top_k = len(ids), len(ids[0]) if ids else 0
-    row = _row_bytes(ggml, int(ggml_type), in_features)
-    if row is None or experts.dtype != torch.uint8 or not experts.is_contiguous():
-        raise ValueError(f"ggml cannot multiply a {out_features}×{in_features} weight in {ggml_type} blocks")
-    if offset < 0 or offset + row * out_features > stride:
-        raise ValueError(f"a {out_features}×{in_features} weight at byte {offset} overruns {stride} bytes")
     if shape[0] != tokens or shape[-1] != in_features or (len(shape) == 3 and shape[1] != top_k):
         raise ValueError(f"activations {tuple(shape)} do not fit {tokens}×{top_k} routes")
     if any(len(token) != top_k or min(token) < 0 or max(token) >= num_experts for token in ids):
         raise ValueError(f"a route names an expert outside 0..{num_experts - 1} (or routes differ in length)")
     return ggml
+
+
+def _checked_field(ggml: Ggml, experts: torch.Tensor, field) -> None:
+    """ValueError unless `field` is a weight ggml multiplies lying inside each of `experts`' rows."""
+    offset, ggml_type, out_features, in_features = field
+    stride = experts.shape[1]
+    row = _row_bytes(ggml, int(ggml_type), in_features)
+    if row is None or experts.dtype != torch.uint8 or not experts.is_contiguous():
+        raise ValueError(f"ggml cannot multiply a {out_features}×{in_features} weight in {ggml_type} blocks")
+    if offset < 0 or offset + row * out_features > stride:
+        raise ValueError(f"a {out_features}×{in_features} weight at byte {offset} overruns {stride} bytes")
 
 
 def _routed_inputs(ggml: Ggml, context, bind, rows: torch.Tensor, routes: torch.Tensor) -> tuple[int, int]:
@@ -270,13 +264,7 @@ def _run(ggml: Ggml, build, out: torch.Tensor, what: str, moving: tuple = (), ke
     key only point its tensors at their `moving` memory and `out` (engine.offload.ggml_graphs)."""
     memories = (*moving, out)
     if key is not None and readable(ggml):
-        if _state.kept is None:
-            _state.kept = KeptGraphs()
-        kept = _state.kept.get(key)
-        if kept is None:
-            kept = _keep(ggml, build, memories)
-            _state.kept.keep(key, kept)
-        status = kept.compute(_backend(ggml), memories)
+        status = _kept(ggml, key, build, memories).compute(_backend(ggml), memories)
     else:
         context, backend = _context(ggml)
         graph = ggml.new_graph_custom(context, _GRAPH_SIZE, False)
@@ -291,18 +279,22 @@ def compute_kept(key, build, moving: tuple, outputs: tuple, what: str, tensors: 
     """A graph of several outputs kept under `key` (engine.offload.ggml_layer): `build(context,
     bind)` returns its products, one for each of `outputs` (bound there); `moving` is the call's
     other memory; `tensors` and `nodes` bound the graph's size. Needs `kept_graphs_work()`."""
-    ggml, reason = library()
-    if ggml is None:
-        raise RuntimeError(reason)
-    if _state.kept is None:
-        _state.kept = KeptGraphs()
-    memories = (*moving, *outputs)
-    kept = _state.kept.get(key)
-    if kept is None:
-        kept = _keep(ggml, build, memories, tensors, nodes, intermediates=True)
-        _state.kept.keep(key, kept)
+    ggml, memories = loaded(), (*moving, *outputs)
+    kept = _kept(ggml, key, build, memories, (tensors, nodes), intermediates=True)
     if kept.compute(_backend(ggml), memories) != 0:
         raise RuntimeError(f"ggml's CPU backend failed to compute {what}")
+
+
+def _kept(ggml: Ggml, key, build, memories: tuple, size=(_MAX_TENSORS, _GRAPH_SIZE), **keep) -> KeptGraph:
+    """This thread's graph kept under `key`, built by `_keep` (`size`: tensors and nodes, `keep`:
+    its other options) the first time it is asked for."""
+    if _state.kept is None:
+        _state.kept = KeptGraphs()
+    kept = _state.kept.get(key)
+    if kept is None:
+        kept = _keep(ggml, build, memories, *size, **keep)
+        _state.kept.keep(key, kept)
+    return kept
 
 
 def kept_graphs_work() -> bool:

@@ -24,13 +24,14 @@ from __future__ import annotations
 import functools
 
 import torch
+from gguf import GGMLQuantizationType
 
 from engine.offload import ggml_kernels
 from engine.offload.ggml_graphs import Tensor
-from engine.offload.ggml_library import library
+from engine.offload.ggml_library import loaded
 from engine.offload.ggml_resident import GgmlLinear
 
-_F32 = ggml_kernels._F32
+_F32 = int(GGMLQuantizationType.F32)
 _TENSORS = _NODES = 64  # a graph's tensors and nodes: the inputs graph has ~35
 
 
@@ -99,7 +100,7 @@ class AttentionEnds:
         return summed.view(hidden.shape), normed.view(hidden.shape)
 
     def _inputs_graph(self, context, bind, rows, cos, sin, tokens: int):
-        ggml, layer, dim = _ggml(), self.layer, self.layer.head_dim
+        ggml, layer, dim = loaded(), self.layer, self.layer.head_dim
         x = _normed(ggml, context, bind, _rows(ggml, context, bind, rows), self.norms["input"])
         angles = [ggml.new_tensor_3d(context, _F32, dim, 1, tokens) for _ in range(2)]
         bind(angles[0], cos)
@@ -111,7 +112,7 @@ class AttentionEnds:
 
     def _heads(self, context, bind, projection, x, norm, per_head: bool, tokens: int) -> int:
         """A projection's heads `[D, heads, T]` (ggml's order), normed as the family norms them."""
-        ggml, dim = _ggml(), self.layer.head_dim
+        ggml, dim = loaded(), self.layer.head_dim
         projected = ggml.mul_mat(context, _weight(ggml, context, bind, projection), x)
         if norm is not None and not per_head:  # the whole projection (OLMoE)
             projected = _normed(ggml, context, bind, projected, norm)
@@ -119,19 +120,12 @@ class AttentionEnds:
         return _normed(ggml, context, bind, heads, norm) if norm is not None and per_head else heads
 
     def _outputs_graph(self, context, bind, attended, rows, tokens: int):
-        ggml = _ggml()
+        ggml = loaded()
         out = ggml.mul_mat(
             context, _weight(ggml, context, bind, self.layer.o_proj), _rows(ggml, context, bind, attended)
         )
         summed = ggml.add(context, _rows(ggml, context, bind, rows), out)
         return summed, _normed(ggml, context, bind, summed, self.norms["post"])
-
-
-def _ggml():
-    ggml, reason = library()
-    if ggml is None:
-        raise RuntimeError(reason)
-    return ggml
 
 
 def _rows(ggml, context, bind, rows: torch.Tensor) -> int:

@@ -2,8 +2,9 @@
 
 Contract: `library()` is (`Ggml`, "") — the few ggml functions the engine calls, with their C
 signatures, loaded once — or (None, why not) where llama-cpp-python is missing or its libraries
-cannot be used; `available()` says the same as (bool, why not). ggml's warnings and errors go to
-this module's logger, its debug and info lines nowhere.
+cannot be used; `available()` says the same as (bool, why not), and `loaded()` is the `Ggml`
+or that reason raised. ggml's warnings and errors go to this module's logger, its debug and
+info lines nowhere.
 """
 
 from __future__ import annotations
@@ -114,3 +115,11 @@ def available() -> tuple[bool, str]:
     """Whether ggml's kernels can run here, and why not."""
     ggml, reason = library()
     return ggml is not None, reason
+
+
+def loaded() -> Ggml:
+    """ggml's functions, or a RuntimeError saying why they cannot be loaded here."""
+    ggml, reason = library()
+    if ggml is None:
+        raise RuntimeError(reason)
+    return ggml
