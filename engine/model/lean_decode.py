@@ -20,11 +20,13 @@ the last layer's MLP runs on the kept positions only, as llama.cpp's output rows
 the others; a prompt's last layer then routes one token, not all), which changes those rows'
 products by their batch's rounding. tests/engine/model/test_all_families.py checks both on every
 family this accepts. A layer given `ends` (engine.offload.ggml_layer) has them do its work before
-and after the attention in decode and verification steps. `takes(kv_cache)` says whether a step
-may go this way now: no hook on the decoder or the model (an MTP drafter records the decoder's
-output) and a cache of attention layers only. Hooks on a layer's modules run where the step calls
-those modules (the routers' trace, hooked at load); a norm found unhooked at load runs as torch's
-operator, and `ends` replace the modules they cover, so a hook put on those later is not seen.
+and after the attention in decode and verification steps (its MLP too, where they take it).
+`takes(kv_cache)` says whether a step may go this way now: no hook on the decoder or the model (an
+MTP drafter records the decoder's output) and a cache of attention layers only. Hooks on a layer's
+modules run where the step calls those modules (the routers' trace, hooked at load); a norm found
+unhooked at load runs as torch's operator, and `ends` replace the modules they cover, so a hook
+put on those later is not seen (but one on the MoE block, router or experts: `finish` leaves it
+the block).
 
 Why: on a 2-core CPU, a decode step of a Qwen3-30B-A3B-shaped model spent ~0.5 ms a token in
 transformers' wrappers (decorators, output records, mask and position bookkeeping) on top of the
@@ -153,6 +155,9 @@ class _Layer:
         out, _ = cpu_attention_forward(self.attention, query, key, value, mask, scaling=self.scaling)
         out = out.reshape(1, count, -1)
         if ends is not None:
+            done = ends.finish(out, hidden, rows)
+            if done is not None:
+                return done
             hidden, x = ends.outputs(out, hidden)
             return hidden[:, -rows:] + self.mlp(x[:, -rows:])
         hidden = (hidden + self.o_proj(out))[:, -rows:]
@@ -166,6 +171,9 @@ class AttentionEnds(Protocol):
     def inputs(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple: ...
 
     def outputs(self, attended: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    # the layer's output for its last `rows` positions, its MLP included, or None (`outputs`, then the MLP)
+    def finish(self, attended: torch.Tensor, hidden: torch.Tensor, rows: int) -> torch.Tensor | None: ...
 
 
 class _Norm:

@@ -167,17 +167,28 @@ def routed_swiglu(
 
         def build(context, bind):
             activations, index = _routed_inputs(ggml, context, bind, rows, routes)
-            both = ggml.mul_mat_id(
-                context, _experts_view(ggml, context, bind, experts, gate_up), activations, index
-            )
-            bind(both, up)
-            gated = ggml.swiglu(context, both)  # silu(first half) · second half, row by row
-            bind(gated, act)
-            return ggml.mul_mat_id(context, _experts_view(ggml, context, bind, experts, down), gated, index)
+            return swiglu_nodes(ggml, context, bind, experts, (gate_up, down), activations, index, (up, act))
 
         key = _routed_key(ggml, experts, (gate_up, down), x, ids)
         _run(ggml, build, out, "a routed MLP", (rows, routes, up, act), key)
     return out
+
+
+def swiglu_nodes(ggml: Ggml, context, bind, experts: torch.Tensor, fields, activations, index, bound=()):
+    """The nodes of `routed_swiglu` on ggml tensors `activations [in, rows a token, T]` and `index
+    [K, T]` (I32), `fields` = (gate_up, down) in `experts`: `[out, K, T]`; `bound` = memory for the
+    gate/up product and the gated rows (else ggml's graph allocator places them)."""
+    gate_up, down = fields
+    both = ggml.mul_mat_id(context, _experts_view(ggml, context, bind, experts, gate_up), activations, index)
+    gated = ggml.swiglu(context, both)  # silu(first half) · second half, row by row
+    for tensor, memory in zip((both, gated), bound, strict=False):
+        bind(tensor, memory)
+    return ggml.mul_mat_id(context, _experts_view(ggml, context, bind, experts, down), gated, index)
+
+
+def checked_field(experts: torch.Tensor, field) -> None:
+    """ValueError unless `field` is a weight ggml multiplies lying inside each of `experts`' rows."""
+    _checked_field(loaded(), experts, field)
 
 
 def _checked_routes(shape: tuple[int, ...], experts: torch.Tensor, field, ids: list[list[int]]) -> Ggml:

@@ -1,22 +1,27 @@
-"""A standard layer's work before and after its attention as two ggml graphs (`--kernels ggml`).
+"""A standard layer's work before and after its attention as ggml graphs (`--kernels ggml`).
 
 Contract: `attach(lean)` gives each layer of a `LeanDecode` (engine.model.lean_decode) whose parts
-allow it an `AttentionEnds`, and says how many got one. A layer qualifies when ggml's graphs can be
-kept here, its four projections are llama.cpp-kernel matrices without bias (`GgmlLinear`), its
-norms are RMS norms (torch's `rms_norm` gives their values: the lean step's probe) and the family's
-rotary function is the rotate-half rotation of the whole head (asked of it on a probe). Then, for
-float32 activations of T tokens:
+allow it an `AttentionEnds`, and says how many layers got ends. A layer
+qualifies when ggml's graphs can be kept here, its four projections are llama.cpp-kernel matrices
+without bias (`GgmlLinear`), its norms are RMS norms (torch's `rms_norm` gives their values: the
+lean step's probe) and the family's rotary function is the rotate-half rotation of the whole head
+(asked of it on a probe). Then, for float32 activations of T tokens:
 
     inputs(hidden, cos, sin) -> query [1, H, T, D], key and value [1, KV, T, D]
         input norm, q/k/v products, q/k norms, rotation by the rotary module's cos and sin
     outputs(attended, hidden) -> (hidden + o_proj(attended), post-attention norm of that)
+    finish(attended, hidden, rows) -> the layer's output for its last `rows` positions
+        `outputs` and the MoE block's routing and experts (engine.offload.ggml_moe) in one graph,
+        where the block allows it this step; else None (`outputs`, then the block's module)
 
 each one ggml graph kept per token count (engine.offload.ggml_graphs), where the lean step took ~25
-torch operators and four ggml calls. Values: ggml's; its products quantize their activations to 8
-bits as every `--kernels ggml` product does, and its norms and rotation round in float32 in another
-order than torch's (~1e-7 relative, which the 8-bit rounding of the next product can carry to ~1%
-of a value: llama.cpp's own numerics). Both graphs compute row by row whatever the token count
-(tested): a verification's rows through them are its tokens' decode rows.
+torch operators and four ggml calls for the ends, ~15 and a host round trip for the routes. Values:
+ggml's; its products quantize their activations to 8 bits as every `--kernels ggml` product does,
+and its norms and rotation round in float32 in another order than torch's (~1e-7 relative, which
+the 8-bit rounding of the next product can carry to ~1% of a value: llama.cpp's own numerics).
+`inputs` and `outputs` compute row by row whatever the token count (tested): a
+verification's rows through them are its tokens' decode rows; `finish`'s experts and router round
+a batch of rows as llama.cpp's batch does (~1e-6 relative), as the block's module did before.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from gguf import GGMLQuantizationType
 from engine.offload import ggml_kernels
 from engine.offload.ggml_graphs import Tensor
 from engine.offload.ggml_library import loaded
+from engine.offload.ggml_moe import RoutedMlp
 from engine.offload.ggml_resident import GgmlLinear
 
 _F32 = int(GGMLQuantizationType.F32)
@@ -50,6 +56,7 @@ class AttentionEnds:
         self.heads = layer.q_proj.out_features // layer.head_dim
         self.kv_heads = layer.k_proj.out_features // layer.head_dim
         self._key = object()  # this layer's graphs, whatever memory is freed and reused around it
+        self.moe = RoutedMlp.of(layer.mlp)  # the block's routing and experts in the output graph
 
     @classmethod
     def of(cls, layer) -> AttentionEnds | None:
@@ -119,13 +126,50 @@ class AttentionEnds:
         heads = ggml.reshape_3d(context, projected, dim, projection.out_features // dim, tokens)
         return _normed(ggml, context, bind, heads, norm) if norm is not None and per_head else heads
 
+    def finish(self, attended: torch.Tensor, hidden: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """The layer's output `[1, rows, H]` for the last `rows` of `hidden`'s positions where its
+        MoE block routes inside ggml this step (`RoutedMlp.takes`): `outputs` and the block in one
+        graph. None where it may not (`outputs`, then the block's module)."""
+        moe = self.moe
+        if moe is None or not moe.takes():
+            return None
+        tokens = hidden.shape[1]
+        attended, inputs = attended.reshape(tokens, -1).contiguous(), hidden.reshape(tokens, -1)
+        out = torch.empty((rows, inputs.shape[1]))
+        chosen = torch.empty((rows, moe.top_k), dtype=torch.int32)
+        logits = torch.empty((rows, moe.weight.shape[0]))
+        ggml_kernels.compute_kept(
+            (self._key, "finish", tokens, rows),
+            lambda context, bind: self._finish_graph(context, bind, attended, inputs, rows),
+            (attended, inputs),
+            (out, chosen, logits),
+            "a layer's attention output and experts",
+            _TENSORS + 3 * moe.top_k,
+            _NODES + 3 * moe.top_k,
+        )
+        moe.used(chosen, logits)
+        return out.view(1, rows, -1)
+
     def _outputs_graph(self, context, bind, attended, rows, tokens: int):
+        summed = self._summed(context, bind, attended, rows)
+        return summed, _normed(loaded(), context, bind, summed, self.norms["post"])
+
+    def _finish_graph(self, context, bind, attended, inputs, rows: int):
+        ggml, tokens, width = loaded(), inputs.shape[0], inputs.shape[1]
+        summed = self._summed(context, bind, attended, inputs)
+        if rows < tokens:  # the last rows only (a prompt's last layer): contiguous float32 rows
+            summed = ggml.view_2d(context, summed, width, rows, width * 4, (tokens - rows) * width * 4)
+        normed = _normed(ggml, context, bind, summed, self.norms["post"])
+        moe, chosen, logits = self.moe.nodes(ggml, context, bind, normed, rows)
+        return ggml.add(context, summed, moe), ggml.cont(context, chosen), logits
+
+    def _summed(self, context, bind, attended, rows) -> int:
+        """`rows` + o_proj(`attended`)."""
         ggml = loaded()
         out = ggml.mul_mat(
             context, _weight(ggml, context, bind, self.layer.o_proj), _rows(ggml, context, bind, attended)
         )
-        summed = ggml.add(context, _rows(ggml, context, bind, rows), out)
-        return summed, _normed(ggml, context, bind, summed, self.norms["post"])
+        return ggml.add(context, _rows(ggml, context, bind, rows), out)
 
 
 def _rows(ggml, context, bind, rows: torch.Tensor) -> int:

@@ -96,10 +96,11 @@ class RoutingTrace:
         self.logits: dict[int, torch.Tensor] = {}
 
     def hook(self, layer: int):
-        def record(_module, _inputs, output):
-            self.logits[layer] = output[0].detach()
+        """The router's forward hook for `layer`."""
+        return functools.partial(self.record, layer)
 
-        return record
+    def record(self, layer: int, _module, _inputs, output) -> None:
+        self.logits[layer] = output[0].detach()
 
     def clear(self) -> None:
         self.logits.clear()

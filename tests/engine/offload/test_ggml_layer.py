@@ -103,6 +103,8 @@ def test_the_graphs_compute_row_by_row_whatever_the_token_count(q8_model):
 
 @needs_ggml
 def test_greedy_tokens_with_the_graphs_are_the_modules_tokens(q8_model):
+    """Every graph (the ends, the experts and routes inside `finish`) against the layers' modules."""
+    assert all(end.moe is not None for end in _ends(q8_model))
     greedy = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(greedy=True), ignore_eos=True)
     prompt = PROMPT.tolist()
     with_graphs = generate_text(q8_model, prompt, greedy).token_ids
