@@ -20,13 +20,14 @@ the last layer's MLP runs on the kept positions only, as llama.cpp's output rows
 the others; a prompt's last layer then routes one token, not all), which changes those rows'
 products by their batch's rounding. tests/engine/model/test_all_families.py checks both on every
 family this accepts. A layer given `ends` (engine.offload.ggml_layer) has them do its work before
-and after the attention in decode and verification steps (its MLP too, where they take it).
-`takes(kv_cache)` says whether a step may go this way now: no hook on the decoder or the model (an
-MTP drafter records the decoder's output) and a cache of attention layers only. Hooks on a layer's
-modules run where the step calls those modules (the routers' trace, hooked at load); a norm found
-unhooked at load runs as torch's operator, and `ends` replace the modules they cover, so a hook
-put on those later is not seen (but one on the MoE block, router or experts: `finish` leaves it
-the block).
+and after the attention in decode and verification steps (its MLP too, where they take it), and a
+`head` the final norm and lm_head of those steps' kept rows. `takes(kv_cache)` says whether a
+step may go this way now: no hook on the decoder or the model (an MTP drafter records the
+decoder's output) and a cache of attention layers only. Hooks on a layer's modules run where the
+step calls those modules (the routers' trace, hooked at load); a norm found unhooked at load runs
+as torch's operator, and `ends` replace the modules they cover, so a hook put on those later is
+not seen (but one on the MoE block, router or experts: `finish` leaves it the block; or on the
+lm_head: the head leaves it the module).
 
 Why: on a 2-core CPU, a decode step of a Qwen3-30B-A3B-shaped model spent ~0.5 ms a token in
 transformers' wrappers (decorators, output records, mask and position bookkeeping) on top of the
@@ -74,6 +75,10 @@ class LeanDecode:
         self.decoder = decoder
         self.layers = [_Layer(layer) for layer in decoder.layers]
         self.apply_rotary = rotary
+        self.norm = _fused(decoder.norm)
+        # the final norm and lm_head on float32 rows elsewhere (engine.offload.ggml_layer): their
+        # logits `[n, V]`, or None where it does not take them
+        self.head: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     @classmethod
     def of(cls, hf_model: nn.Module) -> LeanDecode | None:
@@ -114,7 +119,11 @@ class LeanDecode:
         for index, layer in enumerate(self.layers):
             rows = keep if index == len(self.layers) - 1 else count
             hidden = layer(hidden, cos, sin, kv_cache, self.apply_rotary, mask, rows)
-        return self.hf_model.lm_head(decoder.norm(hidden[:, -keep:]))[0]
+        last = hidden[:, -keep:]
+        logits = None
+        if self.head is not None and last.dtype == torch.float32 and keep <= MAX_FOLDED_QUERIES:
+            logits = self.head(last)
+        return self.hf_model.lm_head(self.norm(last))[0] if logits is None else logits
 
 
 class _Layer:

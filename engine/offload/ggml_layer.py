@@ -1,7 +1,7 @@
 """A standard layer's work before and after its attention as ggml graphs (`--kernels ggml`).
 
 Contract: `attach(lean)` gives each layer of a `LeanDecode` (engine.model.lean_decode) whose parts
-allow it an `AttentionEnds`, and says how many layers got ends. A layer
+allow it an `AttentionEnds`, and the decoder a `Head`, and says how many layers got ends. A layer
 qualifies when ggml's graphs can be kept here, its four projections are llama.cpp-kernel matrices
 without bias (`GgmlLinear`), its norms are RMS norms (torch's `rms_norm` gives their values: the
 lean step's probe) and the family's rotary function is the rotate-half rotation of the whole head
@@ -13,13 +13,14 @@ lean step's probe) and the family's rotary function is the rotate-half rotation 
     finish(attended, hidden, rows) -> the layer's output for its last `rows` positions
         `outputs` and the MoE block's routing and experts (engine.offload.ggml_moe) in one graph,
         where the block allows it this step; else None (`outputs`, then the block's module)
+    Head: the final norm and the lm_head of the kept rows (a `GgmlLinear` lm_head)
 
 each one ggml graph kept per token count (engine.offload.ggml_graphs), where the lean step took ~25
 torch operators and four ggml calls for the ends, ~15 and a host round trip for the routes. Values:
 ggml's; its products quantize their activations to 8 bits as every `--kernels ggml` product does,
 and its norms and rotation round in float32 in another order than torch's (~1e-7 relative, which
 the 8-bit rounding of the next product can carry to ~1% of a value: llama.cpp's own numerics).
-`inputs` and `outputs` compute row by row whatever the token count (tested): a
+`inputs`, `outputs` and the head compute row by row whatever the token count (tested): a
 verification's rows through them are its tokens' decode rows; `finish`'s experts and router round
 a batch of rows as llama.cpp's batch does (~1e-6 relative), as the block's module did before.
 """
@@ -47,7 +48,45 @@ def attach(lean) -> int:
         return 0
     for layer in lean.layers:
         layer.ends = AttentionEnds.of(layer)
+    lean.head = Head.of(lean)
     return sum(layer.ends is not None for layer in lean.layers)
+
+
+class Head:
+    """The final norm and lm_head of a few float32 rows in one graph kept per row count."""
+
+    def __init__(self, norm: tuple[torch.Tensor, float], lm_head: GgmlLinear):
+        self.norm, self.lm_head = norm, lm_head
+        self._key = object()
+
+    @classmethod
+    def of(cls, lean) -> Head | None:
+        lm_head, norm = lean.hf_model.lm_head, _rms(lean.norm)
+        if not isinstance(lm_head, GgmlLinear) or lm_head.bias is not None or norm is None:
+            return None
+        return cls(norm, lm_head)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits `[n, V]` of `hidden [1, n, H]`; None while something hooks the lm_head."""
+        if self.lm_head._forward_hooks or self.lm_head._forward_pre_hooks:
+            return None
+        rows = hidden.reshape(hidden.shape[1], -1).contiguous()
+        logits = torch.empty((rows.shape[0], self.lm_head.out_features))
+        ggml_kernels.compute_kept(
+            (self._key, rows.shape[0]),
+            lambda context, bind: self._graph(context, bind, rows),
+            (rows,),
+            (logits,),
+            "the final norm and lm_head",
+            8,
+            8,
+        )
+        return logits
+
+    def _graph(self, context, bind, rows):
+        ggml = loaded()
+        normed = _normed(ggml, context, bind, _rows(ggml, context, bind, rows), self.norm)
+        return ggml.mul_mat(context, _weight(ggml, context, bind, self.lm_head), normed)
 
 
 class AttentionEnds:

@@ -37,14 +37,16 @@ def _ends(model) -> list:
 
 
 def _without_ends(model, call):
-    ends = _ends(model)
+    ends, head = _ends(model), model.lean.head
     for layer in model.lean.layers:
         layer.ends = None
+    model.lean.head = None
     try:
         return call()
     finally:
         for layer, end in zip(model.lean.layers, ends, strict=True):
             layer.ends = end
+        model.lean.head = head
 
 
 def _steps(model, tokens=(5, 9, 2, 7)) -> torch.Tensor:
@@ -103,8 +105,9 @@ def test_the_graphs_compute_row_by_row_whatever_the_token_count(q8_model):
 
 @needs_ggml
 def test_greedy_tokens_with_the_graphs_are_the_modules_tokens(q8_model):
-    """Every graph (the ends, the experts and routes inside `finish`) against the layers' modules."""
-    assert all(end.moe is not None for end in _ends(q8_model))
+    """Every graph (the ends, the experts and routes inside `finish`, the head) against the
+    layers' and the head's modules."""
+    assert all(end.moe is not None for end in _ends(q8_model)) and q8_model.lean.head is not None
     greedy = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(greedy=True), ignore_eos=True)
     prompt = PROMPT.tolist()
     with_graphs = generate_text(q8_model, prompt, greedy).token_ids
@@ -132,3 +135,28 @@ def test_a_biased_projection_a_module_norm_or_another_rotation_keeps_the_modules
     monkeypatch.setattr(q8_model.lean, "apply_rotary", partial_rotation)
     assert not ggml_layer._whole_head_rotation(q8_model.lean)
     assert ggml_layer.attach(q8_model.lean) == 0
+
+
+@needs_ggml
+def test_the_head_graph_computes_the_final_norm_and_lm_head(q8_model):
+    """The logits of a few rows against the decoder's norm module and the lm_head (the same ggml
+    product); a hook on the lm_head sends the step through the modules again."""
+    head, hf = q8_model.lean.head, q8_model.hf_model
+    assert head is not None
+    hidden = torch.randn(1, 3, q8_model.hf_config.hidden_size, generator=torch.Generator().manual_seed(4))
+    wanted = hf.lm_head(hf.model.norm(hidden))[0]
+    got = head(hidden)
+    assert got.shape == wanted.shape
+    torch.testing.assert_close(got, wanted, rtol=0, atol=0.03 * wanted.abs().max().item())
+    assert torch.equal(got.argmax(-1), wanted.argmax(-1))
+    for row in range(3):  # row by row whatever the count
+        assert torch.equal(head(hidden[:, row : row + 1])[0], got[row])
+    seen = []
+    handle = hf.lm_head.register_forward_hook(lambda *args: seen.append(True))
+    try:
+        assert head(hidden) is None
+        cache = q8_model.new_kv_cache()
+        q8_model.forward(PROMPT, cache)
+        assert seen
+    finally:
+        handle.remove()
