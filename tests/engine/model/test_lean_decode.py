@@ -144,3 +144,36 @@ def test_decoders_other_than_the_standard_one_are_refused_with_the_reason(model_
 
 def _config(model_type: str):
     return tiny_config(model_type) if model_type in TINY_ARCHITECTURES else shrunk_config(model_type)
+
+
+def test_rotary_values_come_from_a_table_equal_to_the_modules_own(model, monkeypatch):
+    """Slices of the table the rotary module filled equal its own outputs bit for bit, past the
+    table's first size too; frequencies that change with the length, or a module whose values a
+    table does not reproduce, are asked of the module at every step."""
+    module = model.lean.decoder.rotary_emb
+    rotary = lean_decode._Rotary(module)
+    assert rotary.static
+    hidden = torch.zeros(1, 3, model.hf_config.hidden_size)
+    for first in (0, 5, 1022, 1500):
+        got = rotary(hidden, first, 3)
+        wanted = module(hidden, torch.arange(first, first + 3)[None])
+        assert all(torch.equal(a, b) for a, b in zip(got, wanted, strict=True))
+    assert next(iter(rotary._tables.values()))[0].shape[1] == 2048  # doubled once
+    monkeypatch.setattr(module, "rope_type", "dynamic")
+    assert not lean_decode._Rotary(module).static
+    monkeypatch.undo()
+    calls = []
+    forward = module.forward
+
+    def batch_dependent(x, position_ids):  # a module whose values depend on the run it is given
+        calls.append(1)
+        cos, sin = forward(x, position_ids)
+        return cos + position_ids.shape[-1], sin
+
+    monkeypatch.setattr(module, "forward", batch_dependent)
+    other = lean_decode._Rotary(module)
+    got = other(hidden, 4, 3)
+    assert not other.static and torch.equal(got[0], module(hidden, torch.arange(4, 7)[None])[0])
+    calls.clear()
+    other(hidden, 7, 1)
+    assert calls  # the module, every step
