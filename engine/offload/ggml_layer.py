@@ -20,9 +20,10 @@ torch operators and four ggml calls for the ends, ~15 and a host round trip for 
 ggml's; its products quantize their activations to 8 bits as every `--kernels ggml` product does,
 and its norms and rotation round in float32 in another order than torch's (~1e-7 relative, which
 the 8-bit rounding of the next product can carry to ~1% of a value: llama.cpp's own numerics).
-`inputs`, `outputs` and the head compute row by row whatever the token count (tested): a
-verification's rows through them are its tokens' decode rows; `finish`'s experts and router round
-a batch of rows as llama.cpp's batch does (~1e-6 relative), as the block's module did before.
+`inputs`, `outputs` and the head compute row by row whatever the token count (tested) where the
+matrices keep the file's rows; interleaved matrices (engine.offload.ggml_interleave) from 4 rows on,
+and `finish`'s experts and router, round a batch of rows as llama.cpp's batch does (~1e-6
+relative).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.offload import ggml_kernels
+from engine.offload import ggml_interleave, ggml_kernels
 from engine.offload.ggml_repack import GGML_FLOATS
 
 
@@ -67,9 +67,19 @@ def keep_linears_quantized(hf_model: nn.Module, checkpoint) -> dict[str, object]
 
 
 def fill_linears(hf_model: nn.Module, kept: dict[str, object]) -> None:
-    """Copy each kept weight's blocks out of the file's memory map into its allocated `GgmlLinear`."""
+    """Copy each kept weight's blocks out of the file's memory map into its `GgmlLinear`: into
+    llama.cpp's interleaved rows where ggml has them for the type on this CPU (engine.offload.
+    ggml_interleave, as llama.cpp's CPU_REPACK buffers hold the same weights), else as they are."""
     modules = dict(hf_model.named_modules())
     with torch.no_grad():
         for weight_name, tensor in kept.items():
             module = modules[weight_name.removesuffix(".weight")]
-            module.blocks.copy_(torch.from_numpy(np.array(tensor.data)).reshape(module.blocks.shape))
+            blocks = torch.from_numpy(np.array(tensor.data)).reshape(module.blocks.shape)
+            if not ggml_interleave.interleaves(module.ggml_type, module.out_features):
+                module.blocks.copy_(blocks)
+                continue
+            rows = ggml_interleave.allocate(blocks.numel(), weight_name).view(blocks.shape)
+            ggml_interleave.interleave_into(
+                rows, blocks, module.ggml_type, module.out_features, module.in_features
+            )
+            module.blocks = rows

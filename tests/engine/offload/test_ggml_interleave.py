@@ -1,7 +1,8 @@
-"""llama.cpp's interleaved expert rows (`engine.offload.ggml_interleave`): a layer's experts kept
-in ggml's own interleaving buffer give the products of the file's rows to float32 rounding, a
-token's products do not depend on the batch it comes in, the memory goes back to ggml with the
-last tensor over it, and what ggml would abort on is a ValueError here."""
+"""llama.cpp's interleaved rows (`engine.offload.ggml_interleave`): a layer's experts kept in
+ggml's own interleaving buffer give the products of the file's rows to float32 rounding, a token's
+products do not depend on the batch it comes in, the memory goes back to ggml with the last tensor
+over it, and what ggml would abort on is a ValueError here; a model's resident matrices of such a
+type are interleaved too."""
 
 import gc
 
@@ -10,8 +11,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from engine.config import ExpertBudget, OffloadConfig
+from engine.generation import generate_text
+from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
+from engine.loader import load_model
 from engine.model.ggml_encode import quantize
+from engine.model.tiny_gguf import write_tiny_gguf
 from engine.offload import ggml_interleave, ggml_kernels, ggml_library, ggml_memory
+from engine.offload.ggml_resident import GgmlLinear
 
 needs_interleaving = pytest.mark.skipif(
     not ggml_library.available()[0] or not ggml_interleave.interleaves(int(QT.Q4_K), 64),
@@ -93,3 +100,39 @@ def test_what_ggml_would_abort_on_is_a_value_error():
     half = nbytes // 2
     with pytest.raises(ValueError, match="does not interleave"):  # 60 rows: not in groups of 8
         ggml_interleave.interleave_into(layer[0, :half], blocks[:half], int(QT.Q4_K), OUT - 4, IN)
+
+
+@needs_interleaving
+def test_a_models_resident_q4_k_matrices_are_interleaved_and_give_the_files_products(tmp_path, monkeypatch):
+    """The attention's Q4_K matrices of a `--kernels ggml` model lie in interleaving memory, as
+    llama.cpp's CPU_REPACK buffers hold them: their products equal the file's rows' to float32
+    rounding for one token and a batch, and greedy decoding (plain and self-speculative) gives the
+    tokens of a model that keeps the file's rows."""
+    path = write_tiny_gguf(tmp_path, expert_type=QT.Q4_K, down_type=QT.Q6_K, other_type=QT.Q4_K)
+    config = OffloadConfig(
+        device="cpu", dtype="float32", expert_budget=ExpertBudget.parse("all"), kernels="ggml"
+    )
+    prompt = [3, 17, 42, 99, 7, 25, 11, 64] * 3
+    greedy = {"max_new_tokens": 16, "sampling": SamplingConfig(greedy=True), "ignore_eos": True}
+    runs = []
+    for interleaving in (True, False):
+        if not interleaving:
+            monkeypatch.setattr(ggml_interleave, "interleaves", lambda ggml_type, rows: False)
+        model = load_model(path, config)
+        try:
+            q_proj = model.hf_model.model.layers[0].self_attn.q_proj
+            assert isinstance(q_proj, GgmlLinear)
+            owned = ggml_memory.owned_buffer(q_proj.blocks.data_ptr()) is not None
+            assert owned == interleaving
+            x = torch.randn(5, q_proj.in_features, generator=torch.Generator().manual_seed(0))
+            products = (q_proj(x), q_proj(x[:1]))
+            plain = list(generate_text(model, prompt, GenerationConfig(**greedy)).token_ids)
+            spec = GenerationConfig(**greedy, spec=SpecConfig(mode="self", top_r=1, draft_len=4))
+            assert list(generate_text(model, prompt, spec).token_ids) == plain
+            runs.append((products, plain))
+        finally:
+            model.close()
+    (interleaved, tokens), (files, file_tokens) = runs
+    for a, b in zip(interleaved, files, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    assert tokens == file_tokens
