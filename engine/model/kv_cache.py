@@ -119,6 +119,19 @@ class GrowingLayer(DynamicLayer):
         self._buffers = buffers
         return buffers
 
+    def room(self, new: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The key and value buffers (`[1, heads, capacity, D]`) with room for `new` positions after
+        the cached ones, for a producer that writes them there itself and then calls `written(new)`
+        (engine.offload.ggml_layer); None before the first update or for several sequences."""
+        if not self.is_initialized or self._buffers is None or self.keys.shape[0] != 1:
+            return None
+        return self._room_for(self.get_seq_length() + new, self.keys, self.values)
+
+    def written(self, new: int) -> None:
+        """Count `new` positions written into the buffers `room` gave."""
+        length, (keys, values) = self.get_seq_length(), self._buffers
+        self.keys, self.values = keys[..., : length + new, :], values[..., : length + new, :]
+
     def reset(self) -> None:
         self._buffers = None
         super().reset()

@@ -151,6 +151,10 @@ class _Layer:
         count = hidden.shape[1]
         # the ends' graphs are kept per token count: decode and verification steps only
         ends = self.ends if hidden.dtype == torch.float32 and count <= MAX_FOLDED_QUERIES else None
+        if ends is not None and not kv_cache.offloading:  # the whole layer in one graph, where it may
+            whole = ends.whole(hidden, cos, sin, kv_cache.layers[self.index], rows)
+            if whole is not None:
+                return whole
         if ends is not None:
             query, key, value = ends.inputs(hidden, cos, sin)
         else:
@@ -181,6 +185,10 @@ class AttentionEnds(Protocol):
     def inputs(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple: ...
 
     def outputs(self, attended: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    # the layer's output for its last `rows` positions, its attention over `cache` (the layer's own)
+    # and MLP included, or None (`inputs`, the attention, then `finish`)
+    def whole(self, hidden: torch.Tensor, cos, sin, cache, rows: int) -> torch.Tensor | None: ...
 
     # the layer's output for its last `rows` positions, its MLP included, or None (`outputs`, then the MLP)
     def finish(self, attended: torch.Tensor, hidden: torch.Tensor, rows: int) -> torch.Tensor | None: ...

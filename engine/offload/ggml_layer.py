@@ -13,17 +13,22 @@ lean step's probe) and the family's rotary function is the rotate-half rotation 
     finish(attended, hidden, rows) -> the layer's output for its last `rows` positions
         `outputs` and the MoE block's routing and experts (engine.offload.ggml_moe) in one graph,
         where the block allows it this step; else None (`outputs`, then the block's module)
+    whole(hidden, cos, sin, cache, rows) -> the same, with `inputs` and the attention in the graph
+        too: the new keys and values written into the layer's `GrowingLayer` cache where it keeps
+        them (`room`/`written`) and ggml's flash attention over it (llama.cpp's decode graph for
+        the layer); None before the cache holds a prompt, or where `finish` would be None
     Head: the final norm and the lm_head of the kept rows (a `GgmlLinear` lm_head)
 
-each one ggml graph kept per token count (engine.offload.ggml_graphs), where the lean step took ~25
-torch operators and four ggml calls for the ends, ~15 and a host round trip for the routes. Values:
+each one ggml graph kept per token count (engine.offload.ggml_graphs; `whole`'s per cache buffer
+too), where the lean step took ~25 torch operators and four ggml calls for the ends, ~15 and a host
+round trip for the routes, ~12 for the attention and the cache's update. Values:
 ggml's; its products quantize their activations to 8 bits as every `--kernels ggml` product does,
 and its norms and rotation round in float32 in another order than torch's (~1e-7 relative, which
 the 8-bit rounding of the next product can carry to ~1% of a value: llama.cpp's own numerics).
 `inputs`, `outputs` and the head compute row by row whatever the token count (tested) where the
 matrices keep the file's rows; interleaved matrices (engine.offload.ggml_interleave) from 4 rows on,
 and `finish`'s experts and router, round a batch of rows as llama.cpp's batch does (~1e-6
-relative).
+relative); `whole`'s attention sums in flash attention's order, not torch's (~1e-7 relative).
 """
 
 from __future__ import annotations
@@ -33,13 +38,14 @@ import functools
 import torch
 from gguf import GGMLQuantizationType
 
+from engine.model.kv_cache import GrowingLayer
 from engine.offload import ggml_kernels
 from engine.offload.ggml_graphs import Tensor
 from engine.offload.ggml_library import loaded
 from engine.offload.ggml_moe import RoutedMlp
 from engine.offload.ggml_resident import GgmlLinear
 
-_F32 = int(GGMLQuantizationType.F32)
+_F32, _F16, _I64 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "I64"))
 _TENSORS = _NODES = 64  # a graph's tensors and nodes: the inputs graph has ~35
 
 
@@ -190,26 +196,100 @@ class AttentionEnds:
         moe.used(chosen, logits)
         return out.view(1, rows, -1)
 
+    def whole(self, hidden: torch.Tensor, cos, sin, cache, rows: int) -> torch.Tensor | None:
+        """The layer's output `[1, rows, H]` for the last `rows` of `hidden`'s T positions, its
+        attention in the graph too: the new keys and values written into `cache` (a `GrowingLayer`
+        holding the positions before them) and attended with ggml's flash attention over those
+        and the new ones up to each token's own (the causal rule of transformers' sdpa mask).
+        None where this step may not (`inputs`, torch's attention, `finish`)."""
+        moe, dim = self.moe, self.layer.head_dim
+        if moe is None or type(cache) is not GrowingLayer or not moe.takes():
+            return None
+        tokens = hidden.shape[1]
+        room = cache.room(tokens)
+        shape = (self.kv_heads, dim)  # of [1, KV, capacity, D] float32 buffers
+        if room is None or any(b.dtype != torch.float32 or b.shape[1::2] != shape for b in room):
+            return None
+        keys, values = room
+        where, mask = _new_positions(cache.get_seq_length(), tokens, keys.shape[2], self.kv_heads)
+        inputs = hidden.reshape(tokens, -1)
+        cos, sin = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
+        out = torch.empty((rows, inputs.shape[1]))
+        chosen = torch.empty((rows, moe.top_k), dtype=torch.int32)
+        logits = torch.empty((rows, moe.weight.shape[0]))
+        ggml_kernels.compute_kept(
+            (self._key, "whole", tokens, rows, keys.data_ptr(), values.data_ptr(), keys.shape[2]),
+            lambda context, bind: self._whole_graph(context, bind, inputs, cos, sin, room, where, mask, rows),
+            (inputs, cos, sin, where, mask),
+            (out, chosen, logits),
+            "a layer",
+            2 * _TENSORS + 3 * moe.top_k,
+            2 * _NODES + 3 * moe.top_k,
+        )
+        cache.written(tokens)
+        moe.used(chosen, logits)
+        return out.view(1, rows, -1)
+
+    def _whole_graph(self, context, bind, inputs, cos, sin, room, where, mask, rows: int):
+        ggml, dim, tokens = loaded(), self.layer.head_dim, inputs.shape[0]
+        query, key, value = self._inputs_graph(context, bind, inputs, cos, sin, tokens)
+        index = ggml.new_tensor_1d(context, _I64, where.numel())
+        bind(index, where)
+        cached, heads = [], self.kv_heads
+        for new, buffer in zip((key, value), room, strict=True):  # [1, KV, capacity, D]
+            capacity = buffer.shape[2]
+            rows_of = ggml.new_tensor_2d(context, _F32, dim, heads * capacity)  # (head, position) rows
+            bind(rows_of, buffer)
+            new_rows = ggml.reshape_2d(context, new, dim, heads * tokens)
+            stored = ggml.set_rows(context, rows_of, new_rows, index)
+            cached.append(ggml.view_3d(context, stored, dim, capacity, heads, dim * 4, capacity * dim * 4, 0))
+        seen = ggml.new_tensor_2d(context, _F16, mask.shape[1], tokens)
+        bind(seen, mask)
+        attended = ggml.flash_attn_ext(
+            context, ggml.permute(context, query, 0, 2, 1, 3), *cached, seen, self.layer.scaling, 0.0, 0.0
+        )  # [D, heads, T]
+        attended = ggml.reshape_2d(context, attended, dim * self.heads, tokens)
+        return self._finished(context, bind, attended, _rows(ggml, context, bind, inputs), tokens, rows)
+
     def _outputs_graph(self, context, bind, attended, rows, tokens: int):
+        ggml = loaded()
+        attended, rows = _rows(ggml, context, bind, attended), _rows(ggml, context, bind, rows)
         summed = self._summed(context, bind, attended, rows)
-        return summed, _normed(loaded(), context, bind, summed, self.norms["post"])
+        return summed, _normed(ggml, context, bind, summed, self.norms["post"])
 
     def _finish_graph(self, context, bind, attended, inputs, rows: int):
-        ggml, tokens, width = loaded(), inputs.shape[0], inputs.shape[1]
-        summed = self._summed(context, bind, attended, inputs)
+        ggml = loaded()
+        attended, residual = _rows(ggml, context, bind, attended), _rows(ggml, context, bind, inputs)
+        return self._finished(context, bind, attended, residual, inputs.shape[0], rows)
+
+    def _finished(self, context, bind, attended: int, residual: int, tokens: int, rows: int):
+        """The layer's output for the last `rows` (o_proj, residual, post norm, MoE block,
+        residual), the experts chosen and the router's logits."""
+        ggml, width = loaded(), self.layer.o_proj.out_features
+        summed = self._summed(context, bind, attended, residual)
         if rows < tokens:  # the last rows only (a prompt's last layer): contiguous float32 rows
             summed = ggml.view_2d(context, summed, width, rows, width * 4, (tokens - rows) * width * 4)
         normed = _normed(ggml, context, bind, summed, self.norms["post"])
         moe, chosen, logits = self.moe.nodes(ggml, context, bind, normed, rows)
         return ggml.add(context, summed, moe), ggml.cont(context, chosen), logits
 
-    def _summed(self, context, bind, attended, rows) -> int:
-        """`rows` + o_proj(`attended`)."""
+    def _summed(self, context, bind, attended: int, residual: int) -> int:
+        """`residual` + o_proj(`attended`), ggml tensors."""
         ggml = loaded()
-        out = ggml.mul_mat(
-            context, _weight(ggml, context, bind, self.layer.o_proj), _rows(ggml, context, bind, attended)
-        )
-        return ggml.add(context, _rows(ggml, context, bind, rows), out)
+        projected = ggml.mul_mat(context, _weight(ggml, context, bind, self.layer.o_proj), attended)
+        return ggml.add(context, residual, projected)
+
+
+@functools.lru_cache(maxsize=4)  # a step's layers share them
+def _new_positions(length: int, tokens: int, capacity: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a step's `tokens` new keys (values) go among a `[heads, capacity]` cache's rows, in the
+    graph's (token, head) order, and the attention mask `[T, capacity]` (0: seen; token t sees
+    the `length` cached positions and the new ones up to its own)."""
+    positions = length + torch.arange(tokens)
+    where = (torch.arange(heads)[None, :] * capacity + positions[:, None]).reshape(-1)
+    seen = torch.arange(capacity)[None, :] <= positions[:, None]
+    mask = torch.zeros((tokens, capacity), dtype=torch.float16).masked_fill_(~seen, float("-inf"))
+    return where, mask
 
 
 def _rows(ggml, context, bind, rows: torch.Tensor) -> int:

@@ -55,6 +55,11 @@ class Ggml:
         self.sum_rows = _function(base, "ggml_sum_rows", _P, _P, _P)
         self.div = _function(base, "ggml_div", _P, _P, _P, _P)
         self.cont = _function(base, "ggml_cont", _P, _P, _P)
+        # a layer's attention over its KV cache (engine.offload.ggml_layer)
+        self.set_rows = _function(base, "ggml_set_rows", _P, _P, _P, _P, _P)
+        self.permute = _function(base, "ggml_permute", _P, _P, _P, *[ctypes.c_int] * 4)
+        floats = [ctypes.c_float] * 3  # scale, ALiBi's max bias, logit soft-cap
+        self.flash_attn_ext = _function(base, "ggml_flash_attn_ext", _P, _P, _P, _P, _P, _P, *floats)
         self.cpu_buffer_type = _function(cpu, "ggml_backend_cpu_buffer_type", _P)
         self.gallocr_new = _function(base, "ggml_gallocr_new", _P, _P)
         self.gallocr_alloc_graph = _function(base, "ggml_gallocr_alloc_graph", ctypes.c_bool, _P, _P)

@@ -10,6 +10,7 @@ from engine.config import ExpertBudget, OffloadConfig
 from engine.generation import generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig
 from engine.loader import load_model
+from engine.model import kv_cache
 from engine.model.tiny_gguf import write_tiny_gguf
 from engine.offload import ggml_layer, ggml_library
 
@@ -160,3 +161,64 @@ def test_the_head_graph_computes_the_final_norm_and_lm_head(q8_model):
         assert seen
     finally:
         handle.remove()
+
+
+def _kv(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer.keys, layer.values
+
+
+def _prompted_caches(model, count: int = 2) -> list:
+    caches = [model.new_kv_cache() for _ in range(count)]
+    for cache in caches:
+        model.forward(PROMPT, cache)
+    return caches
+
+
+@needs_ggml
+@pytest.mark.parametrize(("tokens", "rows"), [(1, 1), (3, 3), (4, 1)])
+def test_a_whole_layer_graph_computes_its_parts_and_torchs_attention(q8_model, monkeypatch, tokens, rows):
+    """One graph for the layer — its keys and values written into the cache, ggml's flash
+    attention over it — against `inputs`, torch's attention over the same cache and `finish`:
+    the same output to float32 rounding and the same cache afterwards."""
+    in_graph, in_parts = _prompted_caches(q8_model)
+    lean, past = q8_model.lean, len(PROMPT)
+    layer = lean.layers[1]
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(1, tokens, q8_model.hf_config.hidden_size, generator=generator)
+    cos, sin = lean.rotary(hidden, past, tokens)
+    positions = torch.arange(past, past + tokens)
+    mask = None if tokens == 1 else (torch.arange(past + tokens) <= positions[:, None])[None, None]
+    with torch.inference_mode():  # as the model's forward runs its layers
+        got = layer.ends.whole(hidden, cos, sin, in_graph.layers[1], rows)
+        monkeypatch.setattr(ggml_layer.AttentionEnds, "whole", lambda *args: None)
+        wanted = layer(hidden, cos, sin, in_parts, lean.apply_rotary, mask, rows)
+    assert got.shape == wanted.shape == (1, rows, q8_model.hf_config.hidden_size)
+    torch.testing.assert_close(got, wanted, rtol=0, atol=1e-5 * wanted.abs().max().item())
+    for a, b in zip(_kv(in_graph.layers[1]), _kv(in_parts.layers[1]), strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
+@needs_ggml
+def test_a_whole_layer_graph_follows_a_growing_cache_and_steps_aside_before_it(q8_model, monkeypatch):
+    """Past the first buffers' room the cache moves to bigger ones and the graph follows them: the
+    first layer's keys and values (its input is the embedding alone) equal those of a run through
+    torch's attention, position for position. A first step on an empty cache goes through the
+    parts (nothing to attend in place yet)."""
+    in_graph, in_parts = _prompted_caches(q8_model)
+    layer = in_graph.layers[0]
+    first = layer.keys.data_ptr()
+    tokens = [(7 * i) % 97 for i in range(kv_cache.GROW_MIN_POSITIONS + 8)]
+    for token in tokens:
+        q8_model.forward(torch.tensor([token]), in_graph)
+    assert layer.keys.data_ptr() != first  # moved to bigger buffers on the way
+    monkeypatch.setattr(ggml_layer.AttentionEnds, "whole", lambda *args: None)
+    for token in tokens:
+        q8_model.forward(torch.tensor([token]), in_parts)
+    for a, b in zip(_kv(layer), _kv(in_parts.layers[0]), strict=True):
+        assert a.shape[-2] == len(PROMPT) + len(tokens) and torch.equal(a, b)
+    monkeypatch.undo()
+    hidden = torch.randn(1, 1, q8_model.hf_config.hidden_size)
+    cos, sin = q8_model.lean.rotary(hidden, 0, 1)
+    with torch.inference_mode():
+        empty = q8_model.new_kv_cache().layers[0]
+        assert q8_model.lean.layers[0].ends.whole(hidden, cos, sin, empty, 1) is None
