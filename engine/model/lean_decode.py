@@ -21,7 +21,8 @@ the others; a prompt's last layer then routes one token, not all), which changes
 products by their batch's rounding. tests/engine/model/test_all_families.py checks both on every
 family this accepts. A layer given `ends` (engine.offload.ggml_layer) has them do its work before
 and after the attention in decode and verification steps (its MLP too, where they take it), and a
-`head` the final norm and lm_head of those steps' kept rows. `takes(kv_cache)` says whether a
+`head` the final norm and lm_head of those steps' kept rows, or `whole` all of a step's layers and
+head at once (engine.offload.ggml_step). `takes(kv_cache)` says whether a
 step may go this way now: no hook on the decoder or the model (an MTP drafter records the
 decoder's output) and a cache of attention layers only. Hooks on a layer's modules run where the
 step calls those modules (the routers' trace, hooked at load); a norm found unhooked at load runs
@@ -80,6 +81,9 @@ class LeanDecode:
         # the final norm and lm_head on float32 rows elsewhere (engine.offload.ggml_layer): their
         # logits `[n, V]`, or None where it does not take them
         self.head: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+        # a step's layers and head at once (engine.offload.ggml_step): (hidden, cos, sin, cache,
+        # kept rows) -> their logits, or None where it does not take the step
+        self.whole: Callable[..., torch.Tensor | None] | None = None
 
     @classmethod
     def of(cls, hf_model: nn.Module) -> LeanDecode | None:
@@ -117,6 +121,10 @@ class LeanDecode:
             positions = torch.arange(past, past + count, device=tokens.device)
             mask = (torch.arange(past + count, device=tokens.device) <= positions[:, None])[None, None]
         keep = count if logits_to_keep == 0 else min(logits_to_keep, count)
+        if self.whole is not None and hidden.dtype == torch.float32 and count <= MAX_FOLDED_QUERIES:
+            logits = self.whole(hidden, cos, sin, kv_cache, keep)
+            if logits is not None:
+                return logits
         for index, layer in enumerate(self.layers):
             rows = keep if index == len(self.layers) - 1 else count
             hidden = layer(hidden, cos, sin, kv_cache, self.apply_rotary, mask, rows)

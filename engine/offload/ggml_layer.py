@@ -55,45 +55,7 @@ def attach(lean) -> int:
         return 0
     for layer in lean.layers:
         layer.ends = AttentionEnds.of(layer)
-    lean.head = Head.of(lean)
     return sum(layer.ends is not None for layer in lean.layers)
-
-
-class Head:
-    """The final norm and lm_head of a few float32 rows in one graph kept per row count."""
-
-    def __init__(self, norm: tuple[torch.Tensor, float], lm_head: GgmlLinear):
-        self.norm, self.lm_head = norm, lm_head
-        self._key = object()
-
-    @classmethod
-    def of(cls, lean) -> Head | None:
-        lm_head, norm = lean.hf_model.lm_head, _rms(lean.norm)
-        if not isinstance(lm_head, GgmlLinear) or lm_head.bias is not None or norm is None:
-            return None
-        return cls(norm, lm_head)
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The logits `[n, V]` of `hidden [1, n, H]`; None while something hooks the lm_head."""
-        if self.lm_head._forward_hooks or self.lm_head._forward_pre_hooks:
-            return None
-        rows = hidden.reshape(hidden.shape[1], -1).contiguous()
-        logits = torch.empty((rows.shape[0], self.lm_head.out_features))
-        ggml_kernels.compute_kept(
-            (self._key, rows.shape[0]),
-            lambda context, bind: self._graph(context, bind, rows),
-            (rows,),
-            (logits,),
-            "the final norm and lm_head",
-            8,
-            8,
-        )
-        return logits
-
-    def _graph(self, context, bind, rows):
-        ggml = loaded()
-        normed = _normed(ggml, context, bind, _rows(ggml, context, bind, rows), self.norm)
-        return ggml.mul_mat(context, _weight(ggml, context, bind, self.lm_head), normed)
 
 
 class AttentionEnds:
@@ -109,9 +71,9 @@ class AttentionEnds:
         projections = (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)
         if not all(isinstance(p, GgmlLinear) and p.bias is None for p in projections):
             return None
-        norms = {"input": _rms(layer.input_norm), "post": _rms(layer.post_norm)}
+        norms = {"input": rms(layer.input_norm), "post": rms(layer.post_norm)}
         for name, norm in (("q", layer.q_norm), ("k", layer.k_norm)):
-            norms[name] = None if norm.norm is None else _rms(norm.norm)
+            norms[name] = None if norm.norm is None else rms(norm.norm)
             if norm.norm is not None and norms[name] is None:
                 return None
         if norms["input"] is None or norms["post"] is None:
@@ -127,7 +89,7 @@ class AttentionEnds:
         key, value = (torch.empty((1, tokens, self.kv_heads, dim)) for _ in range(2))
         ggml_kernels.compute_kept(
             (self._key, "inputs", tokens),
-            lambda context, bind: self._inputs_graph(context, bind, rows, cos, sin, tokens),
+            lambda context, bind: self._inputs_graph(context, bind, rows, cos, sin),
             (rows, cos, sin),
             (query, key, value),
             "a layer's attention inputs",
@@ -152,25 +114,29 @@ class AttentionEnds:
         )
         return summed.view(hidden.shape), normed.view(hidden.shape)
 
-    def _inputs_graph(self, context, bind, rows, cos, sin, tokens: int):
-        ggml, layer, dim = loaded(), self.layer, self.layer.head_dim
-        x = _normed(ggml, context, bind, _rows(ggml, context, bind, rows), self.norms["input"])
-        angles = [ggml.new_tensor_3d(context, _F32, dim, 1, tokens) for _ in range(2)]
-        bind(angles[0], cos)
-        bind(angles[1], sin)
+    def _inputs_graph(self, context, bind, rows, cos, sin):
+        hidden = rows_in(loaded(), context, bind, rows)
+        return self._inputs_nodes(context, bind, hidden, angles(context, bind, cos, sin))
+
+    def _inputs_nodes(self, context, bind, hidden: int, angles: tuple[int, int]):
+        """Query `[D, H, T]`, key and value `[D, KV, T]` of the rows `hidden [H, T]`, rotated by
+        `angles` (cos, sin `[D, 1, T]`)."""
+        ggml, layer = loaded(), self.layer
+        tokens = Tensor.from_address(hidden).ne[1]
+        x = rms_normed(ggml, context, bind, hidden, self.norms["input"])
         query = self._heads(context, bind, layer.q_proj, x, self.norms["q"], layer.q_norm.per_head, tokens)
         key = self._heads(context, bind, layer.k_proj, x, self.norms["k"], layer.k_norm.per_head, tokens)
-        value = ggml.mul_mat(context, _weight(ggml, context, bind, layer.v_proj), x)
+        value = ggml.mul_mat(context, weight_of(ggml, context, bind, layer.v_proj), x)
         return _rotated(ggml, context, query, *angles), _rotated(ggml, context, key, *angles), value
 
     def _heads(self, context, bind, projection, x, norm, per_head: bool, tokens: int) -> int:
         """A projection's heads `[D, heads, T]` (ggml's order), normed as the family norms them."""
         ggml, dim = loaded(), self.layer.head_dim
-        projected = ggml.mul_mat(context, _weight(ggml, context, bind, projection), x)
+        projected = ggml.mul_mat(context, weight_of(ggml, context, bind, projection), x)
         if norm is not None and not per_head:  # the whole projection (OLMoE)
-            projected = _normed(ggml, context, bind, projected, norm)
+            projected = rms_normed(ggml, context, bind, projected, norm)
         heads = ggml.reshape_3d(context, projected, dim, projection.out_features // dim, tokens)
-        return _normed(ggml, context, bind, heads, norm) if norm is not None and per_head else heads
+        return rms_normed(ggml, context, bind, heads, norm) if norm is not None and per_head else heads
 
     def finish(self, attended: torch.Tensor, hidden: torch.Tensor, rows: int) -> torch.Tensor | None:
         """The layer's output `[1, rows, H]` for the last `rows` of `hidden`'s positions where its
@@ -202,16 +168,12 @@ class AttentionEnds:
         holding the positions before them) and attended with ggml's flash attention over those
         and the new ones up to each token's own (the causal rule of transformers' sdpa mask).
         None where this step may not (`inputs`, torch's attention, `finish`)."""
-        moe, dim = self.moe, self.layer.head_dim
-        if moe is None or type(cache) is not GrowingLayer or not moe.takes():
-            return None
-        tokens = hidden.shape[1]
-        room = cache.room(tokens)
-        shape = (self.kv_heads, dim)  # of [1, KV, capacity, D] float32 buffers
-        if room is None or any(b.dtype != torch.float32 or b.shape[1::2] != shape for b in room):
+        moe, dim, tokens = self.moe, self.layer.head_dim, hidden.shape[1]
+        room = self.room(cache, tokens)
+        if room is None:
             return None
         keys, values = room
-        where, mask = _new_positions(cache.get_seq_length(), tokens, keys.shape[2], self.kv_heads)
+        where, mask = new_positions(cache.get_seq_length(), tokens, keys.shape[2], self.kv_heads)
         inputs = hidden.reshape(tokens, -1)
         cos, sin = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
         out = torch.empty((rows, inputs.shape[1]))
@@ -230,11 +192,29 @@ class AttentionEnds:
         moe.used(chosen, logits)
         return out.view(1, rows, -1)
 
+    def room(self, cache, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`cache`'s key and value buffers with room for `tokens` more, where `whole` may run this
+        step: the MoE block in ggml (`RoutedMlp.takes`) and a float32 `GrowingLayer` holding a
+        prompt."""
+        if self.moe is None or type(cache) is not GrowingLayer or not self.moe.takes():
+            return None
+        room = cache.room(tokens)
+        shape = (self.kv_heads, self.layer.head_dim)  # of [1, KV, capacity, D] float32 buffers
+        if room is None or any(b.dtype != torch.float32 or b.shape[1::2] != shape for b in room):
+            return None
+        return room
+
     def _whole_graph(self, context, bind, inputs, cos, sin, room, where, mask, rows: int):
-        ggml, dim, tokens = loaded(), self.layer.head_dim, inputs.shape[0]
-        query, key, value = self._inputs_graph(context, bind, inputs, cos, sin, tokens)
-        index = ggml.new_tensor_1d(context, _I64, where.numel())
-        bind(index, where)
+        hidden = rows_in(loaded(), context, bind, inputs)
+        shared = step_inputs(context, bind, cos, sin, where, mask)
+        return self.layer_nodes(context, bind, hidden, shared, room, rows)
+
+    def layer_nodes(self, context, bind, hidden: int, shared: tuple, room, rows: int):
+        """`whole`'s nodes on the rows `hidden [H, T]`, with a step's `shared` inputs (`step_inputs`)
+        and the cache's buffers `room`: the output rows, the experts chosen, the router's logits."""
+        ggml, dim, tokens = loaded(), self.layer.head_dim, Tensor.from_address(hidden).ne[1]
+        angles, index, seen = shared[:2], shared[2], shared[3]
+        query, key, value = self._inputs_nodes(context, bind, hidden, angles)
         cached, heads = [], self.kv_heads
         for new, buffer in zip((key, value), room, strict=True):  # [1, KV, capacity, D]
             capacity = buffer.shape[2]
@@ -243,23 +223,21 @@ class AttentionEnds:
             new_rows = ggml.reshape_2d(context, new, dim, heads * tokens)
             stored = ggml.set_rows(context, rows_of, new_rows, index)
             cached.append(ggml.view_3d(context, stored, dim, capacity, heads, dim * 4, capacity * dim * 4, 0))
-        seen = ggml.new_tensor_2d(context, _F16, mask.shape[1], tokens)
-        bind(seen, mask)
         attended = ggml.flash_attn_ext(
             context, ggml.permute(context, query, 0, 2, 1, 3), *cached, seen, self.layer.scaling, 0.0, 0.0
         )  # [D, heads, T]
         attended = ggml.reshape_2d(context, attended, dim * self.heads, tokens)
-        return self._finished(context, bind, attended, _rows(ggml, context, bind, inputs), tokens, rows)
+        return self._finished(context, bind, attended, hidden, tokens, rows)
 
     def _outputs_graph(self, context, bind, attended, rows, tokens: int):
         ggml = loaded()
-        attended, rows = _rows(ggml, context, bind, attended), _rows(ggml, context, bind, rows)
+        attended, rows = rows_in(ggml, context, bind, attended), rows_in(ggml, context, bind, rows)
         summed = self._summed(context, bind, attended, rows)
-        return summed, _normed(ggml, context, bind, summed, self.norms["post"])
+        return summed, rms_normed(ggml, context, bind, summed, self.norms["post"])
 
     def _finish_graph(self, context, bind, attended, inputs, rows: int):
         ggml = loaded()
-        attended, residual = _rows(ggml, context, bind, attended), _rows(ggml, context, bind, inputs)
+        attended, residual = rows_in(ggml, context, bind, attended), rows_in(ggml, context, bind, inputs)
         return self._finished(context, bind, attended, residual, inputs.shape[0], rows)
 
     def _finished(self, context, bind, attended: int, residual: int, tokens: int, rows: int):
@@ -269,19 +247,39 @@ class AttentionEnds:
         summed = self._summed(context, bind, attended, residual)
         if rows < tokens:  # the last rows only (a prompt's last layer): contiguous float32 rows
             summed = ggml.view_2d(context, summed, width, rows, width * 4, (tokens - rows) * width * 4)
-        normed = _normed(ggml, context, bind, summed, self.norms["post"])
+        normed = rms_normed(ggml, context, bind, summed, self.norms["post"])
         moe, chosen, logits = self.moe.nodes(ggml, context, bind, normed, rows)
         return ggml.add(context, summed, moe), ggml.cont(context, chosen), logits
 
     def _summed(self, context, bind, attended: int, residual: int) -> int:
         """`residual` + o_proj(`attended`), ggml tensors."""
         ggml = loaded()
-        projected = ggml.mul_mat(context, _weight(ggml, context, bind, self.layer.o_proj), attended)
+        projected = ggml.mul_mat(context, weight_of(ggml, context, bind, self.layer.o_proj), attended)
         return ggml.add(context, residual, projected)
 
 
+def angles(context, bind, cos: torch.Tensor, sin: torch.Tensor) -> tuple[int, int]:
+    """The rotary cos and sin `[T, D]` as ggml tensors `[D, 1, T]`."""
+    ggml, (tokens, dim) = loaded(), cos.shape
+    tensors = tuple(ggml.new_tensor_3d(context, _F32, dim, 1, tokens) for _ in range(2))
+    for tensor, values in zip(tensors, (cos, sin), strict=True):
+        bind(tensor, values)
+    return tensors
+
+
+def step_inputs(context, bind, cos, sin, where: torch.Tensor, mask: torch.Tensor) -> tuple:
+    """A step's inputs every layer's `layer_nodes` shares: the rotary angles, where the new keys
+    and values go and the attention mask (`new_positions`), as ggml tensors."""
+    ggml = loaded()
+    index = ggml.new_tensor_1d(context, _I64, where.numel())
+    seen = ggml.new_tensor_2d(context, _F16, mask.shape[1], mask.shape[0])
+    bind(index, where)
+    bind(seen, mask)
+    return (*angles(context, bind, cos, sin), index, seen)
+
+
 @functools.lru_cache(maxsize=4)  # a step's layers share them
-def _new_positions(length: int, tokens: int, capacity: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def new_positions(length: int, tokens: int, capacity: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Where a step's `tokens` new keys (values) go among a `[heads, capacity]` cache's rows, in the
     graph's (token, head) order, and the attention mask `[T, capacity]` (0: seen; token t sees
     the `length` cached positions and the new ones up to its own)."""
@@ -292,19 +290,19 @@ def _new_positions(length: int, tokens: int, capacity: int, heads: int) -> tuple
     return where, mask
 
 
-def _rows(ggml, context, bind, rows: torch.Tensor) -> int:
+def rows_in(ggml, context, bind, rows: torch.Tensor) -> int:
     tensor = ggml.new_tensor_2d(context, _F32, rows.shape[1], rows.shape[0])
     bind(tensor, rows)
     return tensor
 
 
-def _weight(ggml, context, bind, linear: GgmlLinear) -> int:
+def weight_of(ggml, context, bind, linear: GgmlLinear) -> int:
     tensor = ggml.new_tensor_2d(context, linear.ggml_type, linear.in_features, linear.out_features)
     bind(tensor, linear.blocks)
     return tensor
 
 
-def _normed(ggml, context, bind, x: int, norm: tuple[torch.Tensor, float]) -> int:
+def rms_normed(ggml, context, bind, x: int, norm: tuple[torch.Tensor, float]) -> int:
     """RMS norm over ggml's first dimension, times the norm's weight."""
     weight, eps = norm
     scale = ggml.new_tensor_1d(context, _F32, weight.numel())
@@ -324,7 +322,7 @@ def _rotated(ggml, context, heads: int, cos: int, sin: int) -> int:
     return ggml.add(context, ggml.mul(context, heads, cos), ggml.mul(context, rotated, sin))
 
 
-def _rms(norm) -> tuple[torch.Tensor, float] | None:
+def rms(norm) -> tuple[torch.Tensor, float] | None:
     """(weight, eps) of a norm the lean step runs as torch's `rms_norm`, in float32; else None."""
     if not isinstance(norm, functools.partial) or norm.func is not torch.nn.functional.rms_norm:
         return None

@@ -23,7 +23,7 @@ from engine.model.hf_calls import with_cache
 from engine.model.kv_cache import new_kv_cache
 from engine.model.lean_decode import LeanDecode
 from engine.model.prefix_cache import PrefixCache
-from engine.offload import ggml_layer
+from engine.offload import ggml_step
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertStore
 from engine.offload.moe_layer import ExpertControl, OffloadedExperts, RoutingTrace
@@ -101,8 +101,8 @@ class OffloadedModel:
             if isinstance(module, OffloadedExperts):
                 self.experts[module.layer] = module
         self.lean = LeanDecode.of(hf_model)  # decode steps without transformers' wrappers, or None
-        if config.kernels == "ggml":  # and each layer's norms, projections and rotation in two graphs
-            ggml_layer.attach(self.lean)
+        if config.kernels == "ggml":  # and its layers and head as ggml graphs
+            ggml_step.attach(self.lean)
 
     @property
     def hf_config(self):

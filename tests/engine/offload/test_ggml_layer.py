@@ -38,16 +38,16 @@ def _ends(model) -> list:
 
 
 def _without_ends(model, call):
-    ends, head = _ends(model), model.lean.head
+    ends, head, whole = _ends(model), model.lean.head, model.lean.whole
     for layer in model.lean.layers:
         layer.ends = None
-    model.lean.head = None
+    model.lean.head = model.lean.whole = None
     try:
         return call()
     finally:
         for layer, end in zip(model.lean.layers, ends, strict=True):
             layer.ends = end
-        model.lean.head = head
+        model.lean.head, model.lean.whole = head, whole
 
 
 def _steps(model, tokens=(5, 9, 2, 7)) -> torch.Tensor:
@@ -212,6 +212,7 @@ def test_a_whole_layer_graph_follows_a_growing_cache_and_steps_aside_before_it(q
         q8_model.forward(torch.tensor([token]), in_graph)
     assert layer.keys.data_ptr() != first  # moved to bigger buffers on the way
     monkeypatch.setattr(ggml_layer.AttentionEnds, "whole", lambda *args: None)
+    monkeypatch.setattr(q8_model.lean, "whole", None)  # nor the step's one graph
     for token in tokens:
         q8_model.forward(torch.tensor([token]), in_parts)
     for a, b in zip(_kv(layer), _kv(in_parts.layers[0]), strict=True):
@@ -222,3 +223,43 @@ def test_a_whole_layer_graph_follows_a_growing_cache_and_steps_aside_before_it(q
     with torch.inference_mode():
         empty = q8_model.new_kv_cache().layers[0]
         assert q8_model.lean.layers[0].ends.whole(hidden, cos, sin, empty, 1) is None
+
+
+@needs_ggml
+@pytest.mark.parametrize(("tokens", "keep"), [(1, 1), (3, 3), (4, 1)])
+def test_one_graph_a_step_computes_the_layer_graphs_bit_for_bit(q8_model, tokens, keep):
+    """Every layer's `whole` nodes and the head in one graph give the logits, the cache and the
+    routes of the graphs a layer, bit for bit: the same nodes."""
+    lean = q8_model.lean
+    assert lean.whole is not None
+    one_graph, per_layer = _prompted_caches(q8_model)
+    ids = torch.tensor([5, 9, 2, 7][:tokens])
+    q8_model.trace.clear()
+    got = q8_model.forward(ids, one_graph, logits_to_keep=keep)
+    traced = dict(q8_model.trace.logits)
+    whole, lean.whole = lean.whole, None
+    try:
+        wanted = q8_model.forward(ids, per_layer, logits_to_keep=keep)
+    finally:
+        lean.whole = whole
+    assert got.shape == (keep, q8_model.hf_config.vocab_size) and torch.equal(got, wanted)
+    for layer in range(len(lean.layers)):
+        assert torch.equal(traced[layer], q8_model.trace.logits[layer])
+        for a, b in zip(_kv(one_graph.layers[layer]), _kv(per_layer.layers[layer]), strict=True):
+            assert torch.equal(a, b)
+
+
+@needs_ggml
+def test_one_graph_a_step_steps_aside_for_a_hooked_head_or_uneven_caches(q8_model):
+    lean = q8_model.lean
+    hidden = torch.randn(1, 1, q8_model.hf_config.hidden_size)
+    cos, sin = lean.rotary(hidden, len(PROMPT), 1)
+    (cache,) = _prompted_caches(q8_model, 1)
+    with torch.inference_mode():
+        handle = q8_model.hf_model.lm_head.register_forward_hook(lambda *args: None)
+        try:
+            assert lean.whole(hidden, cos, sin, cache, 1) is None
+        finally:
+            handle.remove()
+        cache.layers[0].crop(-1)  # one layer a position short of the others
+        assert lean.whole(hidden, cos, sin, cache, 1) is None
