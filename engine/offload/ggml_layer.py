@@ -283,11 +283,22 @@ def new_positions(length: int, tokens: int, capacity: int, heads: int) -> tuple[
     """Where a step's `tokens` new keys (values) go among a `[heads, capacity]` cache's rows, in the
     graph's (token, head) order, and the attention mask `[T, capacity]` (0: seen; token t sees
     the `length` cached positions and the new ones up to its own)."""
+    if tokens == 1:  # a decode step: one addition and a slice of a ramp of zeros then -inf
+        first, ramp = _decode_positions(capacity, heads)
+        return first + length, ramp[capacity - 1 - length : 2 * capacity - 1 - length].view(1, capacity)
     positions = length + torch.arange(tokens)
     where = (torch.arange(heads)[None, :] * capacity + positions[:, None]).reshape(-1)
     seen = torch.arange(capacity)[None, :] <= positions[:, None]
     mask = torch.zeros((tokens, capacity), dtype=torch.float16).masked_fill_(~seen, float("-inf"))
     return where, mask
+
+
+@functools.lru_cache(maxsize=4)
+def _decode_positions(capacity: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's first row among a cache's, and `capacity` zeros then `capacity` -inf."""
+    ramp = torch.zeros(2 * capacity, dtype=torch.float16)
+    ramp[capacity:] = float("-inf")
+    return torch.arange(heads) * capacity, ramp
 
 
 def rows_in(ggml, context, bind, rows: torch.Tensor) -> int:

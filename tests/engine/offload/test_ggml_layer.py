@@ -263,3 +263,15 @@ def test_one_graph_a_step_steps_aside_for_a_hooked_head_or_uneven_caches(q8_mode
             handle.remove()
         cache.layers[0].crop(-1)  # one layer a position short of the others
         assert lean.whole(hidden, cos, sin, cache, 1) is None
+
+
+def test_new_positions_say_where_each_head_writes_and_what_each_token_sees():
+    for length, tokens, capacity, heads in [(0, 1, 5, 2), (4, 1, 5, 4), (24, 1, 280, 4), (3, 3, 8, 2)]:
+        where, mask = ggml_layer.new_positions(length, tokens, capacity, heads)
+        rows = [h * capacity + length + t for t in range(tokens) for h in range(heads)]
+        assert where.tolist() == rows
+        assert mask.shape == (tokens, capacity) and mask.dtype == torch.float16
+        for t in range(tokens):
+            seen = mask[t] == 0
+            assert seen.tolist() == [p <= length + t for p in range(capacity)]
+            assert torch.isinf(mask[t][~seen]).all()
