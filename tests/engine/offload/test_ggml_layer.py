@@ -203,7 +203,8 @@ def test_a_whole_layer_graph_follows_a_growing_cache_and_steps_aside_before_it(q
     """Past the first buffers' room the cache moves to bigger ones and the graph follows them: the
     first layer's keys and values (its input is the embedding alone) equal those of a run through
     torch's attention, position for position. A first step on an empty cache goes through the
-    parts (nothing to attend in place yet)."""
+    parts (nothing to attend in place yet), as one past `GRAPH_ATTENTION_POSITIONS` does."""
+    monkeypatch.setattr(ggml_layer, "GRAPH_ATTENTION_POSITIONS", 10**6)  # to follow a growth
     in_graph, in_parts = _prompted_caches(q8_model)
     layer = in_graph.layers[0]
     first = layer.keys.data_ptr()
@@ -220,9 +221,13 @@ def test_a_whole_layer_graph_follows_a_growing_cache_and_steps_aside_before_it(q
     monkeypatch.undo()
     hidden = torch.randn(1, 1, q8_model.hf_config.hidden_size)
     cos, sin = q8_model.lean.rotary(hidden, 0, 1)
+    ends = q8_model.lean.layers[0].ends
     with torch.inference_mode():
         empty = q8_model.new_kv_cache().layers[0]
-        assert q8_model.lean.layers[0].ends.whole(hidden, cos, sin, empty, 1) is None
+        assert ends.whole(hidden, cos, sin, empty, 1) is None
+        assert layer.get_seq_length() > ggml_layer.GRAPH_ATTENTION_POSITIONS
+        assert ends.whole(hidden, cos, sin, layer, 1) is None  # torch's attention is faster there
+        assert q8_model.lean.whole(hidden, cos, sin, in_graph, 1) is None
 
 
 @needs_ggml
