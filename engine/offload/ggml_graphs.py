@@ -6,8 +6,8 @@ is a graph described once in its own metadata context, its weights bound once, a
 tensors (activations, indices, outputs: new memory at every call) listed with the argument they
 lie in; `compute(backend, memories)` points each moving tensor at this call's memory and runs the
 graph, a foreign call where building the graph again took about fifteen. `KeptGraphs` holds a
-thread's graphs by key (at most `LIMIT`, the oldest dropped first); a graph's context is freed
-with the graph.
+thread's graphs by key (at most `LIMIT`, the oldest dropped first; `ThreadsKeptGraphs` a smaller
+set of each thread's); a graph's context is freed with the graph.
 
 Why: a decode step calls ggml about eleven times on a two-layer model and ~240 times on a 48-layer
 one; building a call's graph (tensors, binds, nodes) cost ~12 µs of Python and ctypes, three
@@ -17,6 +17,7 @@ times a small product's own compute.
 from __future__ import annotations
 
 import ctypes
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -81,13 +82,22 @@ def _free(ggml, context: int, allocator: int | None) -> None:
 class KeptGraphs:
     LIMIT = 2048  # ~10 KB of metadata each: a 48-layer model's decode step keeps ~400
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         self._graphs: OrderedDict[Hashable, KeptGraph] = OrderedDict()
+        self.limit = self.LIMIT if limit is None else limit
 
     def get(self, key: Hashable) -> KeptGraph | None:
         return self._graphs.get(key)
 
     def keep(self, key: Hashable, graph: KeptGraph) -> None:
         self._graphs[key] = graph
-        while len(self._graphs) > self.LIMIT:
+        while len(self._graphs) > self.limit:
             self._graphs.popitem(last=False)
+
+
+class ThreadsKeptGraphs(threading.local):
+    """Each thread's own `KeptGraphs` of at most `limit` graphs: for graphs that hold a KV cache's
+    buffers (engine.offload.ggml_layer), kept a few at a time, not among every product's."""
+
+    def __init__(self, limit: int) -> None:
+        self.graphs = KeptGraphs(limit)

@@ -286,25 +286,34 @@ def _run(ggml: Ggml, build, out: torch.Tensor, what: str, moving: tuple = (), ke
         raise RuntimeError(f"ggml's CPU backend failed to compute {what}")
 
 
-def compute_kept(key, build, moving: tuple, outputs: tuple, what: str, tensors: int, nodes: int) -> None:
+def compute_kept(
+    key, build, moving: tuple, outputs: tuple, what: str, tensors: int, nodes: int, graphs=None
+) -> None:
     """A graph of several outputs kept under `key` (engine.offload.ggml_layer): `build(context,
     bind)` returns its products, one for each of `outputs` (bound there); `moving` is the call's
-    other memory; `tensors` and `nodes` bound the graph's size. Needs `kept_graphs_work()`."""
+    other memory; `tensors` and `nodes` bound the graph's size; `graphs` a `ThreadsKeptGraphs` to
+    keep it in (else this thread's). Needs `kept_graphs_work()`."""
     ggml, memories = loaded(), (*moving, *outputs)
-    kept = _kept(ggml, key, build, memories, (tensors, nodes), intermediates=True)
+    kept = _kept(ggml, key, build, memories, (tensors, nodes), graphs, intermediates=True)
     if kept.compute(_backend(ggml), memories) != 0:
         raise RuntimeError(f"ggml's CPU backend failed to compute {what}")
 
 
-def _kept(ggml: Ggml, key, build, memories: tuple, size=(_MAX_TENSORS, _GRAPH_SIZE), **keep) -> KeptGraph:
-    """This thread's graph kept under `key`, built by `_keep` (`size`: tensors and nodes, `keep`:
-    its other options) the first time it is asked for."""
-    if _state.kept is None:
-        _state.kept = KeptGraphs()
-    kept = _state.kept.get(key)
+def _kept(
+    ggml: Ggml, key, build, memories: tuple, size=(_MAX_TENSORS, _GRAPH_SIZE), graphs=None, **keep
+) -> KeptGraph:
+    """This thread's graph kept under `key` (in `graphs`, else among every product's), built by
+    `_keep` (`size`: tensors and nodes, `keep`: its other options) the first time it is asked for."""
+    if graphs is not None:
+        kept_graphs = graphs.graphs
+    else:
+        if _state.kept is None:
+            _state.kept = KeptGraphs()
+        kept_graphs = _state.kept
+    kept = kept_graphs.get(key)
     if kept is None:
         kept = _keep(ggml, build, memories, *size, **keep)
-        _state.kept.keep(key, kept)
+        kept_graphs.keep(key, kept)
     return kept
 
 

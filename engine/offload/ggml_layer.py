@@ -41,7 +41,7 @@ from gguf import GGMLQuantizationType
 
 from engine.model.kv_cache import GrowingLayer
 from engine.offload import ggml_kernels
-from engine.offload.ggml_graphs import Tensor
+from engine.offload.ggml_graphs import Tensor, ThreadsKeptGraphs
 from engine.offload.ggml_library import loaded
 from engine.offload.ggml_moe import RoutedMlp
 from engine.offload.ggml_resident import GgmlLinear
@@ -52,6 +52,9 @@ _F32, _F16, _I64 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "
 # faster (a 2-layer Qwen3-30B-A3B-shaped Q4_K_M decode step: 2.80 against 3.03 ms at 64
 # positions, 3.13 against 3.12 at 256, 3.94 against 3.73 at 1000, 7.84 against 5.67 at 4000)
 GRAPH_ATTENTION_POSITIONS = 256
+# graphs over a KV cache's buffers kept at a time (a thread's, a layer's or a step's): a new
+# conversation's cache, or a grown one, makes new ones; the old ones' buffers are gone
+KV_GRAPHS = 4
 _TENSORS = _NODES = 64  # a graph's tensors and nodes: the inputs graph has ~35
 
 
@@ -70,6 +73,7 @@ class AttentionEnds:
         self.heads = layer.q_proj.out_features // layer.head_dim
         self.kv_heads = layer.k_proj.out_features // layer.head_dim
         self._key = object()  # this layer's graphs, whatever memory is freed and reused around it
+        self._cached = ThreadsKeptGraphs(KV_GRAPHS)  # `whole`'s: they hold a cache's buffers
         self.moe = RoutedMlp.of(layer.mlp)  # the block's routing and experts in the output graph
 
     @classmethod
@@ -193,6 +197,7 @@ class AttentionEnds:
             "a layer",
             2 * _TENSORS + 3 * moe.top_k,
             2 * _NODES + 3 * moe.top_k,
+            self._cached,
         )
         cache.written(tokens)
         moe.used(chosen, logits)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from engine.offload import ggml_kernels, ggml_layer
+from engine.offload.ggml_graphs import ThreadsKeptGraphs
 from engine.offload.ggml_layer import new_positions, rms, rms_normed, rows_in, weight_of
 from engine.offload.ggml_library import loaded
 from engine.offload.ggml_resident import GgmlLinear
@@ -88,6 +89,7 @@ class WholeStep:
     def __init__(self, ends: list, head: Head):
         self.ends, self.head = ends, head
         self._key = object()
+        self._cached = ThreadsKeptGraphs(ggml_layer.KV_GRAPHS)  # they hold a cache's buffers
 
     @classmethod
     def of(cls, lean) -> WholeStep | None:
@@ -128,6 +130,7 @@ class WholeStep:
             "a step",
             size,
             size,
+            self._cached,
         )
         for cache, end, index in zip(caches, self.ends, range(0, len(routes), 2), strict=True):
             cache.written(tokens)

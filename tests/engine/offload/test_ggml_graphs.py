@@ -132,3 +132,17 @@ def test_a_dropped_graph_frees_its_context(monkeypatch):
     assert not freed
     del graph
     assert len(freed) == 1
+
+
+def test_a_threads_own_small_set_of_graphs_keeps_its_newest():
+    graphs = ggml_graphs.ThreadsKeptGraphs(2)
+    for key in range(3):
+        graphs.graphs.keep(key, object())
+    assert (
+        graphs.graphs.get(0) is None and graphs.graphs.get(1) is not None and graphs.graphs.get(2) is not None
+    )
+    seen = {}
+    thread = threading.Thread(target=lambda: seen.update(other=graphs.graphs.get(2)))
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and seen == {"other": None}  # another thread starts with none
