@@ -117,7 +117,7 @@ def _normalizes(router: nn.Module) -> bool | None:
     weight = router.weight
     probe = torch.randn((4, weight.shape[1]), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        out = router(probe)
+        out = router.forward(probe)  # not its hooks: the routing trace would record the probe
         if not isinstance(out, tuple) or len(out) != 3:
             return None
         logits, weights, chosen = out
