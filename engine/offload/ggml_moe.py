@@ -3,7 +3,7 @@
 Contract: `RoutedMlp.of(block)` is None unless the block is a router and experts only (its only
 children), the router a bias-free float32 matrix whose rule is softmax → top-k, with or without
 renormalizing the chosen weights (asked of the router itself on a probe), and the experts SwiGLU
-experts ggml computes where they lie in the store (`OffloadedExperts._grouped_in_ggml`). Then:
+experts ggml computes where they lie in the store (`OffloadedExperts.grouped_in_ggml`). Then:
 
     nodes(ggml, context, bind, x, tokens) -> (out [H, T], chosen [K, T] I32, logits [E, T])
         router logits, softmax, top-k, the chosen weights (renormalized where the router does),
@@ -40,7 +40,7 @@ class RoutedMlp:
         self.block, self.router, self.experts, self.normalizes = block, router, experts, normalizes
         self.weight: torch.Tensor = router.weight  # [E, H]
         self.top_k = int(router.top_k)
-        self.store, gate_up, down = experts._ggml_fields
+        self.store, gate_up, down = experts.ggml_fields
         self.fields = (gate_up, down)
 
     @classmethod
@@ -49,7 +49,7 @@ class RoutedMlp:
         router, experts = children.get("gate"), children.get("experts")
         if set(children) != {"gate", "experts"} or not isinstance(experts, OffloadedExperts):
             return None
-        if not experts._grouped_in_ggml or not experts._swiglu or experts.scales_input:
+        if not experts.grouped_in_ggml or not experts.swiglu_in_ggml or experts.scales_input:
             return None
         weight = getattr(router, "weight", None)
         parameters = dict(router.named_parameters())
@@ -62,7 +62,7 @@ class RoutedMlp:
             or not isinstance(getattr(router, "top_k", None), int)
         ):
             return None
-        store, gate_up, down = experts._ggml_fields
+        store, gate_up, down = experts.ggml_fields
         if weight.shape[0] != store.shape[0] or weight.shape[1] != gate_up[3] or gate_up[2] != 2 * down[3]:
             return None
         for field in (gate_up, down):

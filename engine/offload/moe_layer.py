@@ -174,7 +174,7 @@ class OffloadedExperts(nn.Module):
         draft = self.control.draft
         if draft is not None and draft.substitute is not None:
             return self._forward_substitute(hidden_states, top_k_index, top_k_weights, draft.substitute)
-        if self._grouped_in_ggml:  # every expert lies in the store: nothing to plan or bring in
+        if self.grouped_in_ggml:  # every expert lies in the store: nothing to plan or bring in
             index, weights = self._routes(top_k_index, top_k_weights, draft)
             self.cache.use_in_place(self.layer, {e for token in index for e in token})
             return self._routed_in_ggml(hidden_states, weights, index)
@@ -258,14 +258,14 @@ class OffloadedExperts(nn.Module):
             step.out.index_put_((token_idx,), y.to(step.out.dtype), accumulate=True)
 
     @functools.cached_property
-    def _grouped_in_ggml(self) -> bool:
+    def grouped_in_ggml(self) -> bool:
         """Whether the layer's experts go through ggml together: llama.cpp's kernels (`--kernels
         ggml`) on the store itself (in place: no slot is reused while the step runs)."""
         fields = self.cache.store.layout_of(self.layer).fields
         return self.cache.in_place and not self.has_bias and all(f.packing in GGML_PACKINGS for f in fields)
 
     @functools.cached_property
-    def _ggml_fields(self) -> tuple[torch.Tensor, tuple[int, int, int, int], tuple[int, int, int, int]]:
+    def ggml_fields(self) -> tuple[torch.Tensor, tuple[int, int, int, int], tuple[int, int, int, int]]:
         """The layer's experts in the store and where gate/up and down lie in each (`linear_routed`)."""
         fields = {
             f.name: (f.offset, f.ggml_type, *f.weight_shape)
@@ -275,7 +275,7 @@ class OffloadedExperts(nn.Module):
         return self.cache.store.layer_buffer(self.layer), gate_up, fields["down_proj"]
 
     @functools.cached_property
-    def _swiglu(self) -> bool:
+    def swiglu_in_ggml(self) -> bool:
         """Whether the experts gate as SwiGLU (`silu(gate) · up`, gate rows first), which ggml
         computes itself: asked of the family's own gate on a probe, not read off its name."""
         if not self.has_gate:
@@ -291,12 +291,12 @@ class OffloadedExperts(nn.Module):
         node a projection (llama.cpp's `mul_mat_id`: a token's row quantized once for all its
         experts); each route's output weighted as `_accumulate` weights it, a token's routes summed
         in their top-k order: `[T, H]`."""
-        experts, gate_up, down = self._ggml_fields
+        experts, gate_up, down = self.ggml_fields
         weights = weights.reshape(len(index), -1, 1)  # [T, K, 1]
         x = hidden  # [T, H]: every route of a token multiplies the same row
         if self.scales_input:  # Llama 4: a row per route, scaled by its weight
             x = x[:, None, :] * weights
-        if self._swiglu and x.dtype == torch.float32:  # the whole expert in one ggml graph
+        if self.swiglu_in_ggml and x.dtype == torch.float32:  # the whole expert in one ggml graph
             y = ggml_kernels.routed_swiglu(x, experts, gate_up, down, index)  # [T, K, H]
         else:
             up = ggml_kernels.linear_routed(x, experts, gate_up, index).to(x.dtype)  # [T, K, 2I]

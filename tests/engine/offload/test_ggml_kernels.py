@@ -199,12 +199,12 @@ def test_float32_in_place_experts_go_through_one_ggml_graph_with_the_same_tokens
     model = load_model(tiny_q4_k_m, dataclasses.replace(_config("ggml"), dtype="float32"))
     try:
         layers = [m for m in model.hf_model.modules() if isinstance(m, OffloadedExperts)]
-        assert model.dtype == torch.float32 and all(m._grouped_in_ggml and m._swiglu for m in layers)
+        assert model.dtype == torch.float32 and all(m.grouped_in_ggml and m.swiglu_in_ggml for m in layers)
         greedy = GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(greedy=True), ignore_eos=True)
         runs = []
         for fused in (True, False):
             for m in layers:
-                m.__dict__["_swiglu"] = fused
+                m.__dict__["swiglu_in_ggml"] = fused
             logits = model.forward(torch.tensor(PROMPT), model.new_kv_cache(), logits_to_keep=0)
             runs.append((logits, list(generate_text(model, PROMPT, greedy).token_ids)))
         (one, tokens_one), (two, tokens_two) = runs
@@ -248,7 +248,7 @@ def test_with_ggml_kernels_speculation_streaming_and_cpu_misses_keep_plain_greed
             assert list(generate_text(model, PROMPT, misses_on_cpu).token_ids) == plain
             # in place a layer's experts go through ggml together; from cache slots one by one
             layers = [m for m in model.hf_model.modules() if isinstance(m, OffloadedExperts)]
-            assert [m._grouped_in_ggml for m in layers] == [link is None] * len(layers)
+            assert [m.grouped_in_ggml for m in layers] == [link is None] * len(layers)
             # rows are interleaved only where ggml reads them in place, never in copies into slots
             gate_up = model.store.layout_of(0).fields[0]
             interleaved = link is None and interleaves(QT.Q4_K, gate_up.weight_shape[0])
