@@ -21,14 +21,14 @@ the others; a prompt's last layer then routes one token, not all), which changes
 products by their batch's rounding. tests/engine/model/test_all_families.py checks both on every
 family this accepts. A layer given `ends` (engine.offload.ggml_layer) has them do its work before
 and after the attention in decode and verification steps (its MLP too, where they take it), and a
-`head` the final norm and lm_head of those steps' kept rows, or `whole` all of a step's layers and
-head at once (engine.offload.ggml_step). `takes(kv_cache)` says whether a
-step may go this way now: no hook on the decoder or the model (an MTP drafter records the
-decoder's output) and a cache of attention layers only. Hooks on a layer's modules run where the
-step calls those modules (the routers' trace, hooked at load); a norm found unhooked at load runs
-as torch's operator, and `ends` replace the modules they cover, so a hook put on those later is
-not seen (but one on the MoE block, router or experts: `finish` leaves it the block; or on the
-lm_head: the head leaves it the module).
+`head` the final norm and lm_head of those steps' kept rows, or `whole` all of a step's layers
+and head at once (engine.offload.ggml_step). `takes(kv_cache)` says whether a step may go this
+way now: no hook on the decoder or the model (an MTP drafter records the decoder's output) and a
+cache of attention layers only. Hooks on a layer's modules run where the step calls those modules
+(the routers' trace, hooked at load); a norm found unhooked at load runs as torch's operator, and
+`ends` replace the modules they cover, so a hook put on those later is not seen (but one on the
+MoE block, router or experts: `finish` leaves it the block; or on the lm_head: the head leaves it
+the module).
 
 Why: on a 2-core CPU, a decode step of a Qwen3-30B-A3B-shaped model spent ~0.5 ms a token in
 transformers' wrappers (decorators, output records, mask and position bookkeeping) on top of the
@@ -78,7 +78,7 @@ class LeanDecode:
         self.apply_rotary = rotary
         self.rotary = _Rotary(decoder.rotary_emb)
         self.norm = _fused(decoder.norm)
-        # the final norm and lm_head on float32 rows elsewhere (engine.offload.ggml_layer): their
+        # the final norm and lm_head on float32 rows elsewhere (engine.offload.ggml_step): their
         # logits `[n, V]`, or None where it does not take them
         self.head: Callable[[torch.Tensor], torch.Tensor | None] | None = None
         # a step's layers and head at once (engine.offload.ggml_step): (hidden, cos, sin, cache,
@@ -159,7 +159,7 @@ class _Layer:
         count = hidden.shape[1]
         # the ends' graphs are kept per token count: decode and verification steps only
         ends = self.ends if hidden.dtype == torch.float32 and count <= MAX_FOLDED_QUERIES else None
-        if ends is not None and not kv_cache.offloading:  # the whole layer in one graph, where it may
+        if ends is not None and not getattr(kv_cache, "offloading", False):  # the layer in one graph
             whole = ends.whole(hidden, cos, sin, kv_cache.layers[self.index], rows)
             if whole is not None:
                 return whole
@@ -204,9 +204,12 @@ class AttentionEnds(Protocol):
 
 class _Rotary:
     """The rotary module's cos and sin for a run of positions: slices of a table it filled (for as
-    many positions as the longest step so far, doubling), where its frequencies are static and a
-    probe shows the slices equal its own outputs bit for bit; else its own call. ~5 operators less
-    a step; the table costs 2 × positions × head width values (8 MB for 8192 positions of 128)."""
+    many positions as the longest step so far, doubling, up to `TABLE_POSITIONS`), where its
+    frequencies are static and a probe shows the slices equal its own outputs bit for bit; else its
+    own call. ~5 operators less a step; the table costs 2 × positions × head width values (8 MB
+    for 8192 positions of 128 in float32, 32 MB at most)."""
+
+    TABLE_POSITIONS = 32768
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -217,7 +220,8 @@ class _Rotary:
     def __call__(self, hidden: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin `[1, count, D]` of positions `first`… for `hidden`'s dtype."""
         module = self.module
-        if self.static and not (module._forward_hooks or module._forward_pre_hooks):
+        hooked = module._forward_hooks or module._forward_pre_hooks
+        if self.static and not hooked and first + count <= self.TABLE_POSITIONS:
             table = self._table(hidden, first + count)
             if table is not None:
                 return table[0][:, first : first + count], table[1][:, first : first + count]
@@ -228,7 +232,7 @@ class _Rotary:
         table = self._tables.get(key)
         if table is not None and table[0].shape[1] >= length:
             return table
-        size = max(length, 2 * (0 if table is None else table[0].shape[1]), 1024)
+        size = min(max(length, 2 * (0 if table is None else table[0].shape[1]), 1024), self.TABLE_POSITIONS)
         table = self.module(hidden, torch.arange(size, device=hidden.device)[None])
         for position in (0, length - 1, size - 1):
             alone = self.module(hidden, torch.tensor([[position]], device=hidden.device))

@@ -177,3 +177,15 @@ def test_rotary_values_come_from_a_table_equal_to_the_modules_own(model, monkeyp
     calls.clear()
     other(hidden, 7, 1)
     assert calls  # the module, every step
+
+
+def test_rotary_values_past_the_tables_limit_come_from_the_module(model, monkeypatch):
+    module = model.lean.decoder.rotary_emb
+    monkeypatch.setattr(lean_decode._Rotary, "TABLE_POSITIONS", 1024)
+    rotary = lean_decode._Rotary(module)
+    hidden = torch.zeros(1, 3, model.hf_config.hidden_size)
+    for first in (1000, 1500):
+        got = rotary(hidden, first, 3)
+        wanted = module(hidden, torch.arange(first, first + 3)[None])
+        assert all(torch.equal(a, b) for a, b in zip(got, wanted, strict=True))
+    assert max(table[0].shape[1] for table in rotary._tables.values()) == 1024
