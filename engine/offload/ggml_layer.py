@@ -1,11 +1,12 @@
 """A standard layer's work before and after its attention as ggml graphs (`--kernels ggml`).
 
 Contract: `attach(lean)` gives each layer of a `LeanDecode` (engine.model.lean_decode) whose parts
-allow it an `AttentionEnds`, and the decoder a `Head`, and says how many layers got ends. A layer
-qualifies when ggml's graphs can be kept here, its four projections are llama.cpp-kernel matrices
-without bias (`GgmlLinear`), its norms are RMS norms (torch's `rms_norm` gives their values: the
-lean step's probe) and the family's rotary function is the rotate-half rotation of the whole head
-(asked of it on a probe). Then, for float32 activations of T tokens:
+allow it an `AttentionEnds`, and says how many layers got one (engine.offload.ggml_step adds a
+head and the one graph a step). A layer qualifies when ggml's graphs can be kept here, its four
+projections are llama.cpp-kernel matrices without bias (`GgmlLinear`), its norms are RMS norms
+(torch's `rms_norm` gives their values: the lean step's probe) and the family's rotary function
+is the rotate-half rotation of the whole head (asked of it on a probe). Then, for float32
+activations of T tokens:
 
     inputs(hidden, cos, sin) -> query [1, H, T, D], key and value [1, KV, T, D]
         input norm, q/k/v products, q/k norms, rotation by the rotary module's cos and sin
@@ -17,16 +18,16 @@ lean step's probe) and the family's rotary function is the rotate-half rotation 
         too: the new keys and values written into the layer's `GrowingLayer` cache where it keeps
         them (`room`/`written`) and ggml's flash attention over it (llama.cpp's decode graph for
         the layer); None before the cache holds a prompt, past `GRAPH_ATTENTION_POSITIONS`, or
-        where `finish` would be None
-    Head: the final norm and the lm_head of the kept rows (a `GgmlLinear` lm_head)
+        where `finish` would be None; `room(cache, tokens)` says so and `layer_nodes` are its
+        nodes, for ggml_step to chain every layer's in one graph
 
 each one ggml graph kept per token count (engine.offload.ggml_graphs; `whole`'s per cache buffer
-too), where the lean step took ~25 torch operators and four ggml calls for the ends, ~15 and a host
-round trip for the routes, ~12 for the attention and the cache's update. Values:
-ggml's; its products quantize their activations to 8 bits as every `--kernels ggml` product does,
+too), where the lean step took ~25 torch operators and four ggml calls for the ends, ~15 and a
+host round trip for the routes, ~12 for the attention and the cache's update. Values: ggml's;
+its products quantize their activations to 8 bits as every `--kernels ggml` product does,
 and its norms and rotation round in float32 in another order than torch's (~1e-7 relative, which
 the 8-bit rounding of the next product can carry to ~1% of a value: llama.cpp's own numerics).
-`inputs`, `outputs` and the head compute row by row whatever the token count (tested) where the
+`inputs` and `outputs` (and ggml_step's head) compute row by row whatever the token count where the
 matrices keep the file's rows; interleaved matrices (engine.offload.ggml_interleave) from 4 rows on,
 and `finish`'s experts and router, round a batch of rows as llama.cpp's batch does (~1e-6
 relative); `whole`'s attention sums in flash attention's order, not torch's (~1e-7 relative).
