@@ -12,7 +12,7 @@ from engine.generation_config import GenerationConfig, SamplingConfig
 from engine.loader import load_model
 from engine.model import kv_cache
 from engine.model.tiny_gguf import write_tiny_gguf
-from engine.offload import ggml_layer, ggml_library
+from engine.offload import ggml_graphs, ggml_layer, ggml_library
 
 needs_ggml = pytest.mark.skipif(not ggml_library.available()[0], reason="llama-cpp-python is not installed")
 PROMPT = torch.tensor([3, 17, 42, 99, 7, 25, 11, 64] * 3)
@@ -280,3 +280,22 @@ def test_new_positions_say_where_each_head_writes_and_what_each_token_sees():
             seen = mask[t] == 0
             assert seen.tolist() == [p <= length + t for p in range(capacity)]
             assert torch.isinf(mask[t][~seen]).all()
+
+
+@needs_ggml
+def test_a_decode_step_is_one_ggml_call(q8_model, monkeypatch):
+    """The standard configuration's decode step (in place, nothing watching the routes, a short
+    chat) runs as one kept graph; past the attention's limit it takes two a layer and the head."""
+    calls = []
+    compute = ggml_graphs.KeptGraph.compute
+    monkeypatch.setattr(
+        ggml_graphs.KeptGraph, "compute", lambda self, *a: calls.append(1) or compute(self, *a)
+    )
+    (cache,) = _prompted_caches(q8_model, 1)
+    calls.clear()
+    q8_model.forward(torch.tensor([5]), cache)
+    assert len(calls) == 1
+    monkeypatch.setattr(ggml_layer, "GRAPH_ATTENTION_POSITIONS", len(PROMPT))
+    calls.clear()
+    q8_model.forward(torch.tensor([6]), cache)
+    assert len(calls) == 2 * len(q8_model.lean.layers) + 1
