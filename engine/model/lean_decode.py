@@ -113,6 +113,11 @@ class LeanDecode:
         hidden = decoder.embed_tokens(tokens)  # [1, T, H]
         past, count = kv_cache.get_seq_length(), tokens.shape[1]
         cos, sin = self.rotary(hidden, past, count)
+        keep = count if logits_to_keep == 0 else min(logits_to_keep, count)
+        if self.whole is not None and hidden.dtype == torch.float32 and count <= MAX_FOLDED_QUERIES:
+            logits = self.whole(hidden, cos, sin, kv_cache, keep)
+            if logits is not None:
+                return logits
         # transformers' sdpa mask: none where every query may see every key before it (one query,
         # or no cache: the attention is causal), else a query sees the cache and the new positions
         # up to its own
@@ -120,11 +125,6 @@ class LeanDecode:
         if count > 1 and past:
             positions = torch.arange(past, past + count, device=tokens.device)
             mask = (torch.arange(past + count, device=tokens.device) <= positions[:, None])[None, None]
-        keep = count if logits_to_keep == 0 else min(logits_to_keep, count)
-        if self.whole is not None and hidden.dtype == torch.float32 and count <= MAX_FOLDED_QUERIES:
-            logits = self.whole(hidden, cos, sin, kv_cache, keep)
-            if logits is not None:
-                return logits
         for index, layer in enumerate(self.layers):
             rows = keep if index == len(self.layers) - 1 else count
             hidden = layer(hidden, cos, sin, kv_cache, self.apply_rotary, mask, rows)

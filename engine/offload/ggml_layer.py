@@ -19,7 +19,7 @@ activations of T tokens:
         them (`room`/`written`) and ggml's flash attention over it (llama.cpp's decode graph for
         the layer); None before the cache holds a prompt, past `GRAPH_ATTENTION_POSITIONS`, or
         where `finish` would be None; `room(cache, tokens)` says so and `layer_nodes` are its
-        nodes, for ggml_step to chain every layer's in one graph
+        nodes, which `run_layers` chains (one layer here, every layer in engine.offload.ggml_step)
 
 each one ggml graph kept per token count (engine.offload.ggml_graphs; `whole`'s per cache buffer
 too), where the lean step took ~25 torch operators and four ggml calls for the ends, ~15 and a
@@ -53,9 +53,7 @@ _F32, _F16, _I64 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "
 # faster (a 2-layer Qwen3-30B-A3B-shaped Q4_K_M decode step: 2.80 against 3.03 ms at 64
 # positions, 3.13 against 3.12 at 256, 3.94 against 3.73 at 1000, 7.84 against 5.67 at 4000)
 GRAPH_ATTENTION_POSITIONS = 256
-# graphs over a KV cache's buffers kept at a time (a thread's, a layer's or a step's): a new
-# conversation's cache, or a grown one, makes new ones; the old ones' buffers are gone
-KV_GRAPHS = 4
+KV_GRAPHS = 4  # graphs over a cache's buffers kept at a time: a new or grown cache makes new ones
 _TENSORS = _NODES = 64  # a graph's tensors and nodes: the inputs graph has ~35
 
 
@@ -127,7 +125,7 @@ class AttentionEnds:
 
     def _inputs_graph(self, context, bind, rows, cos, sin):
         hidden = rows_in(loaded(), context, bind, rows)
-        return self._inputs_nodes(context, bind, hidden, angles(context, bind, cos, sin))
+        return self._inputs_nodes(context, bind, hidden, _angles(context, bind, cos, sin))
 
     def _inputs_nodes(self, context, bind, hidden: int, angles: tuple[int, int]):
         """Query `[D, H, T]`, key and value `[D, KV, T]` of the rows `hidden [H, T]`, rotated by
@@ -160,7 +158,7 @@ class AttentionEnds:
         attended, inputs = attended.reshape(tokens, -1).contiguous(), hidden.reshape(tokens, -1)
         out = torch.empty((rows, inputs.shape[1]))
         chosen = torch.empty((rows, moe.top_k), dtype=torch.int32)
-        logits = torch.empty((rows, moe.weight.shape[0]))
+        logits = torch.empty((rows, moe.num_experts))
         ggml_kernels.compute_kept(
             (self._key, "finish", tokens, rows),
             lambda context, bind: self._finish_graph(context, bind, attended, inputs, rows),
@@ -179,30 +177,8 @@ class AttentionEnds:
         holding the positions before them) and attended with ggml's flash attention over those
         and the new ones up to each token's own (the causal rule of transformers' sdpa mask).
         None where this step may not (`inputs`, torch's attention, `finish`)."""
-        moe, dim, tokens = self.moe, self.layer.head_dim, hidden.shape[1]
-        room = self.room(cache, tokens)
-        if room is None:
-            return None
-        keys, values = room
-        where, mask = new_positions(cache.get_seq_length(), tokens, keys.shape[2], self.kv_heads)
-        inputs = hidden.reshape(tokens, -1)
-        cos, sin = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
-        out = torch.empty((rows, inputs.shape[1]))
-        chosen = torch.empty((rows, moe.top_k), dtype=torch.int32)
-        logits = torch.empty((rows, moe.weight.shape[0]))
-        ggml_kernels.compute_kept(
-            (self._key, "whole", tokens, rows, keys.data_ptr(), values.data_ptr(), keys.shape[2]),
-            lambda context, bind: self._whole_graph(context, bind, inputs, cos, sin, room, where, mask, rows),
-            (inputs, cos, sin, where, mask),
-            (out, chosen, logits),
-            "a layer",
-            2 * _TENSORS + 3 * moe.top_k,
-            2 * _NODES + 3 * moe.top_k,
-            self._cached,
-        )
-        cache.written(tokens)
-        moe.used(chosen, logits)
-        return out.view(1, rows, -1)
+        out = run_layers([self], hidden, cos, sin, [cache], rows, self._cached, self._key)
+        return None if out is None else out.view(1, rows, -1)
 
     def room(self, cache, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`cache`'s key and value buffers with room for `tokens` more, where `whole` may run this
@@ -218,13 +194,8 @@ class AttentionEnds:
             return None
         return room
 
-    def _whole_graph(self, context, bind, inputs, cos, sin, room, where, mask, rows: int):
-        hidden = rows_in(loaded(), context, bind, inputs)
-        shared = step_inputs(context, bind, cos, sin, where, mask)
-        return self.layer_nodes(context, bind, hidden, shared, room, rows)
-
     def layer_nodes(self, context, bind, hidden: int, shared: tuple, room, rows: int):
-        """`whole`'s nodes on the rows `hidden [H, T]`, with a step's `shared` inputs (`step_inputs`)
+        """`whole`'s nodes on the rows `hidden [H, T]`, with a step's `shared` inputs (`_step_inputs`)
         and the cache's buffers `room`: the output rows, the experts chosen, the router's logits."""
         ggml, dim, tokens = loaded(), self.layer.head_dim, Tensor.from_address(hidden).ne[1]
         angles, index, seen = shared[:2], shared[2], shared[3]
@@ -272,7 +243,58 @@ class AttentionEnds:
         return ggml.add(context, residual, projected)
 
 
-def angles(context, bind, cos: torch.Tensor, sin: torch.Tensor) -> tuple[int, int]:
+def run_layers(ends: list, hidden: torch.Tensor, cos, sin, caches, keep: int, graphs, key, head=None):
+    """`ends`' layers on `hidden [1, T, H]` over their `caches`, their `layer_nodes` chained (the
+    last on its last `keep` rows) and `head`'s after them if given, in one graph kept in `graphs`
+    under `key` and the step's shape and buffers: the rows `[keep, H]` or the logits `[keep, V]`.
+    None where a layer may not (`room`) or the caches differ in length or buffers."""
+    tokens = hidden.shape[1]
+    rooms = [end.room(cache, tokens) for end, cache in zip(ends, caches, strict=True)]
+    if any(room is None for room in rooms):
+        return None
+    length, capacity = caches[0].get_seq_length(), rooms[0][0].shape[2]
+    if any(c.get_seq_length() != length for c in caches) or any(r[0].shape[2] != capacity for r in rooms):
+        return None
+    where, mask = new_positions(length, tokens, capacity, ends[0].kv_heads)
+    dim = ends[0].layer.head_dim
+    rows = hidden.reshape(tokens, -1)
+    cos, sin = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
+    out = torch.empty((keep, rows.shape[1] if head is None else head.lm_head.out_features))
+    kept = [tokens] * (len(ends) - 1) + [keep]  # the rows each layer gives the next
+    routes = []  # each layer's experts chosen and router logits
+    for end, count in zip(ends, kept, strict=True):
+        routes += [
+            torch.empty((count, end.moe.top_k), dtype=torch.int32),
+            torch.empty((count, end.moe.num_experts)),
+        ]
+
+    def build(context, bind):
+        x, nodes = rows_in(loaded(), context, bind, rows), []
+        shared = _step_inputs(context, bind, cos, sin, where, mask)
+        for end, room, count in zip(ends, rooms, kept, strict=True):
+            x, *route = end.layer_nodes(context, bind, x, shared, room, count)
+            nodes += route
+        return (x if head is None else head.nodes(context, bind, x), *nodes)
+
+    size = sum(2 * _TENSORS + 3 * end.moe.top_k for end in ends) + 16
+    ggml_kernels.compute_kept(
+        (key, tokens, keep, capacity, *(buffer.data_ptr() for room in rooms for buffer in room)),
+        build,
+        (rows, cos, sin, where, mask),
+        (out, *routes),
+        "a step's layers",
+        size,
+        size,
+        graphs,
+    )
+    for cache in caches:
+        cache.written(tokens)
+    for index, end in enumerate(ends):
+        end.moe.used(*routes[2 * index : 2 * index + 2])
+    return out
+
+
+def _angles(context, bind, cos: torch.Tensor, sin: torch.Tensor) -> tuple[int, int]:
     """The rotary cos and sin `[T, D]` as ggml tensors `[D, 1, T]`."""
     ggml, (tokens, dim) = loaded(), cos.shape
     tensors = tuple(ggml.new_tensor_3d(context, _F32, dim, 1, tokens) for _ in range(2))
@@ -281,7 +303,7 @@ def angles(context, bind, cos: torch.Tensor, sin: torch.Tensor) -> tuple[int, in
     return tensors
 
 
-def step_inputs(context, bind, cos, sin, where: torch.Tensor, mask: torch.Tensor) -> tuple:
+def _step_inputs(context, bind, cos, sin, where: torch.Tensor, mask: torch.Tensor) -> tuple:
     """A step's inputs every layer's `layer_nodes` shares: the rotary angles, where the new keys
     and values go and the attention mask (`new_positions`), as ggml tensors."""
     ggml = loaded()
@@ -289,7 +311,7 @@ def step_inputs(context, bind, cos, sin, where: torch.Tensor, mask: torch.Tensor
     seen = ggml.new_tensor_2d(context, _F16, mask.shape[1], mask.shape[0])
     bind(index, where)
     bind(seen, mask)
-    return (*angles(context, bind, cos, sin), index, seen)
+    return (*_angles(context, bind, cos, sin), index, seen)
 
 
 @functools.lru_cache(maxsize=4)  # a step's layers share them

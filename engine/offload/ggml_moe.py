@@ -39,6 +39,7 @@ class RoutedMlp:
     def __init__(self, block: nn.Module, router: nn.Module, experts: OffloadedExperts, normalizes: bool):
         self.block, self.router, self.experts, self.normalizes = block, router, experts, normalizes
         self.weight: torch.Tensor = router.weight  # [E, H]
+        self.num_experts = self.weight.shape[0]
         self.top_k = int(router.top_k)
         self.store, gate_up, down = experts.ggml_fields
         self.fields = (gate_up, down)

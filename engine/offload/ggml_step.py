@@ -25,11 +25,9 @@ import torch
 
 from engine.offload import ggml_kernels, ggml_layer
 from engine.offload.ggml_graphs import ThreadsKeptGraphs
-from engine.offload.ggml_layer import new_positions, rms, rms_normed, rows_in, weight_of
+from engine.offload.ggml_layer import rms, rms_normed, rows_in, weight_of
 from engine.offload.ggml_library import loaded
 from engine.offload.ggml_resident import GgmlLinear
-
-_LAYER_TENSORS = 128  # a layer's tensors and nodes in a step's graph besides its routes' (~90)
 
 
 def attach(lean) -> int:
@@ -101,48 +99,9 @@ class WholeStep:
         return cls(ends, lean.head)
 
     def __call__(self, hidden: torch.Tensor, cos, sin, kv_cache, keep: int) -> torch.Tensor | None:
-        tokens, caches = hidden.shape[1], getattr(kv_cache, "layers", ())
+        caches = getattr(kv_cache, "layers", ())
         if getattr(kv_cache, "offloading", False) or self.head.hooked() or len(caches) != len(self.ends):
             return None
-        rooms = [end.room(cache, tokens) for end, cache in zip(self.ends, caches, strict=True)]
-        if any(room is None for room in rooms):
-            return None
-        length, capacity = caches[0].get_seq_length(), rooms[0][0].shape[2]
-        if any(c.get_seq_length() != length for c in caches) or any(r[0].shape[2] != capacity for r in rooms):
-            return None
-        where, mask = new_positions(length, tokens, capacity, self.ends[0].kv_heads)
-        dim = self.ends[0].layer.head_dim
-        rows = hidden.reshape(tokens, -1)
-        cos, sin = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
-        logits = torch.empty((keep, self.head.lm_head.out_features))
-        routes = []  # each layer's experts chosen and router logits
-        for index, end in enumerate(self.ends):
-            kept = keep if index == len(self.ends) - 1 else tokens
-            routes.append(torch.empty((kept, end.moe.top_k), dtype=torch.int32))
-            routes.append(torch.empty((kept, end.moe.weight.shape[0])))
-        key = (self._key, tokens, keep, capacity, *(buffer.data_ptr() for room in rooms for buffer in room))
-        size = sum(_LAYER_TENSORS + 3 * end.moe.top_k for end in self.ends) + 16
-        ggml_kernels.compute_kept(
-            key,
-            lambda context, bind: self._graph(context, bind, rows, (cos, sin, where, mask), rooms, keep),
-            (rows, cos, sin, where, mask),
-            (logits, *routes),
-            "a step",
-            size,
-            size,
-            self._cached,
+        return ggml_layer.run_layers(
+            self.ends, hidden, cos, sin, caches, keep, self._cached, self._key, self.head
         )
-        for cache, end, index in zip(caches, self.ends, range(0, len(routes), 2), strict=True):
-            cache.written(tokens)
-            end.moe.used(*routes[index : index + 2])
-        return logits
-
-    def _graph(self, context, bind, rows, shared, rooms, keep: int):
-        x = rows_in(loaded(), context, bind, rows)
-        shared = ggml_layer.step_inputs(context, bind, *shared)
-        routes = []
-        for index, (end, room) in enumerate(zip(self.ends, rooms, strict=True)):
-            kept = keep if index == len(self.ends) - 1 else rows.shape[0]
-            x, chosen, logits = end.layer_nodes(context, bind, x, shared, room, kept)
-            routes += [chosen, logits]
-        return (self.head.nodes(context, bind, x), *routes)
