@@ -4,7 +4,10 @@ Needs the optional extra `llama` (`pip install -e ".[llama]"`: llama-cpp-python,
 builds llama.cpp from source, about 10–20 minutes on 2 cores). Both engines get the same
 prompt token ids, greedy decoding, the same number of new tokens and the same number of
 CPU threads; time to the first token is prefill, the rest is decode, as in
-`GenerationStats` (tpot_ms = decode wall time / decoded tokens).
+`GenerationStats` (tpot_ms = decode wall time / decoded tokens). Where the host's memory holds
+both engines' weights, their passes alternate (`side_by_side`), so a drift of the machine (this
+kind of host's memory bandwidth moves by up to 30% between minutes) hits both alike; else
+llama.cpp's passes follow MoE Chat's, once its model is closed (`compare_llama_cpp`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
+
+import psutil
 
 from engine.bench.rows import BenchRow
 from engine.errors import EngineError
@@ -21,6 +26,24 @@ class LlamaCppUnavailable(EngineError):
     kind = "llama_cpp_unavailable"
 
 
+_INSTALL = (
+    "--vs-llama-cpp needs llama-cpp-python: pip install -e '.[llama]' (it builds llama.cpp, 10-20 minutes)."
+)
+
+
+def check_available() -> None:
+    """Raise `LlamaCppUnavailable` (saying how to install it) where llama-cpp-python is missing."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as err:
+        raise LlamaCppUnavailable(_INSTALL) from err
+
+
+def fits_beside(path: str | Path) -> bool:
+    """Whether the memory left holds llama.cpp's copy of the file's weights with room to spare."""
+    return psutil.virtual_memory().available >= Path(path).stat().st_size * 1.25 + 2**30
+
+
 class LlamaCppRunner:
     """One llama.cpp model (llama-cpp-python), all weights in host memory."""
 
@@ -28,11 +51,8 @@ class LlamaCppRunner:
         try:
             from llama_cpp import Llama
         except ImportError as err:
-            raise LlamaCppUnavailable(
-                "--vs-llama-cpp needs llama-cpp-python: pip install -e '.[llama]' (it builds llama.cpp, "
-                "10-20 minutes)."
-            ) from err
-        self.threads = threads
+            raise LlamaCppUnavailable(_INSTALL) from err
+        self.path, self.threads = Path(path), threads
         self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False)
 
     def close(self) -> None:
@@ -72,17 +92,55 @@ def spread(passes: list[dict]) -> float:
     return (max(tpots) - min(tpots)) / statistics.median(tpots)
 
 
-def compare_llama_cpp(args, prompt_ids: list[list[int]], ours: BenchRow, result: dict) -> BenchRow:
-    """llama.cpp on the same file and prompts, timed over as many passes; the ratios go in `result`."""
+def _runner(args, prompt_ids: list[list[int]]) -> LlamaCppRunner:
     import torch
 
     n_ctx = max(2048, max(map(len, prompt_ids)) + args.new_tokens + 8)
     runner = LlamaCppRunner(args.vs_llama_cpp, threads=torch.get_num_threads(), n_ctx=n_ctx)
+    runner.timed_pass([prompt_ids[0][:8]], 4)  # warm-up
+    return runner
+
+
+def compare_llama_cpp(args, prompt_ids: list[list[int]], ours: BenchRow, result: dict) -> BenchRow:
+    """llama.cpp on the same file and prompts after MoE Chat's passes, as many; the ratios go in
+    `result`."""
+    runner = _runner(args, prompt_ids)
     try:
-        runner.timed_pass([prompt_ids[0][:8]], 4)  # warm-up
         passes = [runner.timed_pass(prompt_ids, args.new_tokens) for _ in range(args.repeats)]
     finally:
         runner.close()
+    return _compared(ours, passes, runner, False, result)
+
+
+def side_by_side(
+    args, model, prompt_ids: list[list[int]], baseline_rss: int
+) -> tuple[BenchRow, BenchRow, dict]:
+    """MoE Chat's `model` and llama.cpp on the same file and prompts, their passes alternated:
+    (MoE Chat's row, llama.cpp's, the ratios). MoE Chat's memory figures are taken before
+    llama.cpp's weights join the process."""
+    from engine.bench.main import engine_pass, engine_row
+    from engine.bench.memory import peak_rss_bytes
+
+    engine_pass(model, [prompt_ids[0][:8]], 4)  # warm-up
+    ours = [engine_pass(model, prompt_ids, args.new_tokens)]
+    peak = peak_rss_bytes()
+    runner = _runner(args, prompt_ids)
+    try:
+        theirs = [runner.timed_pass(prompt_ids, args.new_tokens)]
+        for _ in range(args.repeats - 1):
+            ours.append(engine_pass(model, prompt_ids, args.new_tokens))
+            theirs.append(runner.timed_pass(prompt_ids, args.new_tokens))
+    finally:
+        runner.close()
+    tokens = max(map(len, prompt_ids)) + args.new_tokens
+    row, result = engine_row(model, ours, baseline_rss, tokens, peak_rss=peak), {}
+    return row, _compared(row, theirs, runner, True, result), result["llama_cpp"]
+
+
+def _compared(
+    ours: BenchRow, passes: list[dict], runner: LlamaCppRunner, alternated: bool, result: dict
+) -> BenchRow:
+    """llama.cpp's row from its passes (the median one); the ratios go in `result`."""
     median = median_pass(passes)
     theirs = BenchRow(
         engine="llama.cpp",
@@ -98,10 +156,11 @@ def compare_llama_cpp(args, prompt_ids: list[list[int]], ours: BenchRow, result:
         simulated_link=False,
     )
     result["llama_cpp"] = {
-        "file": str(args.vs_llama_cpp),
+        "file": str(runner.path),
         "threads": runner.threads,
         "decode_ratio": ours.tokens_per_s / theirs.tokens_per_s,
         "prefill_ratio": (ours.prefill_tokens_per_s or 0) / theirs.prefill_tokens_per_s,
         "their_spread": spread(passes),
+        "alternated": alternated,
     }
     return theirs

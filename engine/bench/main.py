@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from engine.bench import llama_cpp
 from engine.bench.memory import current_rss_bytes, kv_cache_bytes, memory_line, peak_rss_bytes
 from engine.bench.rows import BenchRow, format_table
 from engine.bench.side_by_side import bench_other, ratio_line, ratios
@@ -66,8 +67,11 @@ def engine_pass(model, prompt_ids: list[list[int]], new_tokens: int) -> dict:
     }
 
 
-def engine_row(model, passes: list[dict], baseline_rss: int | None = None, tokens: int = 0) -> BenchRow:
-    """The pass with the median tpot; `tokens`: the longest sequence run (for the KV cache)."""
+def engine_row(
+    model, passes: list[dict], baseline_rss: int | None = None, tokens: int = 0, peak_rss: int | None = None
+) -> BenchRow:
+    """The pass with the median tpot; `tokens`: the longest sequence run (for the KV cache);
+    `peak_rss`: the process's peak when taken earlier (before another engine's weights joined it)."""
     median = sorted(passes, key=lambda p: p["tpot_ms"])[len(passes) // 2]
     return BenchRow(
         engine="moe-chat",
@@ -81,7 +85,7 @@ def engine_row(model, passes: list[dict], baseline_rss: int | None = None, token
         bytes_per_token=median["bytes_per_token"],
         decode_tokens=median["decode_tokens"],
         simulated_link=model.simulated_link,
-        peak_rss_bytes=peak_rss_bytes(),
+        peak_rss_bytes=peak_rss_bytes() if peak_rss is None else peak_rss,
         pinned_bytes=pinned_bytes(model),
         store_bytes=model.store.nbytes,
         baseline_rss_bytes=baseline_rss,
@@ -179,14 +183,22 @@ def run(args: argparse.Namespace) -> dict:
     budgets = [b.strip() for b in (args.expert_budget or "all").split(",")]
     prompts = PROMPTS[: args.prompts]
     rows: list[BenchRow] = []
+    if args.vs_llama_cpp:
+        llama_cpp.check_available()
+    # llama.cpp beside the last budget's model, their passes alternated, where memory holds both
+    beside = args.vs_llama_cpp and llama_cpp.fits_beside(args.vs_llama_cpp)
     link, calibration = calibrated_offload(args, model_folder(args), offload_config(args, budgets[0]))
-    for budget in budgets:
+    for index, budget in enumerate(budgets):
         baseline = current_rss_bytes()
         offload = replace(link, expert_budget=ExpertBudget.parse(budget))
         model = load_model(model_folder(args), offload)
         try:
             prompt_ids = [lengthened(ids, args.prompt_tokens) for ids in encode_prompts(model, prompts)]
-            rows.append(bench_engine(model, prompt_ids, args.new_tokens, args.repeats, baseline))
+            if beside and index == len(budgets) - 1:
+                ours, theirs, vs = llama_cpp.side_by_side(args, model, prompt_ids, baseline)
+                rows.append(ours)
+            else:
+                rows.append(bench_engine(model, prompt_ids, args.new_tokens, args.repeats, baseline))
             info = model.info()
             if args.count_ops:
                 op_counts = count_ops(model, prompt_ids[0], args.new_tokens)
@@ -211,10 +223,11 @@ def run(args: argparse.Namespace) -> dict:
         rows += [ours, theirs]
         result["speed_vs_transformers"] = ours.tokens_per_s / theirs.tokens_per_s
         result["compared_budget"] = ours.budget
-    if args.vs_llama_cpp:
-        from engine.bench.llama_cpp import compare_llama_cpp
-
-        rows.append(compare_llama_cpp(args, prompt_ids, rows[-1], result))
+    if beside:
+        rows.append(theirs)
+        result["llama_cpp"] = vs
+    elif args.vs_llama_cpp:
+        rows.append(llama_cpp.compare_llama_cpp(args, prompt_ids, rows[-1], result))
     result["rows"] = [asdict(r) for r in rows]
     return result
 
@@ -357,8 +370,9 @@ def _print_result(result: dict) -> None:
         vs = result["llama_cpp"]
         print(
             f"vs llama.cpp on the same file ({vs['threads']} threads): decode {vs['decode_ratio']:.2f}x, "
-            f"prefill {vs['prefill_ratio']:.2f}x "
-            f"(llama.cpp's tpot spread over passes {vs['their_spread']:.0%})"
+            f"prefill {vs['prefill_ratio']:.2f}x ("
+            + ("passes alternated; " if vs.get("alternated") else "llama.cpp's passes after MoE Chat's; ")
+            + f"llama.cpp's tpot spread over passes {vs['their_spread']:.0%})"
         )
     if "speed_vs_transformers" in result:
         print(

@@ -2,10 +2,12 @@
 
 import json
 import sys
+from typing import ClassVar
 
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+from engine.bench import llama_cpp
 from engine.bench import main as bench
 from engine.model.tiny_gguf import write_tiny_gguf
 
@@ -30,3 +32,47 @@ def test_without_llama_cpp_the_error_says_how_to_install_it(tmp_path, monkeypatc
     argv = ["--vs-llama-cpp", str(path), "--device", "cpu", "--prompts", "1", "--new-tokens", "4"]
     assert bench.main([*argv, "--repeats", "1"]) == 2
     assert "pip install -e '.[llama]'" in capsys.readouterr().err
+
+
+class _Recorded:
+    """llama.cpp's runner as the bench drives it, its passes recorded in `calls`."""
+
+    calls: ClassVar[list[str]] = []
+
+    def __init__(self, path, threads, n_ctx=2048):
+        self.path, self.threads = path, threads
+        self.calls.append("llama.cpp loads")
+
+    def timed_pass(self, prompts, new_tokens):
+        self.calls.append("llama.cpp" if len(prompts[0]) > 8 else "llama.cpp warm-up")
+        return {"tpot_ms": 2.0, "prefill_tps": 100.0, "decode_tokens": len(prompts) * (new_tokens - 1)}
+
+    def close(self):
+        self.calls.append("llama.cpp closes")
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_passes_alternate_where_memory_holds_both_engines(tmp_path, monkeypatch, fits):
+    path = write_tiny_gguf(tmp_path / "model", expert_type=QT.Q8_0, down_type=QT.Q8_0)
+    calls = _Recorded.calls = []
+    engine_pass = bench.engine_pass
+
+    def recorded_pass(model, prompt_ids, new_tokens):
+        calls.append("moe-chat" if len(prompt_ids[0]) > 8 else "moe-chat warm-up")
+        return engine_pass(model, prompt_ids, new_tokens)
+
+    monkeypatch.setattr(bench, "engine_pass", recorded_pass)
+    monkeypatch.setattr(llama_cpp, "check_available", lambda: None)
+    monkeypatch.setattr(llama_cpp, "fits_beside", lambda _path: fits)
+    monkeypatch.setattr(llama_cpp, "LlamaCppRunner", _Recorded)
+    out = tmp_path / "bench.json"
+    argv = ["--vs-llama-cpp", str(path), "--device", "cpu", "--prompts", "1", "--new-tokens", "4"]
+    assert bench.main([*argv, "--repeats", "3", "--json", str(out)]) == 0
+    timed = [c for c in calls if c in ("moe-chat", "llama.cpp")]
+    if fits:  # one engine's pass, then the other's: a drift of the host hits both alike
+        assert timed == ["moe-chat", "llama.cpp"] * 3
+    else:  # llama.cpp loads only once MoE Chat's model is closed
+        assert timed == ["moe-chat"] * 3 + ["llama.cpp"] * 3
+    result = json.loads(out.read_text())
+    assert result["llama_cpp"]["alternated"] is fits
+    assert result["llama_cpp"]["decode_ratio"] == pytest.approx(result["rows"][0]["tokens_per_s"] / 500.0)
