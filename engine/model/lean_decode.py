@@ -22,13 +22,14 @@ products by their batch's rounding. tests/engine/model/test_all_families.py chec
 family this accepts. A layer given `ends` (engine.offload.ggml_layer) has them do its work before
 and after the attention in decode and verification steps (its MLP too, where they take it), and a
 `head` the final norm and lm_head of those steps' kept rows, or `whole` all of a step's layers
-and head at once (engine.offload.ggml_step). `takes(kv_cache)` says whether a step may go this
-way now: no hook on the decoder or the model (an MTP drafter records the decoder's output) and a
-cache of attention layers only. Hooks on a layer's modules run where the step calls those modules
-(the routers' trace, hooked at load); a norm found unhooked at load runs as torch's operator, and
-`ends` replace the modules they cover, so a hook put on those later is not seen (but one on the
-MoE block, router or experts: `finish` leaves it the block; or on the lm_head: the head leaves it
-the module).
+and head at once (engine.offload.ggml_step), from the token ids where it embeds them too.
+`takes(kv_cache)` says whether a step may go this way now: no hook on the decoder or the model
+(an MTP drafter records the decoder's output) and a cache of attention layers only. Hooks on a
+layer's modules run where the step calls those modules (the routers' trace, hooked at load); a norm
+found unhooked at load runs as torch's operator, and `ends` replace the modules they cover, so a
+hook put on those later is not seen (but one on the MoE block, router or experts: `finish` leaves
+it the block; on the lm_head: the head leaves it the module; on the embedding: its module looks
+the tokens up).
 
 Why: on a 2-core CPU, a decode step of a Qwen3-30B-A3B-shaped model spent ~0.5 ms a token in
 transformers' wrappers (decorators, output records, mask and position bookkeeping) on top of the
@@ -54,6 +55,7 @@ from engine.model.cpu_attention import ATTENTION, MAX_FOLDED_QUERIES, cpu_attent
 from engine.model.hf_calls import decoder_of
 
 log = logging.getLogger(__name__)
+_FLOAT32 = torch.empty(0)  # what the rotary module reads of its input: float32 on the CPU
 
 _LAYER_PARTS = {"self_attn", "input_layernorm", "post_attention_layernorm", "mlp"}
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
@@ -109,13 +111,19 @@ class LeanDecode:
         """Logits `[n, V]` of the last `logits_to_keep` (0: all) of `tokens` (`[1, T]` ids) after
         `kv_cache`'s positions. The last layer's MLP runs on those positions only (llama.cpp's
         output rows): nothing else reads the others' outputs."""
-        decoder = self.decoder
-        hidden = decoder.embed_tokens(tokens)  # [1, T, H]
         past, count = kv_cache.get_seq_length(), tokens.shape[1]
-        cos, sin = self.rotary(hidden, past, count)
         keep = count if logits_to_keep == 0 else min(logits_to_keep, count)
-        if self.whole is not None and hidden.dtype == torch.float32 and count <= MAX_FOLDED_QUERIES:
-            logits = self.whole(hidden, cos, sin, kv_cache, keep)
+        whole = self.whole if count <= MAX_FOLDED_QUERIES else None
+        if whole is not None and whole.embeds():  # the lookup in the step's graph too
+            cos, sin = self.rotary(_FLOAT32, past, count)
+            logits = whole.of_ids(tokens, cos, sin, kv_cache, keep)
+            if logits is not None:
+                return logits
+            whole = None  # it would decline the embedded rows too
+        hidden = self.decoder.embed_tokens(tokens)  # [1, T, H]
+        cos, sin = self.rotary(hidden, past, count)
+        if whole is not None and hidden.dtype == torch.float32:
+            logits = whole(hidden, cos, sin, kv_cache, keep)
             if logits is not None:
                 return logits
         # transformers' sdpa mask: none where every query may see every key before it (one query,

@@ -35,6 +35,8 @@ class GgmlEmbedding(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):  # as nn.Embedding
+            raise IndexError(f"token ids outside the embedding's {self.num_embeddings} rows")
         rows = dequantize(self.blocks[ids], self.ggml_type, (ids.numel(), self.embedding_dim), self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
 

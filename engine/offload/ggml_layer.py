@@ -38,16 +38,15 @@ from __future__ import annotations
 import functools
 
 import torch
-from gguf import GGMLQuantizationType
 
 from engine.model.kv_cache import GrowingLayer
 from engine.offload import ggml_kernels
+from engine.offload.ggml_chain import F32, angles, rms_normed, rows_in, run_layers, weight_of
 from engine.offload.ggml_graphs import Tensor, ThreadsKeptGraphs
 from engine.offload.ggml_library import loaded
 from engine.offload.ggml_moe import RoutedMlp
 from engine.offload.ggml_resident import GgmlLinear
 
-_F32, _F16, _I64 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "I64"))
 # ggml's flash attention over float32 keys and values walks each query head over each position;
 # torch's two matmuls fold a key head's query heads together: past this many positions they are
 # faster (a 2-layer Qwen3-30B-A3B-shaped Q4_K_M decode step: 2.80 against 3.03 ms at 64
@@ -74,6 +73,8 @@ class AttentionEnds:
         self._key = object()  # this layer's graphs, whatever memory is freed and reused around it
         self._cached = ThreadsKeptGraphs(KV_GRAPHS)  # `whole`'s: they hold a cache's buffers
         self.moe = RoutedMlp.of(layer.mlp)  # the block's routing and experts in the output graph
+        # tensors and nodes of the layer's part of a `run_layers` graph
+        self.graph_size = 2 * _TENSORS + (0 if self.moe is None else 3 * self.moe.top_k)
 
     @classmethod
     def of(cls, layer) -> AttentionEnds | None:
@@ -125,7 +126,7 @@ class AttentionEnds:
 
     def _inputs_graph(self, context, bind, rows, cos, sin):
         hidden = rows_in(loaded(), context, bind, rows)
-        return self._inputs_nodes(context, bind, hidden, _angles(context, bind, cos, sin))
+        return self._inputs_nodes(context, bind, hidden, angles(context, bind, cos, sin))
 
     def _inputs_nodes(self, context, bind, hidden: int, angles: tuple[int, int]):
         """Query `[D, H, T]`, key and value `[D, KV, T]` of the rows `hidden [H, T]`, rotated by
@@ -195,15 +196,16 @@ class AttentionEnds:
         return room
 
     def layer_nodes(self, context, bind, hidden: int, shared: tuple, room, rows: int):
-        """`whole`'s nodes on the rows `hidden [H, T]`, with a step's `shared` inputs (`_step_inputs`)
-        and the cache's buffers `room`: the output rows, the experts chosen, the router's logits."""
+        """`whole`'s nodes on the rows `hidden [H, T]`, with a step's `shared` inputs (ggml_chain's
+        `step_inputs`) and the cache's buffers `room`: the output rows, the experts chosen, the
+        router's logits."""
         ggml, dim, tokens = loaded(), self.layer.head_dim, Tensor.from_address(hidden).ne[1]
         angles, index, seen = shared[:2], shared[2], shared[3]
         query, key, value = self._inputs_nodes(context, bind, hidden, angles)
         cached, heads = [], self.kv_heads
         for new, buffer in zip((key, value), room, strict=True):  # [1, KV, capacity, D]
             capacity = buffer.shape[2]
-            rows_of = ggml.new_tensor_2d(context, _F32, dim, heads * capacity)  # (head, position) rows
+            rows_of = ggml.new_tensor_2d(context, F32, dim, heads * capacity)  # (head, position) rows
             bind(rows_of, buffer)
             new_rows = ggml.reshape_2d(context, new, dim, heads * tokens)
             stored = ggml.set_rows(context, rows_of, new_rows, index)
@@ -241,120 +243,6 @@ class AttentionEnds:
         ggml = loaded()
         projected = ggml.mul_mat(context, weight_of(ggml, context, bind, self.layer.o_proj), attended)
         return ggml.add(context, residual, projected)
-
-
-def run_layers(ends: list, hidden: torch.Tensor, cos, sin, caches, keep: int, graphs, key, head=None):
-    """`ends`' layers on `hidden [1, T, H]` over their `caches`, their `layer_nodes` chained (the
-    last on its last `keep` rows) and `head`'s after them if given, in one graph kept in `graphs`
-    under `key` and the step's shape and buffers: the rows `[keep, H]` or the logits `[keep, V]`.
-    None where a layer may not (`room`) or the caches differ in length or buffers."""
-    tokens = hidden.shape[1]
-    rooms = [end.room(cache, tokens) for end, cache in zip(ends, caches, strict=True)]
-    if any(room is None for room in rooms):
-        return None
-    length, capacity = caches[0].get_seq_length(), rooms[0][0].shape[2]
-    if any(c.get_seq_length() != length for c in caches) or any(r[0].shape[2] != capacity for r in rooms):
-        return None
-    where, mask = new_positions(length, tokens, capacity, ends[0].kv_heads)
-    dim = ends[0].layer.head_dim
-    rows = hidden.reshape(tokens, -1)
-    cos, sin = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
-    out = torch.empty((keep, rows.shape[1] if head is None else head.lm_head.out_features))
-    kept = [tokens] * (len(ends) - 1) + [keep]  # the rows each layer gives the next
-    routes = []  # each layer's experts chosen and router logits
-    for end, count in zip(ends, kept, strict=True):
-        routes += [
-            torch.empty((count, end.moe.top_k), dtype=torch.int32),
-            torch.empty((count, end.moe.num_experts)),
-        ]
-
-    def build(context, bind):
-        x, nodes = rows_in(loaded(), context, bind, rows), []
-        shared = _step_inputs(context, bind, cos, sin, where, mask)
-        for end, room, count in zip(ends, rooms, kept, strict=True):
-            x, *route = end.layer_nodes(context, bind, x, shared, room, count)
-            nodes += route
-        return (x if head is None else head.nodes(context, bind, x), *nodes)
-
-    size = sum(2 * _TENSORS + 3 * end.moe.top_k for end in ends) + 16
-    ggml_kernels.compute_kept(
-        (key, tokens, keep, capacity, *(buffer.data_ptr() for room in rooms for buffer in room)),
-        build,
-        (rows, cos, sin, where, mask),
-        (out, *routes),
-        "a step's layers",
-        size,
-        size,
-        graphs,
-    )
-    for cache in caches:
-        cache.written(tokens)
-    for index, end in enumerate(ends):
-        end.moe.used(*routes[2 * index : 2 * index + 2])
-    return out
-
-
-def _angles(context, bind, cos: torch.Tensor, sin: torch.Tensor) -> tuple[int, int]:
-    """The rotary cos and sin `[T, D]` as ggml tensors `[D, 1, T]`."""
-    ggml, (tokens, dim) = loaded(), cos.shape
-    tensors = tuple(ggml.new_tensor_3d(context, _F32, dim, 1, tokens) for _ in range(2))
-    for tensor, values in zip(tensors, (cos, sin), strict=True):
-        bind(tensor, values)
-    return tensors
-
-
-def _step_inputs(context, bind, cos, sin, where: torch.Tensor, mask: torch.Tensor) -> tuple:
-    """A step's inputs every layer's `layer_nodes` shares: the rotary angles, where the new keys
-    and values go and the attention mask (`new_positions`), as ggml tensors."""
-    ggml = loaded()
-    index = ggml.new_tensor_1d(context, _I64, where.numel())
-    seen = ggml.new_tensor_2d(context, _F16, mask.shape[1], mask.shape[0])
-    bind(index, where)
-    bind(seen, mask)
-    return (*_angles(context, bind, cos, sin), index, seen)
-
-
-@functools.lru_cache(maxsize=4)  # a step's layers share them
-def new_positions(length: int, tokens: int, capacity: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where a step's `tokens` new keys (values) go among a `[heads, capacity]` cache's rows, in the
-    graph's (token, head) order, and the attention mask `[T, capacity]` (0: seen; token t sees
-    the `length` cached positions and the new ones up to its own)."""
-    if tokens == 1:  # a decode step: one addition and a slice of a ramp of zeros then -inf
-        first, ramp = _decode_positions(capacity, heads)
-        return first + length, ramp[capacity - 1 - length : 2 * capacity - 1 - length].view(1, capacity)
-    positions = length + torch.arange(tokens)
-    where = (torch.arange(heads)[None, :] * capacity + positions[:, None]).reshape(-1)
-    seen = torch.arange(capacity)[None, :] <= positions[:, None]
-    mask = torch.zeros((tokens, capacity), dtype=torch.float16).masked_fill_(~seen, float("-inf"))
-    return where, mask
-
-
-@functools.lru_cache(maxsize=4)
-def _decode_positions(capacity: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each head's first row among a cache's, and `capacity` zeros then `capacity` -inf."""
-    ramp = torch.zeros(2 * capacity, dtype=torch.float16)
-    ramp[capacity:] = float("-inf")
-    return torch.arange(heads) * capacity, ramp
-
-
-def rows_in(ggml, context, bind, rows: torch.Tensor) -> int:
-    tensor = ggml.new_tensor_2d(context, _F32, rows.shape[1], rows.shape[0])
-    bind(tensor, rows)
-    return tensor
-
-
-def weight_of(ggml, context, bind, linear: GgmlLinear) -> int:
-    tensor = ggml.new_tensor_2d(context, linear.ggml_type, linear.in_features, linear.out_features)
-    bind(tensor, linear.blocks)
-    return tensor
-
-
-def rms_normed(ggml, context, bind, x: int, norm: tuple[torch.Tensor, float]) -> int:
-    """RMS norm over ggml's first dimension, times the norm's weight."""
-    weight, eps = norm
-    scale = ggml.new_tensor_1d(context, _F32, weight.numel())
-    bind(scale, weight)
-    return ggml.mul(context, ggml.rms_norm(context, x, eps), scale)
 
 
 def _rotated(ggml, context, heads: int, cos: int, sin: int) -> int:

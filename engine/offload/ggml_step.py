@@ -13,21 +13,33 @@ T ≤ MAX_FOLDED_QUERIES tokens:
         one graph kept per token count, kept rows and cache buffers (llama.cpp's one graph a
         step); None where any layer's `whole` may not run, or the layers' caches do not hold as
         many positions in as large buffers (the step then goes layer by layer)
+    WholeStep.of_ids(tokens [1, T], cos, sin, kv_cache, keep) -> the same from the token ids,
+        looked up in the graph too where the model's embedding is an `Embedding` (a float32
+        `nn.Embedding` or a float32 `GgmlEmbedding`, nothing hooking it): the table's rows as
+        ggml dequantizes them, which are the module's (tested); None where it is not, an id is
+        outside the table, or the step may not run in one graph
 
 Values: each layer's `whole`, then the head's, bit for bit (the same nodes, in one graph).
 Why: a layer's graph costs ~30 µs of Python and a start of ggml's threads on top of its work;
-one graph a step pays them once.
+one graph a step pays them once. The embedding's module call cost ~40 µs of a 2.8 ms step (a
+large vocabulary's `GgmlEmbedding` dequantizes its row in Python); in the graph it is one node.
 """
 
 from __future__ import annotations
 
 import torch
+from gguf import GGMLQuantizationType
+from torch import nn
 
 from engine.offload import ggml_kernels, ggml_layer
+from engine.offload.ggml_chain import rms_normed, rows_in, run_layers, weight_of
+from engine.offload.ggml_embedding import GgmlEmbedding
 from engine.offload.ggml_graphs import ThreadsKeptGraphs
-from engine.offload.ggml_layer import rms, rms_normed, rows_in, weight_of
+from engine.offload.ggml_layer import rms
 from engine.offload.ggml_library import loaded
 from engine.offload.ggml_resident import GgmlLinear
+
+_F32, _I32 = (int(GGMLQuantizationType[name]) for name in ("F32", "I32"))
 
 
 def attach(lean) -> int:
@@ -81,11 +93,45 @@ class Head:
         return ggml.mul_mat(context, weight_of(ggml, context, bind, self.lm_head), normed)
 
 
+class Embedding:
+    """A token embedding's table as ggml reads it: a float32 `nn.Embedding`'s weight, or a float32
+    `GgmlEmbedding`'s blocks, its rows dequantized by ggml's get_rows."""
+
+    def __init__(self, module: nn.Module, table: torch.Tensor, ggml_type: int):
+        self.module, self.table, self.ggml_type = module, table, ggml_type
+        self.rows, self.width = module.num_embeddings, module.embedding_dim
+
+    @classmethod
+    def of(cls, module: nn.Module) -> Embedding | None:
+        if type(module) is GgmlEmbedding and module.dtype == torch.float32:
+            table, ggml_type = module.blocks, module.ggml_type
+        elif type(module) is nn.Embedding and module.max_norm is None:
+            table, ggml_type = module.weight, _F32
+            if table.dtype != torch.float32:
+                return None
+        else:
+            return None
+        if table.device.type != "cpu" or not table.is_contiguous():
+            return None
+        return cls(module, table, ggml_type)
+
+    def hooked(self) -> bool:
+        return bool(self.module._forward_hooks or self.module._forward_pre_hooks)
+
+    def nodes(self, ggml, context, bind, ids: torch.Tensor) -> int:
+        """The rows `[width, T]` of the int32 token ids `ids [T]`."""
+        table = ggml.new_tensor_2d(context, self.ggml_type, self.width, self.rows)
+        bind(table, self.table)
+        index = ggml.new_tensor_1d(context, _I32, ids.numel())
+        bind(index, ids)
+        return ggml.get_rows(context, table, index)
+
+
 class WholeStep:
     """A step's layers and head in one graph kept per token count, kept rows and cache buffers."""
 
-    def __init__(self, ends: list, head: Head):
-        self.ends, self.head = ends, head
+    def __init__(self, ends: list, head: Head, embedding: Embedding | None):
+        self.ends, self.head, self.embedding = ends, head, embedding
         self._key = object()
         self._cached = ThreadsKeptGraphs(ggml_layer.KV_GRAPHS)  # they hold a cache's buffers
 
@@ -96,12 +142,30 @@ class WholeStep:
             return None
         if len({end.kv_heads for end in ends}) != 1:  # one set of rows for the new keys of all layers
             return None
-        return cls(ends, lean.head)
+        return cls(ends, lean.head, Embedding.of(lean.decoder.embed_tokens))
+
+    def embeds(self) -> bool:
+        """Whether `of_ids` may look the tokens up in the graph now."""
+        return self.embedding is not None and not self.embedding.hooked()
 
     def __call__(self, hidden: torch.Tensor, cos, sin, kv_cache, keep: int) -> torch.Tensor | None:
+        return self._run(hidden, cos, sin, kv_cache, keep, None)
+
+    def of_ids(self, tokens: torch.Tensor, cos, sin, kv_cache, keep: int) -> torch.Tensor | None:
+        embedding = self.embedding
+        if embedding is None or embedding.hooked():
+            return None
+        if tokens.numel() == 1:
+            inside = 0 <= int(tokens) < embedding.rows
+        else:
+            inside = bool(((tokens >= 0) & (tokens < embedding.rows)).all())
+        if not inside:  # the module's lookup says what is wrong
+            return None
+        return self._run(tokens.to(torch.int32), cos, sin, kv_cache, keep, embedding)
+
+    def _run(self, hidden, cos, sin, kv_cache, keep: int, embedding) -> torch.Tensor | None:
         caches = getattr(kv_cache, "layers", ())
         if getattr(kv_cache, "offloading", False) or self.head.hooked() or len(caches) != len(self.ends):
             return None
-        return ggml_layer.run_layers(
-            self.ends, hidden, cos, sin, caches, keep, self._cached, self._key, self.head
-        )
+        graphs, key, head = self._cached, self._key, self.head
+        return run_layers(self.ends, hidden, cos, sin, caches, keep, graphs, key, head, embedding)

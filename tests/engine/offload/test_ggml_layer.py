@@ -12,7 +12,7 @@ from engine.generation_config import GenerationConfig, SamplingConfig
 from engine.loader import load_model
 from engine.model import kv_cache
 from engine.model.tiny_gguf import write_tiny_gguf
-from engine.offload import ggml_graphs, ggml_layer, ggml_library
+from engine.offload import ggml_chain, ggml_graphs, ggml_layer, ggml_library
 
 needs_ggml = pytest.mark.skipif(not ggml_library.available()[0], reason="llama-cpp-python is not installed")
 PROMPT = torch.tensor([3, 17, 42, 99, 7, 25, 11, 64] * 3)
@@ -272,7 +272,7 @@ def test_one_graph_a_step_steps_aside_for_a_hooked_head_or_uneven_caches(q8_mode
 
 def test_new_positions_say_where_each_head_writes_and_what_each_token_sees():
     for length, tokens, capacity, heads in [(0, 1, 5, 2), (4, 1, 5, 4), (24, 1, 280, 4), (3, 3, 8, 2)]:
-        where, mask = ggml_layer.new_positions(length, tokens, capacity, heads)
+        where, mask = ggml_chain.new_positions(length, tokens, capacity, heads)
         rows = [h * capacity + length + t for t in range(tokens) for h in range(heads)]
         assert where.tolist() == rows
         assert mask.shape == (tokens, capacity) and mask.dtype == torch.float16
