@@ -94,7 +94,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, history: torch.Tensor) -> int:
         """Draw the next token id (the argmax when greedy)."""
-        if self.config.is_greedy:
-            return int(self._scores(logits, history)[0].argmax())
+        if self.config.is_greedy:  # without processors, the logits' own argmax (float32 keeps their order)
+            return int((self._scores(logits, history)[0] if self._processors else logits).argmax())
         probs = self.probs(logits, history)  # [V]
         return int(torch.multinomial(probs, 1, generator=self._generator))

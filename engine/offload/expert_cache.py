@@ -151,18 +151,18 @@ class ExpertCache:
             self.policy.on_access(key)
             return slot
 
-    def use_in_place(self, layer: int, experts: Iterable[int]) -> None:
-        """`layer`'s `experts` used where they lie in an in-place store, without pinning a slot
-        (none is ever evicted or reused there): hits, as `acquire` counts them."""
+    def use_in_place(self, uses: Iterable[tuple[int, Iterable[int]]]) -> None:
+        """Each (layer, experts) of `uses` used where they lie in an in-place store, without pinning
+        a slot (none is ever evicted or reused there): hits, as `acquire` counts them."""
         if not self.in_place:
             raise RuntimeError("use_in_place needs an in-place cache (every expert in host memory)")
-        with self.lock:
+        with self.lock:  # once for a step's layers
             counters = self.stats.phases[self.phase]
-            for expert in experts:
-                key = (layer, expert)
-                if key not in self._table:
-                    self._map_in_place(key)
-                counters.hits += 1
+            for layer, experts in uses:
+                for expert in experts:
+                    if (layer, expert) not in self._table:
+                        self._map_in_place((layer, expert))
+                    counters.hits += 1
 
     def count_cpu_use(self) -> None:
         """A use computed on the CPU: a miss for the device cache, with no copy."""

@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType
 
 from engine.offload import ggml_kernels
 from engine.offload.ggml_library import loaded
+from engine.offload.ggml_moe import record_routes
 from engine.offload.ggml_resident import GgmlLinear
 
 F32, F16, I64, I32 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "I64", "I32"))
@@ -40,10 +41,12 @@ def run_layers(
     if any(c.get_seq_length() != length for c in caches) or any(r[0].shape[2] != capacity for r in rooms):
         return None
     where, mask = new_positions(length, tokens, capacity, ends[0].kv_heads)
-    dim = ends[0].layer.head_dim
-    rows = hidden.reshape(tokens, -1) if embedding is None else hidden.reshape(tokens)
-    cos, sin = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
-    out = torch.empty((keep, rows.shape[1] if head is None else head.lm_head.out_features))
+    # a graph's inputs are read where they lie, in rows as the graph was built for: `[T, D]` angles
+    # (`[1, T, D]` as the rotary module gives them), `[T, H]` rows or `[T]` ids
+    rows = hidden if hidden.is_contiguous() else hidden.contiguous()
+    cos, sin = (a if a.is_contiguous() else a.contiguous() for a in (cos, sin))
+    width = rows.shape[-1] if embedding is None else None
+    out = torch.empty((keep, width if head is None else head.lm_head.out_features))
     kept = [tokens] * (len(ends) - 1) + [keep]  # the rows each layer gives the next
     routes = []  # each layer's experts chosen and router logits
     for end, count in zip(ends, kept, strict=True):
@@ -77,14 +80,13 @@ def run_layers(
     )
     for cache in caches:
         cache.written(tokens)
-    for index, end in enumerate(ends):
-        end.moe.used(*routes[2 * index : 2 * index + 2])
+    record_routes([end.moe for end in ends], routes)
     return out
 
 
 def angles(context, bind, cos: torch.Tensor, sin: torch.Tensor) -> tuple[int, int]:
-    """The rotary cos and sin `[T, D]` as ggml tensors `[D, 1, T]`."""
-    ggml, (tokens, dim) = loaded(), cos.shape
+    """The rotary cos and sin `[.., T, D]` (contiguous) as ggml tensors `[D, 1, T]`."""
+    ggml, (tokens, dim) = loaded(), cos.shape[-2:]
     tensors = tuple(ggml.new_tensor_3d(context, F32, dim, 1, tokens) for _ in range(2))
     for tensor, values in zip(tensors, (cos, sin), strict=True):
         bind(tensor, values)
@@ -126,7 +128,8 @@ def _decode_positions(capacity: int, heads: int) -> tuple[torch.Tensor, torch.Te
 
 
 def rows_in(ggml, context, bind, rows: torch.Tensor) -> int:
-    tensor = ggml.new_tensor_2d(context, F32, rows.shape[1], rows.shape[0])
+    """Contiguous float32 rows `[.., H]` as a ggml tensor `[H, rows]`."""
+    tensor = ggml.new_tensor_2d(context, F32, rows.shape[-1], rows.numel() // rows.shape[-1])
     bind(tensor, rows)
     return tensor
 

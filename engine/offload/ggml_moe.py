@@ -107,9 +107,21 @@ class RoutedMlp:
         return out, chosen, logits
 
     def used(self, chosen: torch.Tensor, logits: torch.Tensor) -> None:
-        experts = self.experts
-        experts.cache.use_in_place(experts.layer, set(chosen.view(-1).tolist()))
-        experts.trace.record(experts.layer, self.router, None, (logits,))
+        record_routes([self], [chosen, logits])
+
+
+def record_routes(blocks: list[RoutedMlp], routes: list[torch.Tensor]) -> None:
+    """Each block's experts chosen (`routes[2i]`) counted as hits in its expert cache, in one
+    hold of the cache's lock for all the blocks sharing it, and its router logits (`routes[2i+1]`)
+    traced."""
+    uses: dict[int, tuple] = {}  # per expert cache: the cache and its (layer, experts)
+    for index, block in enumerate(blocks):
+        experts = block.experts
+        chosen = {expert for row in routes[2 * index].tolist() for expert in row}
+        uses.setdefault(id(experts.cache), (experts.cache, []))[1].append((experts.layer, chosen))
+        experts.trace.record(experts.layer, block.router, None, (routes[2 * index + 1],))
+    for cache, layers in uses.values():
+        cache.use_in_place(layers)
 
 
 def _normalizes(router: nn.Module) -> bool | None:

@@ -176,7 +176,7 @@ class OffloadedExperts(nn.Module):
             return self._forward_substitute(hidden_states, top_k_index, top_k_weights, draft.substitute)
         if self.grouped_in_ggml:  # every expert lies in the store: nothing to plan or bring in
             index, weights = self._routes(top_k_index, top_k_weights, draft)
-            self.cache.use_in_place(self.layer, {e for token in index for e in token})
+            self.cache.use_in_place([(self.layer, {e for token in index for e in token})])
             return self._routed_in_ggml(hidden_states, weights, index)
         step = self._route(hidden_states, top_k_index, top_k_weights, draft)
         plan = self._plan(step, drafting=draft is not None)

@@ -356,10 +356,10 @@ def test_uses_in_place_count_as_the_acquires_would_and_map_each_expert_once(stor
     for experts in ([0, 3, 5], [3, 1]):
         for expert in experts:
             use(pinned, (1, expert))
-        bulk.use_in_place(1, experts)
+        bulk.use_in_place([(1, experts)])
     assert counters(bulk) == counters(pinned) == (5, 0, 0, 0)
     assert bulk.used_slots == pinned.used_slots == 4
     assert sorted(bulk.resident()) == sorted(pinned.resident())
     assert all(slot.pins == 0 for slot in bulk.slots)
     with pytest.raises(RuntimeError, match="in-place cache"):
-        make_cache(store, link, n_slots=4).use_in_place(1, [0])
+        make_cache(store, link, n_slots=4).use_in_place([(1, [0])])
