@@ -120,7 +120,7 @@ class LeanDecode:
             if logits is not None:
                 return logits
             whole = None  # it would decline the embedded rows too
-        hidden = self.decoder.embed_tokens(tokens)  # [1, T, H]
+        hidden = self._embedded(tokens)  # [1, T, H]
         cos, sin = self.rotary(hidden, past, count)
         if whole is not None and hidden.dtype == torch.float32:
             logits = whole(hidden, cos, sin, kv_cache, keep)
@@ -141,6 +141,16 @@ class LeanDecode:
         if self.head is not None and last.dtype == torch.float32 and keep <= MAX_FOLDED_QUERIES:
             logits = self.head(last)
         return self.hf_model.lm_head(self.norm(last))[0] if logits is None else logits
+
+    def _embedded(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The rows of `tokens`: ggml's lookup in a graph of its own where the one-graph step
+        embeds (and declined this step), else the embedding module's."""
+        whole = self.whole
+        if whole is not None and whole.embeds() and tokens.shape[1] <= MAX_FOLDED_QUERIES:
+            ids = whole.ids(tokens)
+            if ids is not None:
+                return whole.embedding(ids)
+        return self.decoder.embed_tokens(tokens)
 
 
 class _Layer:

@@ -33,10 +33,12 @@ def run_layers(
     With an `embedding` (engine.offload.ggml_step.Embedding), `hidden` is the step's token ids
     `[1, T]` (int32), looked up in the graph. None where a layer may not (`room`) or the caches
     differ in length or buffers."""
-    tokens = hidden.shape[1]
-    rooms = [end.room(cache, tokens) for end, cache in zip(ends, caches, strict=True)]
-    if any(room is None for room in rooms):
-        return None
+    tokens, rooms = hidden.shape[1], []
+    for end, cache in zip(ends, caches, strict=True):
+        room = end.room(cache, tokens)
+        if room is None:
+            return None
+        rooms.append(room)
     length, capacity = caches[0].get_seq_length(), rooms[0][0].shape[2]
     if any(c.get_seq_length() != length for c in caches) or any(r[0].shape[2] != capacity for r in rooms):
         return None

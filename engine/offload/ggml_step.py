@@ -126,6 +126,22 @@ class Embedding:
         bind(index, ids)
         return ggml.get_rows(context, table, index)
 
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows `[1, T, width]` of the int32 token ids `ids [1, T]` (inside the table), in a
+        graph of their own kept per token count: a step going layer by layer (past the one-graph
+        step's attention limit), where the module's call took ~40 µs, a `GgmlEmbedding`'s ~190."""
+        rows = torch.empty((1, ids.numel(), self.width))
+        ggml_kernels.compute_kept(
+            (self, ids.numel()),
+            lambda context, bind: self.nodes(loaded(), context, bind, ids),
+            (ids,),
+            (rows,),
+            "the token lookup",
+            4,
+            4,
+        )
+        return rows
+
 
 class WholeStep:
     """A step's layers and head in one graph kept per token count, kept rows and cache buffers."""
@@ -151,21 +167,31 @@ class WholeStep:
     def __call__(self, hidden: torch.Tensor, cos, sin, kv_cache, keep: int) -> torch.Tensor | None:
         return self._run(hidden, cos, sin, kv_cache, keep, None)
 
+    def ids(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """`tokens` as the int32 ids the embedding's graph nodes look up; None where an id lies
+        outside the table (ggml's get_rows would abort the process: the module's lookup raises)."""
+        rows = self.embedding.rows
+        if tokens.numel() == 1:
+            inside = 0 <= int(tokens) < rows
+        else:
+            inside = bool(((tokens >= 0) & (tokens < rows)).all())
+        return tokens.to(torch.int32) if inside else None
+
     def of_ids(self, tokens: torch.Tensor, cos, sin, kv_cache, keep: int) -> torch.Tensor | None:
         embedding = self.embedding
         if embedding is None or embedding.hooked():
             return None
-        if tokens.numel() == 1:
-            inside = 0 <= int(tokens) < embedding.rows
-        else:
-            inside = bool(((tokens >= 0) & (tokens < embedding.rows)).all())
-        if not inside:  # the module's lookup says what is wrong
-            return None
-        return self._run(tokens.to(torch.int32), cos, sin, kv_cache, keep, embedding)
+        caches = getattr(kv_cache, "layers", ())
+        if caches and caches[0].get_seq_length() + tokens.shape[1] > ggml_layer.GRAPH_ATTENTION_POSITIONS:
+            return None  # before converting the ids: a long chat's every step comes here
+        ids = self.ids(tokens)
+        return None if ids is None else self._run(ids, cos, sin, kv_cache, keep, embedding)
 
     def _run(self, hidden, cos, sin, kv_cache, keep: int, embedding) -> torch.Tensor | None:
         caches = getattr(kv_cache, "layers", ())
         if getattr(kv_cache, "offloading", False) or self.head.hooked() or len(caches) != len(self.ends):
             return None
-        graphs, key, head = self._cached, self._key, self.head
+        # the graphs taking ids and those taking rows are kept apart: either one's inputs would be
+        # garbage to the other (and ids read as rows can abort the process in get_rows)
+        graphs, key, head = self._cached, (self._key, embedding is not None), self.head
         return run_layers(self.ends, hidden, cos, sin, caches, keep, graphs, key, head, embedding)

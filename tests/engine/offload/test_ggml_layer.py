@@ -285,7 +285,8 @@ def test_new_positions_say_where_each_head_writes_and_what_each_token_sees():
 @needs_ggml
 def test_a_decode_step_is_one_ggml_call(q8_model, monkeypatch):
     """The standard configuration's decode step (in place, nothing watching the routes, a short
-    chat) runs as one kept graph; past the attention's limit it takes two a layer and the head."""
+    chat) runs as one kept graph; past the attention's limit it takes the token lookup, two a
+    layer and the head."""
     calls = []
     compute = ggml_graphs.KeptGraph.compute
     monkeypatch.setattr(
@@ -298,4 +299,4 @@ def test_a_decode_step_is_one_ggml_call(q8_model, monkeypatch):
     monkeypatch.setattr(ggml_layer, "GRAPH_ATTENTION_POSITIONS", len(PROMPT))
     calls.clear()
     q8_model.forward(torch.tensor([6]), cache)
-    assert len(calls) == 2 * len(q8_model.lean.layers) + 1
+    assert len(calls) == 1 + 2 * len(q8_model.lean.layers) + 1

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as QT
 from engine.config import ExpertBudget, OffloadConfig
 from engine.loader import load_model
 from engine.model.tiny_gguf import write_tiny_gguf
-from engine.offload import ggml_embedding, ggml_graphs, ggml_library
+from engine.offload import ggml_embedding, ggml_graphs, ggml_layer, ggml_library
 from engine.offload.ggml_embedding import GgmlEmbedding
 
 needs_ggml = pytest.mark.skipif(not ggml_library.available()[0], reason="llama-cpp-python is not installed")
@@ -32,6 +32,16 @@ def _decoded(model, tokens=(5, 9, 2, 7)) -> tuple[torch.Tensor, object]:
     logits = [model.forward(PROMPT, cache)[-1]]
     logits += [model.forward(torch.tensor([t]), cache)[0] for t in tokens]
     return torch.stack(logits), cache
+
+
+def _decoded_by_module(model) -> tuple[torch.Tensor, object]:
+    """`_decoded` with the embedding module looking the tokens up."""
+    whole = model.lean.whole
+    embedding, whole.embedding = whole.embedding, None
+    try:
+        return _decoded(model)
+    finally:
+        whole.embedding = embedding
 
 
 @needs_ggml
@@ -61,11 +71,7 @@ def test_the_step_looks_its_tokens_up_in_the_graph_as_the_module_does(
         with torch.inference_mode():
             got, in_graph = _decoded(model)
             assert len(looked_up) == 4  # every decode step (the prompt goes another way)
-            embedding, whole.embedding = whole.embedding, None
-            try:
-                wanted, by_module = _decoded(model)
-            finally:
-                whole.embedding = embedding
+            wanted, by_module = _decoded_by_module(model)
         assert torch.equal(got, wanted)
         for ours, theirs in zip(in_graph.layers, by_module.layers, strict=True):
             assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
@@ -117,3 +123,38 @@ def test_a_hooked_embedding_is_called_and_the_step_stays_one_graph(q4_model, mon
         cache = q4_model.new_kv_cache()
         q4_model.forward(PROMPT, cache)
         assert torch.equal(q4_model.forward(torch.tensor([5]), cache), hooked)
+
+
+@needs_ggml
+def test_a_step_from_rows_and_one_from_ids_over_the_same_cache_keep_their_own_graphs(q4_model):
+    """A hooked embedding's step (rows into the one graph) and the next unhooked one (ids into it)
+    over the same cache: each runs its own kept graph, so the second's logits are those of a run
+    that never hooked the module."""
+    embedding = q4_model.lean.decoder.embed_tokens
+    with torch.inference_mode():
+        wanted, _ = _decoded(q4_model, (5, 9))
+        cache = q4_model.new_kv_cache()
+        got = [q4_model.forward(PROMPT, cache)[-1]]
+        handle = embedding.register_forward_hook(lambda *args: None)
+        try:
+            got.append(q4_model.forward(torch.tensor([5]), cache)[0])
+        finally:
+            handle.remove()
+        got.append(q4_model.forward(torch.tensor([9]), cache)[0])
+    assert torch.equal(torch.stack(got), wanted)
+
+
+@needs_ggml
+def test_past_the_graphs_attention_limit_the_lookup_is_a_graph_of_its_own(q4_model, monkeypatch):
+    """A long chat's steps go layer by layer (torch's attention): their tokens are still looked up
+    by ggml (one small graph, not the module's Python dequantization), to the same logits."""
+    monkeypatch.setattr(ggml_layer, "GRAPH_ATTENTION_POSITIONS", len(PROMPT))
+    whole = q4_model.lean.whole
+    looked_up = []
+    lookup = type(whole.embedding).__call__
+    monkeypatch.setattr(type(whole.embedding), "__call__", lambda *a: looked_up.append(1) or lookup(*a))
+    with torch.inference_mode():
+        got, _ = _decoded(q4_model)
+        assert len(looked_up) == 4
+        wanted, _ = _decoded_by_module(q4_model)
+    assert torch.equal(got, wanted)
