@@ -94,7 +94,10 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, history: torch.Tensor) -> int:
         """Draw the next token id (the argmax when greedy)."""
-        if self.config.is_greedy:  # without processors, the logits' own argmax (float32 keeps their order)
-            return int((self._scores(logits, history)[0] if self._processors else logits).argmax())
+        if self.config.is_greedy:
+            # nothing changes the scores (no processor, no subclass's mask): the logits' own argmax,
+            # which a float32 copy keeps
+            plain = not self._processors and type(self)._scores is Sampler._scores
+            return int((logits if plain else self._scores(logits, history)[0]).argmax())
         probs = self.probs(logits, history)  # [V]
         return int(torch.multinomial(probs, 1, generator=self._generator))

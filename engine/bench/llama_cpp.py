@@ -18,6 +18,8 @@ from pathlib import Path
 
 import psutil
 
+from engine.bench import passes
+from engine.bench.memory import peak_rss_bytes
 from engine.bench.rows import BenchRow
 from engine.errors import EngineError
 
@@ -71,7 +73,7 @@ class LlamaCppRunner:
         return first - started, time.perf_counter() - first
 
     def timed_pass(self, prompts: list[list[int]], new_tokens: int) -> dict:
-        """One pass over the prompts: what `engine.bench.main.engine_pass` measures."""
+        """One pass over the prompts: what `engine.bench.passes.engine_pass` measures."""
         runs = [self.run(ids, new_tokens) for ids in prompts]
         decode_tokens = len(prompts) * (new_tokens - 1)
         return {
@@ -118,9 +120,7 @@ def side_by_side(
     """MoE Chat's `model` and llama.cpp on the same file and prompts, their passes alternated:
     (MoE Chat's row, llama.cpp's, the ratios). MoE Chat's memory figures are taken before
     llama.cpp's weights join the process."""
-    from engine.bench.main import engine_pass, engine_row
-    from engine.bench.memory import peak_rss_bytes
-
+    engine_pass = passes.engine_pass
     engine_pass(model, [prompt_ids[0][:8]], 4)  # warm-up
     ours = [engine_pass(model, prompt_ids, args.new_tokens)]
     peak = peak_rss_bytes()
@@ -133,7 +133,7 @@ def side_by_side(
     finally:
         runner.close()
     tokens = max(map(len, prompt_ids)) + args.new_tokens
-    row, result = engine_row(model, ours, baseline_rss, tokens, peak_rss=peak), {}
+    row, result = passes.engine_row(model, ours, baseline_rss, tokens, peak_rss=peak), {}
     return row, _compared(row, theirs, runner, True, result), result["llama_cpp"]
 
 

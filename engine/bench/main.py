@@ -23,7 +23,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from engine.bench import llama_cpp
-from engine.bench.memory import current_rss_bytes, kv_cache_bytes, memory_line, peak_rss_bytes
+from engine.bench.memory import current_rss_bytes, memory_line
+from engine.bench.passes import bench_engine, engine_pass, engine_row
 from engine.bench.rows import BenchRow, format_table
 from engine.bench.side_by_side import bench_other, ratio_line, ratios
 from engine.config import ExpertBudget, OffloadConfig
@@ -35,78 +36,9 @@ from engine.options import (
     model_folder,
     offload_config,
 )
-from engine.prompts import PROMPTS, encode_prompts, greedy, lengthened
+from engine.prompts import PROMPTS, encode_prompts, lengthened
 
 log = logging.getLogger(__name__)
-
-
-def engine_pass(model, prompt_ids: list[list[int]], new_tokens: int) -> dict:
-    """One pass of greedy, fixed-length generations over the prompt set."""
-    from engine.generation import generate_text
-    from engine.offload.transfer import metered
-
-    runs = []
-    with metered(model.transfer) as meter:
-        for ids in prompt_ids:
-            # every prompt prefilled whole, as llama.cpp's timed runs are (reset()): a kept cache of
-            # an earlier pass would make prefill a prefix reuse (engine.model.prefix_cache)
-            model.prefix_cache.clear()
-            runs.append(generate_text(model, ids, greedy(new_tokens)).stats)
-    decode_tokens = sum(s.generated_tokens - 1 for s in runs)
-    decode_s = sum(s.decode_ms for s in runs) / 1e3
-    prefill_s = sum(s.prefill_ms for s in runs) / 1e3
-    hits, misses = sum(s.decode.hits for s in runs), sum(s.decode.misses for s in runs)
-    return {
-        "tpot_ms": decode_s * 1e3 / decode_tokens,
-        "prefill_tps": sum(s.prompt_tokens for s in runs) / prefill_s,
-        "hit_rate": hits / (hits + misses) if hits + misses else None,
-        "h2d_gbps": sum(s.h2d_bytes for s in runs) / (decode_s + prefill_s) / 1e9,
-        "bytes_per_token": sum(s.decode.h2d_bytes for s in runs) / decode_tokens,
-        "decode_tokens": decode_tokens,
-        "copy_hidden": meter.hidden,
-    }
-
-
-def engine_row(
-    model, passes: list[dict], baseline_rss: int | None = None, tokens: int = 0, peak_rss: int | None = None
-) -> BenchRow:
-    """The pass with the median tpot; `tokens`: the longest sequence run (for the KV cache);
-    `peak_rss`: the process's peak when taken earlier (before another engine's weights joined it)."""
-    median = sorted(passes, key=lambda p: p["tpot_ms"])[len(passes) // 2]
-    return BenchRow(
-        engine="moe-chat",
-        budget=str(model.config.expert_budget),
-        cache_slots=model.cache.n_slots,
-        tpot_ms=median["tpot_ms"],
-        tokens_per_s=1e3 / median["tpot_ms"],
-        prefill_tokens_per_s=median["prefill_tps"],
-        hit_rate=median["hit_rate"],
-        h2d_gbps=median["h2d_gbps"],
-        bytes_per_token=median["bytes_per_token"],
-        decode_tokens=median["decode_tokens"],
-        simulated_link=model.simulated_link,
-        peak_rss_bytes=peak_rss_bytes() if peak_rss is None else peak_rss,
-        pinned_bytes=pinned_bytes(model),
-        store_bytes=model.store.nbytes,
-        baseline_rss_bytes=baseline_rss,
-        resident_bytes=model.info().resident_nbytes,
-        kv_bytes=kv_cache_bytes(model, tokens),
-        in_place=model.cache.in_place,
-        copy_hidden=median["copy_hidden"],
-    )
-
-
-def pinned_bytes(model) -> int:
-    """Host memory pinned for the link: the whole store, or the staging ring's buffers."""
-    return model.store.nbytes if model.store.pinned else getattr(model.transfer, "staging_nbytes", 0)
-
-
-def bench_engine(
-    model, prompt_ids: list[list[int]], new_tokens: int, repeats: int, baseline_rss: int | None = None
-) -> BenchRow:
-    engine_pass(model, [prompt_ids[0][:8]], 4)  # warm-up
-    passes = [engine_pass(model, prompt_ids, new_tokens) for _ in range(repeats)]
-    return engine_row(model, passes, baseline_rss, max(map(len, prompt_ids)) + new_tokens)
 
 
 class TransformersRunner:

@@ -119,6 +119,20 @@ def test_greedy_is_argmax(config):
     assert probs.sum() == 1.0
 
 
+def test_greedy_takes_the_scores_a_subclass_masks():
+    """A sampler that masks the scores (the grammar's, engine.constraints) is greedy over what it
+    leaves: the plain logits' argmax is only taken where nothing changes them."""
+
+    class OnlyToken7(Sampler):
+        def _scores(self, logits, history):
+            scores = super()._scores(logits, history)
+            return torch.full_like(scores, float("-inf")).index_fill_(1, torch.tensor([7]), 0.0)
+
+    logits = _random_logits()
+    assert int(logits.argmax()) != 7
+    assert OnlyToken7(SamplingConfig(greedy=True)).sample(logits, torch.tensor([], dtype=torch.long)) == 7
+
+
 def test_top_k_one_is_greedy():
     logits = _random_logits(seed=3)
     sampler = Sampler(SamplingConfig(temperature=1.3, top_k=1, seed=0))

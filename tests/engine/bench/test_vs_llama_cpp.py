@@ -7,7 +7,7 @@ from typing import ClassVar
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from engine.bench import llama_cpp
+from engine.bench import llama_cpp, passes
 from engine.bench import main as bench
 from engine.model.tiny_gguf import write_tiny_gguf
 
@@ -55,13 +55,13 @@ class _Recorded:
 def test_passes_alternate_where_memory_holds_both_engines(tmp_path, monkeypatch, fits):
     path = write_tiny_gguf(tmp_path / "model", expert_type=QT.Q8_0, down_type=QT.Q8_0)
     calls = _Recorded.calls = []
-    engine_pass = bench.engine_pass
+    engine_pass = passes.engine_pass
 
     def recorded_pass(model, prompt_ids, new_tokens):
         calls.append("moe-chat" if len(prompt_ids[0]) > 8 else "moe-chat warm-up")
         return engine_pass(model, prompt_ids, new_tokens)
 
-    monkeypatch.setattr(bench, "engine_pass", recorded_pass)
+    monkeypatch.setattr(passes, "engine_pass", recorded_pass)
     monkeypatch.setattr(llama_cpp, "check_available", lambda: None)
     monkeypatch.setattr(llama_cpp, "fits_beside", lambda _path: fits)
     monkeypatch.setattr(llama_cpp, "LlamaCppRunner", _Recorded)
