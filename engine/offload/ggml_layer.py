@@ -19,7 +19,8 @@ activations of T tokens:
         them (`room`/`written`) and ggml's flash attention over it (llama.cpp's decode graph for
         the layer); None before the cache holds a prompt, past `GRAPH_ATTENTION_POSITIONS`, or
         where `finish` would be None; `room(cache, tokens)` says so and `layer_nodes` are its
-        nodes, which `run_layers` chains (one layer here, every layer in engine.offload.ggml_step)
+        nodes, which engine.offload.ggml_chain's `run_layers` chains (one layer here, every
+        layer in engine.offload.ggml_step)
 
 each one ggml graph kept per token count (engine.offload.ggml_graphs; `whole`'s per cache buffer
 too), where the lean step took ~25 torch operators and four ggml calls for the ends, ~15 and a

@@ -17,12 +17,17 @@ T ≤ MAX_FOLDED_QUERIES tokens:
         looked up in the graph too where the model's embedding is an `Embedding` (a float32
         `nn.Embedding` or a float32 `GgmlEmbedding`, nothing hooking it): the table's rows as
         ggml dequantizes them, which are the module's (tested); None where it is not, an id is
-        outside the table, or the step may not run in one graph
+        outside the table, or the step may not run in one graph; `embeds()` says whether it may
+        look them up now, `ids(tokens)` gives them as the int32 ids it takes (None: outside the
+        table) and `embedding(ids)` their rows `[1, T, H]` in a small graph of their own (a step
+        going layer by layer)
 
 Values: each layer's `whole`, then the head's, bit for bit (the same nodes, in one graph).
 Why: a layer's graph costs ~30 µs of Python and a start of ggml's threads on top of its work;
-one graph a step pays them once. The embedding's module call cost ~40 µs of a 2.8 ms step (a
-large vocabulary's `GgmlEmbedding` dequantizes its row in Python); in the graph it is one node.
+one graph a step pays them once. The embedding's module call cost ~45 µs of a 2.7 ms step, a
+large vocabulary's `GgmlEmbedding` ~190 (it dequantizes its row in Python); in the graph it is
+one node. Graphs taking ids and graphs taking rows are kept apart: either one's inputs are
+garbage to the other.
 """
 
 from __future__ import annotations
