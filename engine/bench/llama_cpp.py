@@ -140,7 +140,8 @@ def side_by_side(
 def _compared(
     ours: BenchRow, passes: list[dict], runner: LlamaCppRunner, alternated: bool, result: dict
 ) -> BenchRow:
-    """llama.cpp's row from its passes (the median one); the ratios go in `result`."""
+    """llama.cpp's row from its passes (the median tpot's; the passes' median prefill rate, as
+    MoE Chat's row takes it); the ratios go in `result`."""
     median = median_pass(passes)
     theirs = BenchRow(
         engine="llama.cpp",
@@ -148,7 +149,7 @@ def _compared(
         cache_slots=None,
         tpot_ms=median["tpot_ms"],
         tokens_per_s=1e3 / median["tpot_ms"],
-        prefill_tokens_per_s=median["prefill_tps"],
+        prefill_tokens_per_s=statistics.median(p["prefill_tps"] for p in passes),
         hit_rate=None,
         h2d_gbps=None,
         bytes_per_token=None,

@@ -2,10 +2,13 @@
 
 `engine_pass(model, prompt_ids, new_tokens)` generates greedily from each prompt (prefilled
 whole) and gives the pass's figures; `engine_row` the `BenchRow` of the pass with the median
-tpot, with the memory figures; `bench_engine` a warm-up and `repeats` passes.
+tpot (the prefill rate: the passes' median, a pass's prefill being a few dozen milliseconds that a
+burst of the host's noise can halve), with the memory figures; `bench_engine` a warm-up and `repeats` passes.
 """
 
 from __future__ import annotations
+
+import statistics
 
 from engine.bench.memory import kv_cache_bytes, peak_rss_bytes
 from engine.bench.rows import BenchRow
@@ -51,7 +54,7 @@ def engine_row(
         cache_slots=model.cache.n_slots,
         tpot_ms=median["tpot_ms"],
         tokens_per_s=1e3 / median["tpot_ms"],
-        prefill_tokens_per_s=median["prefill_tps"],
+        prefill_tokens_per_s=statistics.median(p["prefill_tps"] for p in passes),
         hit_rate=median["hit_rate"],
         h2d_gbps=median["h2d_gbps"],
         bytes_per_token=median["bytes_per_token"],

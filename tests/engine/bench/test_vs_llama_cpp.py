@@ -45,7 +45,8 @@ class _Recorded:
 
     def timed_pass(self, prompts, new_tokens):
         self.calls.append("llama.cpp" if len(prompts[0]) > 8 else "llama.cpp warm-up")
-        return {"tpot_ms": 2.0, "prefill_tps": 100.0, "decode_tokens": len(prompts) * (new_tokens - 1)}
+        prefill = (200.0, 100.0, 300.0)[self.calls.count("llama.cpp") % 3]  # 100, 300, 200
+        return {"tpot_ms": 2.0, "prefill_tps": prefill, "decode_tokens": len(prompts) * (new_tokens - 1)}
 
     def close(self):
         self.calls.append("llama.cpp closes")
@@ -76,3 +77,5 @@ def test_passes_alternate_where_memory_holds_both_engines(tmp_path, monkeypatch,
     result = json.loads(out.read_text())
     assert result["llama_cpp"]["alternated"] is fits
     assert result["llama_cpp"]["decode_ratio"] == pytest.approx(result["rows"][0]["tokens_per_s"] / 500.0)
+    # the passes' median prefill rate, not the median tpot pass's (the second: 300)
+    assert result["rows"][1]["prefill_tokens_per_s"] == 200.0
