@@ -111,7 +111,8 @@ def compare_llama_cpp(args, prompt_ids: list[list[int]], ours: BenchRow, result:
         passes = [runner.timed_pass(prompt_ids, args.new_tokens) for _ in range(args.repeats)]
     finally:
         runner.close()
-    return _compared(ours, passes, runner, False, result)
+    theirs, result["llama_cpp"] = _compared(ours, passes, runner, False)
+    return theirs
 
 
 def side_by_side(
@@ -132,16 +133,15 @@ def side_by_side(
             theirs.append(runner.timed_pass(prompt_ids, args.new_tokens))
     finally:
         runner.close()
-    tokens = max(map(len, prompt_ids)) + args.new_tokens
-    row, result = passes.engine_row(model, ours, baseline_rss, tokens, peak_rss=peak), {}
-    return row, _compared(row, theirs, runner, True, result), result["llama_cpp"]
+    row = passes.engine_row(model, ours, baseline_rss, max(map(len, prompt_ids)) + args.new_tokens, peak)
+    return (row, *_compared(row, theirs, runner, True))
 
 
 def _compared(
-    ours: BenchRow, passes: list[dict], runner: LlamaCppRunner, alternated: bool, result: dict
-) -> BenchRow:
+    ours: BenchRow, passes: list[dict], runner: LlamaCppRunner, alternated: bool
+) -> tuple[BenchRow, dict]:
     """llama.cpp's row from its passes (the median tpot's; the passes' median prefill rate, as
-    MoE Chat's row takes it); the ratios go in `result`."""
+    MoE Chat's row takes it), and the ratios."""
     median = median_pass(passes)
     theirs = BenchRow(
         engine="llama.cpp",
@@ -156,7 +156,7 @@ def _compared(
         decode_tokens=median["decode_tokens"],
         simulated_link=False,
     )
-    result["llama_cpp"] = {
+    return theirs, {
         "file": str(runner.path),
         "threads": runner.threads,
         "decode_ratio": ours.tokens_per_s / theirs.tokens_per_s,
@@ -164,4 +164,3 @@ def _compared(
         "their_spread": spread(passes),
         "alternated": alternated,
     }
-    return theirs

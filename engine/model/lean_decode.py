@@ -114,14 +114,16 @@ class LeanDecode:
         past, count = kv_cache.get_seq_length(), tokens.shape[1]
         keep = count if logits_to_keep == 0 else min(logits_to_keep, count)
         whole = self.whole if count <= MAX_FOLDED_QUERIES else None
-        if whole is not None and whole.embeds():  # the lookup in the step's graph too
+        ids = whole.ids(tokens) if whole is not None and whole.embeds() else None
+        if ids is not None:  # ggml looks the tokens up: in the step's graph, else in one of their own
             cos, sin = self.rotary(_FLOAT32, past, count)
-            logits = whole.of_ids(tokens, cos, sin, kv_cache, keep)
+            logits = whole.of_ids(ids, cos, sin, kv_cache, keep)
             if logits is not None:
                 return logits
-            whole = None  # it would decline the embedded rows too
-        hidden = self._embedded(tokens)  # [1, T, H]
-        cos, sin = self.rotary(hidden, past, count)
+            hidden, whole = whole.embedding(ids), None  # the step would decline these rows too
+        else:
+            hidden = self.decoder.embed_tokens(tokens)  # [1, T, H]
+            cos, sin = self.rotary(hidden, past, count)
         if whole is not None and hidden.dtype == torch.float32:
             logits = whole(hidden, cos, sin, kv_cache, keep)
             if logits is not None:
@@ -141,16 +143,6 @@ class LeanDecode:
         if self.head is not None and last.dtype == torch.float32 and keep <= MAX_FOLDED_QUERIES:
             logits = self.head(last)
         return self.hf_model.lm_head(self.norm(last))[0] if logits is None else logits
-
-    def _embedded(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The rows of `tokens`: ggml's lookup in a graph of its own where the one-graph step
-        embeds (and declined this step), else the embedding module's."""
-        whole = self.whole
-        if whole is not None and whole.embeds() and tokens.shape[1] <= MAX_FOLDED_QUERIES:
-            ids = whole.ids(tokens)
-            if ids is not None:
-                return whole.embedding(ids)
-        return self.decoder.embed_tokens(tokens)
 
 
 class _Layer:

@@ -13,14 +13,12 @@ T ≤ MAX_FOLDED_QUERIES tokens:
         one graph kept per token count, kept rows and cache buffers (llama.cpp's one graph a
         step); None where any layer's `whole` may not run, or the layers' caches do not hold as
         many positions in as large buffers (the step then goes layer by layer)
-    WholeStep.of_ids(tokens [1, T], cos, sin, kv_cache, keep) -> the same from the token ids,
-        looked up in the graph too where the model's embedding is an `Embedding` (a float32
-        `nn.Embedding` or a float32 `GgmlEmbedding`, nothing hooking it): the table's rows as
-        ggml dequantizes them, which are the module's (tested); None where it is not, an id is
-        outside the table, or the step may not run in one graph; `embeds()` says whether it may
-        look them up now, `ids(tokens)` gives them as the int32 ids it takes (None: outside the
-        table) and `embedding(ids)` their rows `[1, T, H]` in a small graph of their own (a step
-        going layer by layer)
+    WholeStep.of_ids(ids [1, T], cos, sin, kv_cache, keep) -> the same from the int32 token
+        ids (`ids(tokens)`: None where one lies outside the table), looked up in the graph too
+        where the model's embedding is an `Embedding` (a float32 `nn.Embedding` or a float32
+        `GgmlEmbedding`) and nothing hooks it (`embeds()`): the table's rows as ggml dequantizes
+        them, which are the module's (tested); None where the step may not run in one graph, and
+        then `embedding(ids)` gives their rows `[1, T, H]` from a small graph of their own
 
 Values: each layer's `whole`, then the head's, bit for bit (the same nodes, in one graph).
 Why: a layer's graph costs ~30 µs of Python and a start of ggml's threads on top of its work;
@@ -173,8 +171,9 @@ class WholeStep:
         return self._run(hidden, cos, sin, kv_cache, keep, None)
 
     def ids(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """`tokens` as the int32 ids the embedding's graph nodes look up; None where an id lies
-        outside the table (ggml's get_rows would abort the process: the module's lookup raises)."""
+        """`tokens` as the int32 ids the embedding's graph nodes look up (`embeds()` first); None
+        where an id lies outside the table (ggml's get_rows would abort the process: the module's
+        lookup raises)."""
         rows = self.embedding.rows
         if tokens.numel() == 1:
             inside = 0 <= int(tokens) < rows
@@ -182,15 +181,8 @@ class WholeStep:
             inside = bool(((tokens >= 0) & (tokens < rows)).all())
         return tokens.to(torch.int32) if inside else None
 
-    def of_ids(self, tokens: torch.Tensor, cos, sin, kv_cache, keep: int) -> torch.Tensor | None:
-        embedding = self.embedding
-        if embedding is None or embedding.hooked():
-            return None
-        caches = getattr(kv_cache, "layers", ())
-        if caches and caches[0].get_seq_length() + tokens.shape[1] > ggml_layer.GRAPH_ATTENTION_POSITIONS:
-            return None  # before converting the ids: a long chat's every step comes here
-        ids = self.ids(tokens)
-        return None if ids is None else self._run(ids, cos, sin, kv_cache, keep, embedding)
+    def of_ids(self, ids: torch.Tensor, cos, sin, kv_cache, keep: int) -> torch.Tensor | None:
+        return self._run(ids, cos, sin, kv_cache, keep, self.embedding)
 
     def _run(self, hidden, cos, sin, kv_cache, keep: int, embedding) -> torch.Tensor | None:
         caches = getattr(kv_cache, "layers", ())
