@@ -82,9 +82,52 @@ class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose `keys` and `values` (`[B, heads, positions, head_dim]`) are views of
     buffers with room for more positions: `update` writes the new ones in place. `crop` and the
     other `DynamicLayer` methods work on the views as they are; a step finding `keys` no longer a
-    view of its buffer (replaced by such a method) moves them into a new one."""
+    view of its buffer (replaced by such a method) moves them into a new one.
+
+    While the cache lies in its buffers it is held as their first `_length` positions, and the
+    views are made when `keys` or `values` is read: a step whose producer writes the buffers
+    itself (`room`, `written`: engine.offload.ggml_layer) makes no tensor at all, where slicing
+    the two views cost ~10 µs a layer of every decode step."""
 
     _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    _length: int | None = None  # while set: keys and values are the buffers' first `_length` positions
+    _views: tuple[torch.Tensor, torch.Tensor] | None = None  # those, once read
+    _set: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # keys, values as assigned
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._pair()[0]
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._assign(0, tensor)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._pair()[1]
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._assign(1, tensor)
+
+    def _pair(self) -> tuple:
+        if self._length is None:
+            return self._set
+        if self._views is None:
+            self._views = tuple(buffer[..., : self._length, :] for buffer in self._buffers)
+        return self._views
+
+    def _assign(self, which: int, tensor: torch.Tensor | None) -> None:
+        pair = list(self._pair())
+        pair[which] = tensor
+        self._set, self._length, self._views = tuple(pair), None, None
+
+    def _hold(self, length: int) -> None:
+        """Keys and values are now the buffers' first `length` positions."""
+        self._length, self._views, self._set = length, None, (None, None)
+
+    def get_seq_length(self) -> int:
+        return super().get_seq_length() if self._length is None else self._length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -93,20 +136,20 @@ class GrowingLayer(DynamicLayer):
         keys, values = self._room_for(length + new, key_states, value_states)
         keys[..., length : length + new, :].copy_(key_states)
         values[..., length : length + new, :].copy_(value_states)
-        self.keys, self.values = keys[..., : length + new, :], values[..., : length + new, :]
+        self._hold(length + new)
         return self.keys, self.values
 
     def _room_for(self, positions: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Buffers holding the current positions with room for `positions`."""
+        """Buffers holding the current positions with room for `positions` (held from then on)."""
         buffers, length = self._buffers, self.get_seq_length()
         if (
             buffers is not None
             and buffers[0].shape[-2] >= positions
             and buffers[0].shape[:-2] == key_states.shape[:-2]
             and buffers[0].dtype == key_states.dtype
-            and (length == 0 or self.keys.data_ptr() == buffers[0].data_ptr())
-            and (length == 0 or self.values.data_ptr() == buffers[1].data_ptr())
+            and (length == 0 or self._length is not None or self._in(buffers))
         ):
+            self._hold(length)
             return buffers
         capacity = positions + max(GROW_MIN_POSITIONS, positions // 4)
         buffers = tuple(
@@ -117,20 +160,29 @@ class GrowingLayer(DynamicLayer):
             buffers[0][..., :length, :].copy_(self.keys)
             buffers[1][..., :length, :].copy_(self.values)
         self._buffers = buffers
+        self._hold(length)
         return buffers
+
+    def _in(self, buffers: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Whether the assigned keys and values start where `buffers` do (a crop's views)."""
+        return all(a.data_ptr() == b.data_ptr() for a, b in zip(self._set, buffers, strict=True))
 
     def room(self, new: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The key and value buffers (`[1, heads, capacity, D]`) with room for `new` positions after
         the cached ones, for a producer that writes them there itself and then calls `written(new)`
         (engine.offload.ggml_layer); None before the first update or for several sequences."""
-        if not self.is_initialized or self._buffers is None or self.keys.shape[0] != 1:
+        buffers, length = self._buffers, self._length
+        if not self.is_initialized or buffers is None:
+            return None
+        if length is not None and buffers[0].shape[0] == 1 and length + new <= buffers[0].shape[-2]:
+            return buffers  # held there with room: the check of every decode step
+        if self.keys.shape[0] != 1:
             return None
         return self._room_for(self.get_seq_length() + new, self.keys, self.values)
 
     def written(self, new: int) -> None:
         """Count `new` positions written into the buffers `room` gave."""
-        length, (keys, values) = self.get_seq_length(), self._buffers
-        self.keys, self.values = keys[..., : length + new, :], values[..., : length + new, :]
+        self._hold(self._length + new)
 
     def reset(self) -> None:
         self._buffers = None

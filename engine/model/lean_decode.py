@@ -53,6 +53,7 @@ from transformers.cache_utils import DynamicLayer
 
 from engine.model.cpu_attention import ATTENTION, MAX_FOLDED_QUERIES, cpu_attention_forward
 from engine.model.hf_calls import decoder_of
+from engine.model.table_rows import Row
 
 log = logging.getLogger(__name__)
 _FLOAT32 = torch.empty(0)  # what the rotary module reads of its input: float32 on the CPU
@@ -116,11 +117,11 @@ class LeanDecode:
         whole = self.whole if count <= MAX_FOLDED_QUERIES else None
         ids = whole.ids(tokens) if whole is not None and whole.embeds() else None
         if ids is not None:  # ggml looks the tokens up: in the step's graph, else in one of their own
-            cos, sin = self.rotary(_FLOAT32, past, count)
-            logits = whole.of_ids(ids, cos, sin, kv_cache, keep)
+            logits = whole.of_ids(ids, *self.rotary.at(past, count), kv_cache, keep)
             if logits is not None:
                 return logits
             hidden, whole = whole.embedding(ids), None  # the step would decline these rows too
+            cos, sin = self.rotary(_FLOAT32, past, count)
         else:
             hidden = self.decoder.embed_tokens(tokens)  # [1, T, H]
             cos, sin = self.rotary(hidden, past, count)
@@ -237,13 +238,26 @@ class _Rotary:
                 return table[0][:, first : first + count], table[1][:, first : first + count]
         return module(hidden, torch.arange(first, first + count, device=hidden.device)[None])
 
+    def at(self, first: int, count: int) -> tuple:
+        """cos and sin of positions `first`… in float32 on the CPU as a graph reads them by address:
+        `Row`s of the table for one position, else tensors as `__call__` gives them."""
+        module = self.module
+        hooked = module._forward_hooks or module._forward_pre_hooks
+        if count == 1 and self.static and not hooked and first < self.TABLE_POSITIONS:
+            table = self._table(_FLOAT32, first + 1)
+            if table is not None:
+                dim = table[0].shape[-1]
+                return tuple(Row.of(t, first * dim, (1, 1, dim)) for t in table)
+        return self(_FLOAT32, first, count)
+
     def _table(self, hidden: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         key = (hidden.dtype, hidden.device)
         table = self._tables.get(key)
         if table is not None and table[0].shape[1] >= length:
             return table
         size = min(max(length, 2 * (0 if table is None else table[0].shape[1]), 1024), self.TABLE_POSITIONS)
-        table = self.module(hidden, torch.arange(size, device=hidden.device)[None])
+        made = self.module(hidden, torch.arange(size, device=hidden.device)[None])
+        table = tuple(t.contiguous() for t in made)  # a graph reads its rows by address (`at`)
         for position in (0, length - 1, size - 1):
             alone = self.module(hidden, torch.tensor([[position]], device=hidden.device))
             if not all(torch.equal(a[0, 0], t[0, position]) for a, t in zip(alone, table, strict=True)):

@@ -151,18 +151,19 @@ class ExpertCache:
             self.policy.on_access(key)
             return slot
 
-    def use_in_place(self, uses: Iterable[tuple[int, Iterable[int]]]) -> None:
-        """Each (layer, experts) of `uses` used where they lie in an in-place store, without pinning
-        a slot (none is ever evicted or reused there): hits, as `acquire` counts them."""
+    def use_in_place(self, uses: Iterable[tuple[int, Collection[int]]]) -> None:
+        """Each (layer, distinct experts) of `uses` used where they lie in an in-place store, without
+        pinning a slot (none is ever evicted or reused there): hits, as `acquire` counts them."""
         if not self.in_place:
             raise RuntimeError("use_in_place needs an in-place cache (every expert in host memory)")
         with self.lock:  # once for a step's layers
-            counters = self.stats.phases[self.phase]
+            counters, every = self.stats.phases[self.phase], self.store.num_experts
             for layer, experts in uses:
-                for expert in experts:
-                    if (layer, expert) not in self._table:
-                        self._map_in_place((layer, expert))
-                    counters.hits += 1
+                if self._kept[layer] < every:  # not yet all mapped
+                    for expert in experts:
+                        if (layer, expert) not in self._table:
+                            self._map_in_place((layer, expert))
+                counters.hits += len(experts)
 
     def count_cpu_use(self) -> None:
         """A use computed on the CPU: a miss for the device cache, with no copy."""

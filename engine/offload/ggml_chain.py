@@ -16,6 +16,7 @@ import functools
 import torch
 from gguf import GGMLQuantizationType
 
+from engine.model.table_rows import Row
 from engine.offload import ggml_kernels
 from engine.offload.ggml_library import loaded
 from engine.offload.ggml_moe import record_routes
@@ -31,8 +32,9 @@ def run_layers(
     last on its last `keep` rows) and `head`'s after them if given, in one graph kept in `graphs`
     under `key` and the step's shape and buffers: the rows `[keep, H]` or the logits `[keep, V]`.
     With an `embedding` (engine.offload.ggml_step.Embedding), `hidden` is the step's token ids
-    `[1, T]` (int32), looked up in the graph. None where a layer may not (`room`) or the caches
-    differ in length or buffers."""
+    `[1, T]` (int32), looked up in the graph. The layers' MoE blocks route alike (top-k of as
+    many experts: `routes_alike`). None where a layer may not (`room`) or the caches differ in
+    length or buffers."""
     tokens, rooms = hidden.shape[1], []
     for end, cache in zip(ends, caches, strict=True):
         room = end.room(cache, tokens)
@@ -49,32 +51,34 @@ def run_layers(
     cos, sin = (a if a.is_contiguous() else a.contiguous() for a in (cos, sin))
     width = rows.shape[-1] if embedding is None else None
     out = torch.empty((keep, width if head is None else head.lm_head.out_features))
-    kept = [tokens] * (len(ends) - 1) + [keep]  # the rows each layer gives the next
-    routes = []  # each layer's experts chosen and router logits
-    for end, count in zip(ends, kept, strict=True):
-        routes += [
-            torch.empty((count, end.moe.top_k), dtype=torch.int32),
-            torch.empty((count, end.moe.num_experts)),
-        ]
+    moe, layers = ends[0].moe, len(ends)
+    # every layer's experts chosen and router logits, in one tensor each: layer i's `[T, K]` and
+    # `[T, E]` rows (the last layer's first `keep`) at its place in `[L, T, K]` and `[L, T, E]`
+    chosen = torch.empty((layers, tokens, moe.top_k), dtype=torch.int32)
+    logits = torch.empty((layers, tokens, moe.num_experts))
 
     def build(context, bind):
-        ggml, nodes = loaded(), []
+        ggml = loaded()
         if embedding is None:
             x = rows_in(ggml, context, bind, rows)
         else:
             x = embedding.nodes(ggml, context, bind, rows)
         shared = step_inputs(context, bind, cos, sin, where, mask)
-        for end, room, count in zip(ends, rooms, kept, strict=True):
-            x, *route = end.layer_nodes(context, bind, x, shared, room, count)
-            nodes += route
-        return (x if head is None else head.nodes(context, bind, x), *nodes)
+        placed = []  # the routes, in the graph's outputs though no later node reads them
+        for index, (end, room) in enumerate(zip(ends, rooms, strict=True)):
+            count = tokens if index < layers - 1 else keep  # the rows each layer gives the next
+            x, *routes = end.layer_nodes(context, bind, x, shared, room, count)
+            for node, memory in zip(routes, (chosen, logits), strict=True):
+                bind(node, memory, memory[index].data_ptr())
+            placed += routes
+        return (x if head is None else head.nodes(context, bind, x), *placed)
 
     size = sum(end.graph_size for end in ends) + 16
     ggml_kernels.compute_kept(
         (key, tokens, keep, capacity, *(buffer.data_ptr() for room in rooms for buffer in room)),
         build,
-        (rows, cos, sin, where, mask),
-        (out, *routes),
+        (rows, cos, sin, where, mask, chosen, logits),
+        (out,),
         "a step's layers",
         size,
         size,
@@ -82,8 +86,14 @@ def run_layers(
     )
     for cache in caches:
         cache.written(tokens)
-    record_routes([end.moe for end in ends], routes)
+    record_routes([end.moe for end in ends], chosen, logits, keep)
     return out
+
+
+def routes_alike(ends: list) -> bool:
+    """Whether `ends`' MoE blocks choose as many of as many experts (`run_layers` keeps their
+    routes in one tensor)."""
+    return len({(end.moe.top_k, end.moe.num_experts) for end in ends}) == 1
 
 
 def angles(context, bind, cos: torch.Tensor, sin: torch.Tensor) -> tuple[int, int]:
@@ -106,14 +116,18 @@ def step_inputs(context, bind, cos, sin, where: torch.Tensor, mask: torch.Tensor
     return (*angles(context, bind, cos, sin), index, seen)
 
 
-@functools.lru_cache(maxsize=4)  # a step's layers share them
-def new_positions(length: int, tokens: int, capacity: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def new_positions(length: int, tokens: int, capacity: int, heads: int) -> tuple:
     """Where a step's `tokens` new keys (values) go among a `[heads, capacity]` cache's rows, in the
     graph's (token, head) order, and the attention mask `[T, capacity]` (0: seen; token t sees
-    the `length` cached positions and the new ones up to its own)."""
-    if tokens == 1:  # a decode step: one addition and a slice of a ramp of zeros then -inf
-        first, ramp = _decode_positions(capacity, heads)
-        return first + length, ramp[capacity - 1 - length : 2 * capacity - 1 - length].view(1, capacity)
+    the `length` cached positions and the new ones up to its own); a decode step's as `Row`s."""
+    if tokens == 1:  # rows of a table of every length's rows and of a ramp of zeros then -inf
+        where, ramp = _decode_positions(capacity, heads)
+        return Row.of(where, length * heads, (heads,)), Row.of(ramp, capacity - 1 - length, (1, capacity))
+    return _positions(length, tokens, capacity, heads)
+
+
+@functools.lru_cache(maxsize=4)  # the layers of a step going layer by layer share them
+def _positions(length: int, tokens: int, capacity: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     positions = length + torch.arange(tokens)
     where = (torch.arange(heads)[None, :] * capacity + positions[:, None]).reshape(-1)
     seen = torch.arange(capacity)[None, :] <= positions[:, None]
@@ -123,10 +137,12 @@ def new_positions(length: int, tokens: int, capacity: int, heads: int) -> tuple[
 
 @functools.lru_cache(maxsize=4)
 def _decode_positions(capacity: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each head's first row among a cache's, and `capacity` zeros then `capacity` -inf."""
+    """Each length's rows for its one new position `[capacity, heads]`, and `capacity` zeros then
+    `capacity` -inf."""
+    where = torch.arange(capacity)[:, None] + torch.arange(heads)[None, :] * capacity
     ramp = torch.zeros(2 * capacity, dtype=torch.float16)
     ramp[capacity:] = float("-inf")
-    return torch.arange(heads) * capacity, ramp
+    return where.contiguous(), ramp
 
 
 def rows_in(ggml, context, bind, rows: torch.Tensor) -> int:

@@ -290,9 +290,10 @@ def compute_kept(
     key, build, moving: tuple, outputs: tuple, what: str, tensors: int, nodes: int, graphs=None
 ) -> None:
     """A graph of several outputs kept under `key` (engine.offload.ggml_layer): `build(context,
-    bind)` returns its products, one for each of `outputs` (bound there); `moving` is the call's
-    other memory; `tensors` and `nodes` bound the graph's size; `graphs` a `ThreadsKeptGraphs` to
-    keep it in (else this thread's). Needs `kept_graphs_work()`."""
+    bind)` returns its products, one for each of `outputs` (bound there) apart from those it placed
+    itself in `moving` memory (`bind(tensor, memory, address)`); `moving` is the call's other
+    memory; `tensors` and `nodes` bound the graph's size; `graphs` a `ThreadsKeptGraphs` to keep
+    it in (else this thread's). Needs `kept_graphs_work()`."""
     ggml, memories = loaded(), (*moving, *outputs)
     kept = _kept(ggml, key, build, memories, (tensors, nodes), graphs, intermediates=True)
     if kept.compute(_backend(ggml), memories) != 0:
@@ -324,8 +325,9 @@ def kept_graphs_work() -> bool:
 
 
 def _built(ggml: Ggml, context: int, build, memories: tuple, moving: list) -> tuple[int, ...]:
-    """The products `build` describes (one, or a tuple), bound to the last of `memories`; each
-    tensor placed in one of `memories` appended to `moving` as (tensor, which, byte offset)."""
+    """The products `build` describes (one, or a tuple), those it did not place itself bound to the
+    last of `memories`; each tensor placed in one of `memories` appended to `moving` as (tensor,
+    which, byte offset)."""
 
     def bind(tensor: int, memory: torch.Tensor, address: int | None = None) -> None:
         address = memory.data_ptr() if address is None else address
@@ -336,7 +338,9 @@ def _built(ggml: Ggml, context: int, build, memories: tuple, moving: list) -> tu
 
     products = build(context, bind)
     products = products if isinstance(products, tuple) else (products,)
-    for product, memory in zip(products, memories[len(memories) - len(products) :], strict=True):
+    bound = {tensor for tensor, _, _ in moving}  # placed by `build` itself: not outputs
+    unbound = [product for product in products if product not in bound]
+    for product, memory in zip(unbound, memories[len(memories) - len(unbound) :], strict=True):
         bind(product, memory)
     return products
 

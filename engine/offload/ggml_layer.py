@@ -37,6 +37,7 @@ relative); `whole`'s attention sums in flash attention's order, not torch's (~1e
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -57,6 +58,10 @@ KV_GRAPHS = 4  # graphs over a cache's buffers kept at a time: a new or grown ca
 _TENSORS = _NODES = 64  # a graph's tensors and nodes: the inputs graph has ~35
 
 
+def _gone() -> None:  # a dead reference
+    return None
+
+
 def attach(lean) -> int:
     """Give each layer of `lean` that qualifies its `AttentionEnds`; how many got one."""
     if lean is None or not ggml_kernels.kept_graphs_work() or not _whole_head_rotation(lean):
@@ -72,6 +77,7 @@ class AttentionEnds:
         self.heads = layer.q_proj.out_features // layer.head_dim
         self.kv_heads = layer.k_proj.out_features // layer.head_dim
         self._key = object()  # this layer's graphs, whatever memory is freed and reused around it
+        self._fitting = (_gone, _gone)  # the cache buffers `room` checked last
         self._cached = ThreadsKeptGraphs(KV_GRAPHS)  # `whole`'s: they hold a cache's buffers
         self.moe = RoutedMlp.of(layer.mlp)  # the block's routing and experts in the output graph
         # tensors and nodes of the layer's part of a `run_layers` graph
@@ -191,9 +197,12 @@ class AttentionEnds:
         if cache.get_seq_length() + tokens > GRAPH_ATTENTION_POSITIONS:
             return None
         room = cache.room(tokens)
+        if room is None or all(r is f() for r, f in zip(room, self._fitting, strict=True)):
+            return room  # the buffers of the last steps, checked then
         shape = (self.kv_heads, self.layer.head_dim)  # of [1, KV, capacity, D] float32 buffers
-        if room is None or any(b.dtype != torch.float32 or b.shape[1::2] != shape for b in room):
+        if any(b.dtype != torch.float32 or b.shape[1::2] != shape for b in room):
             return None
+        self._fitting = tuple(weakref.ref(buffer) for buffer in room)  # not keeping a dropped cache
         return room
 
     def layer_nodes(self, context, bind, hidden: int, shared: tuple, room, rows: int):

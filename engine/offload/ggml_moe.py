@@ -10,8 +10,8 @@ experts ggml computes where they lie in the store (`OffloadedExperts.grouped_in_
         every route through its expert (`mul_mat_id`, as llama.cpp's MoE FFN), weighted and
         summed in top-k order: the block's output for the normed rows `x [H, T]`
     takes() -> whether this step may route inside ggml: nothing watches the routes but the
-        engine's routing trace (no other hook on the block, router or experts; no predictor,
-        draft or cache policy reading the scores)
+        engine's routing trace (no hook on the block or experts, none on the router but the
+        trace's; no predictor, draft or cache policy reading the scores)
     used(chosen, logits) -> the cache counts the step's experts as `OffloadedExperts` does in
         place, and the routing trace records the logits as its hook on the router does
 
@@ -72,15 +72,15 @@ class RoutedMlp:
         return None if normalizes is None else cls(block, router, experts, normalizes)
 
     def takes(self) -> bool:
-        experts = self.experts
+        block, router, experts = self.block, self.router, self.experts
+        hooked = any(m._forward_pre_hooks or m._forward_hooks for m in (block, experts))
+        if hooked or router._forward_pre_hooks:  # the router's own hooks: the trace's alone
+            return False
         control = experts.control
-        hooks = [*self.router._forward_hooks.values()]
-        for module in (self.block, self.router, experts):
-            hooks += module._forward_pre_hooks.values()
-        hooks += [*self.block._forward_hooks.values(), *experts._forward_hooks.values()]
-        traced = all(isinstance(h, functools.partial) and h.func == experts.trace.record for h in hooks)
-        watched = control.observers or control.draft is not None or experts.cache.policy.uses_scores
-        return traced and not watched
+        if control.observers or control.draft is not None or experts.cache.policy.uses_scores:
+            return False
+        record, hooks = experts.trace.record, router._forward_hooks.values()
+        return all(isinstance(h, functools.partial) and h.func == record for h in hooks)
 
     def nodes(self, ggml, context, bind, x: int, tokens: int) -> tuple[int, int, int]:
         experts, hidden = self.weight.shape
@@ -107,21 +107,33 @@ class RoutedMlp:
         return out, chosen, logits
 
     def used(self, chosen: torch.Tensor, logits: torch.Tensor) -> None:
-        record_routes([self], [chosen, logits])
+        record_routes([self], chosen[None], logits[None], chosen.shape[0])
 
 
-def record_routes(blocks: list[RoutedMlp], routes: list[torch.Tensor]) -> None:
-    """Each block's experts chosen (`routes[2i]`) counted as hits in its expert cache, in one
-    hold of the cache's lock for all the blocks sharing it, and its router logits (`routes[2i+1]`)
-    traced."""
+def record_routes(
+    blocks: list[RoutedMlp], chosen: torch.Tensor, logits: torch.Tensor, last_rows: int
+) -> None:
+    """The experts each block chose (`chosen [L, T, K]`: block i's in row i, the last block's in
+    its first `last_rows`) counted as hits in its expert cache, in one hold of the cache's lock for
+    all the blocks sharing it, and their router logits (`logits [L, T, E]`, alike) traced."""
+    routes = chosen.tolist()
+    routes[-1] = routes[-1][:last_rows]
     uses: dict[int, tuple] = {}  # per expert cache: the cache and its (layer, experts)
-    for index, block in enumerate(blocks):
+    traces: dict[int, tuple] = {}  # per routing trace: the trace and its layers
+    for block, rows in zip(blocks, routes, strict=True):
         experts = block.experts
-        chosen = {expert for row in routes[2 * index].tolist() for expert in row}
-        uses.setdefault(id(experts.cache), (experts.cache, []))[1].append((experts.layer, chosen))
-        experts.trace.record(experts.layer, block.router, None, (routes[2 * index + 1],))
+        used = rows[0] if len(rows) == 1 else {expert for row in rows for expert in row}  # top-k: distinct
+        uses.setdefault(id(experts.cache), (experts.cache, []))[1].append((experts.layer, used))
+        traces.setdefault(id(experts.trace), (experts.trace, []))[1].append(experts.layer)
     for cache, layers in uses.values():
         cache.use_in_place(layers)
+    if len(traces) == 1:  # the model's one trace
+        trace, layers = next(iter(traces.values()))
+        trace.record_layers(tuple(layers), logits, last_rows)
+    else:
+        for index, block in enumerate(blocks):
+            rows = last_rows if index == len(blocks) - 1 else logits.shape[1]
+            block.experts.trace.record(block.experts.layer, block.router, None, (logits[index, :rows],))
 
 
 def _normalizes(router: nn.Module) -> bool | None:

@@ -34,8 +34,9 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from engine.model.table_rows import Row
 from engine.offload import ggml_kernels, ggml_layer
-from engine.offload.ggml_chain import rms_normed, rows_in, run_layers, weight_of
+from engine.offload.ggml_chain import rms_normed, routes_alike, rows_in, run_layers, weight_of
 from engine.offload.ggml_embedding import GgmlEmbedding
 from engine.offload.ggml_graphs import ThreadsKeptGraphs
 from engine.offload.ggml_layer import rms
@@ -103,6 +104,7 @@ class Embedding:
     def __init__(self, module: nn.Module, table: torch.Tensor, ggml_type: int):
         self.module, self.table, self.ggml_type = module, table, ggml_type
         self.rows, self.width = module.num_embeddings, module.embedding_dim
+        self.index = torch.arange(self.rows, dtype=torch.int32)  # a token's id where a graph reads it
 
     @classmethod
     def of(cls, module: nn.Module) -> Embedding | None:
@@ -161,6 +163,8 @@ class WholeStep:
             return None
         if len({end.kv_heads for end in ends}) != 1:  # one set of rows for the new keys of all layers
             return None
+        if not routes_alike(ends):
+            return None
         return cls(ends, lean.head, Embedding.of(lean.decoder.embed_tokens))
 
     def embeds(self) -> bool:
@@ -170,15 +174,15 @@ class WholeStep:
     def __call__(self, hidden: torch.Tensor, cos, sin, kv_cache, keep: int) -> torch.Tensor | None:
         return self._run(hidden, cos, sin, kv_cache, keep, None)
 
-    def ids(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """`tokens` as the int32 ids the embedding's graph nodes look up (`embeds()` first); None
-        where an id lies outside the table (ggml's get_rows would abort the process: the module's
-        lookup raises)."""
+    def ids(self, tokens: torch.Tensor) -> torch.Tensor | Row | None:
+        """`tokens [1, T]` as the int32 ids the embedding's graph nodes look up (`embeds()` first):
+        one token's its place in the embedding's `index`; None where an id lies outside the table
+        (ggml's get_rows would abort the process: the module's lookup raises)."""
         rows = self.embedding.rows
         if tokens.numel() == 1:
-            inside = 0 <= int(tokens) < rows
-        else:
-            inside = bool(((tokens >= 0) & (tokens < rows)).all())
+            token = int(tokens)
+            return Row.of(self.embedding.index, token, (1, 1)) if 0 <= token < rows else None
+        inside = bool(((tokens >= 0) & (tokens < rows)).all())
         return tokens.to(torch.int32) if inside else None
 
     def of_ids(self, ids: torch.Tensor, cos, sin, kv_cache, keep: int) -> torch.Tensor | None:

@@ -123,6 +123,39 @@ def test_a_growing_layer_writes_steps_in_place_and_holds_what_concatenation_woul
     assert grown.get_seq_length() == 0 and grown._buffers is None
 
 
+def test_a_producer_writing_the_buffers_leaves_the_layer_as_update_would():
+    """`room` gives the buffers with room after the cached positions, a producer writes there and
+    `written` counts them: keys, values and length are then what `update` would hold, through a
+    crop (views set from outside) and a step that needs a larger buffer."""
+    grown, reference = GrowingLayer(), DynamicLayer()
+    generator = torch.Generator().manual_seed(1)
+
+    def written(positions: int) -> None:
+        keys, values = (torch.randn(1, 2, positions, 4, generator=generator) for _ in range(2))
+        length = grown.get_seq_length()
+        room = grown.room(positions)
+        assert room is not None and room[0].shape[2] >= length + positions
+        room[0][:, :, length : length + positions] = keys
+        room[1][:, :, length : length + positions] = values
+        grown.written(positions)
+        reference.update(keys, values)
+        assert grown.get_seq_length() == reference.get_seq_length()
+        assert torch.equal(grown.keys, reference.keys) and torch.equal(grown.values, reference.values)
+
+    assert GrowingLayer().room(1) is None  # nothing cached yet: the first write is an update's
+    keys, values = (torch.randn(1, 2, 3, 4, generator=generator) for _ in range(2))
+    grown.update(keys, values), reference.update(keys, values)
+    for _ in range(3):
+        written(1)
+    for layer in (grown, reference):
+        layer.crop(-2)
+    written(2)
+    written(GROW_MIN_POSITIONS)  # past the buffer: `room` moves the cache into a larger one
+    batched = GrowingLayer()
+    batched.update(torch.zeros(2, 2, 3, 4), torch.zeros(2, 2, 3, 4))
+    assert batched.room(1) is None  # several sequences: not a producer's
+
+
 def test_full_attention_layers_grow_in_place_and_sliding_ones_stay_transformers(qwen3_next):
     kv_cache = new_kv_cache(qwen3_next.config)
     assert {type(layer) for layer in kv_cache.layers if not is_recurrent(layer)} <= {GrowingLayer}

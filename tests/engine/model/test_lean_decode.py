@@ -16,6 +16,7 @@ from engine.loader import load_model
 from engine.model import lean_decode
 from engine.model.cpu_attention import use_cpu_attention
 from engine.model.hf_calls import decoder_of
+from engine.model.table_rows import Row
 from engine.model.tiny import TINY_ARCHITECTURES, build_tiny_model, save_tiny_model, tiny_config
 from engine.model.tiny_registry import shrunk_config
 
@@ -177,6 +178,35 @@ def test_rotary_values_come_from_a_table_equal_to_the_modules_own(model, monkeyp
     calls.clear()
     other(hidden, 7, 1)
     assert calls  # the module, every step
+
+
+def test_one_positions_rotary_values_are_rows_of_the_table_where_a_graph_reads_them(model, monkeypatch):
+    """`at` gives one position's cos and sin as `Row`s of the table, holding the module's values;
+    a run of positions, or a position past the table, as the module's tensors."""
+    module = model.lean.decoder.rotary_emb
+    rotary = lean_decode._Rotary(module)
+    hidden = torch.zeros(1, 1, model.hf_config.hidden_size)
+    for position in (0, 7, 1500):
+        cos, sin = rotary.at(position, 1)
+        assert isinstance(cos, Row) and cos.shape == sin.shape == (1, 1, cos.shape[-1])
+        wanted = module(hidden, torch.tensor([[position]]))
+        assert torch.equal(cos.tensor(), wanted[0]) and torch.equal(sin.tensor(), wanted[1])
+    assert all(isinstance(a, torch.Tensor) for a in rotary.at(3, 2))
+    monkeypatch.setattr(lean_decode._Rotary, "TABLE_POSITIONS", 1024)
+    assert all(isinstance(a, torch.Tensor) for a in lean_decode._Rotary(module).at(1500, 1))
+
+
+def test_a_row_is_a_tables_memory_read_as_its_shape():
+    table = torch.arange(24, dtype=torch.int64)
+    row = Row.of(table, 6, (2, 3))
+    assert row.data_ptr() == table.data_ptr() + 6 * 8 and row.numel() == 6 and row.is_contiguous()
+    assert row.tensor().tolist() == [[6, 7, 8], [9, 10, 11]]
+    with pytest.raises(IndexError):
+        Row.of(table, 20, (2, 3))  # past the table's end
+    with pytest.raises(IndexError):
+        Row.of(table, -1, (1,))
+    with pytest.raises(ValueError, match="contiguous"):
+        Row.of(table.view(4, 6).t(), 0, (1,))
 
 
 def test_rotary_values_past_the_tables_limit_come_from_the_module(model, monkeypatch):

@@ -361,5 +361,10 @@ def test_uses_in_place_count_as_the_acquires_would_and_map_each_expert_once(stor
     assert bulk.used_slots == pinned.used_slots == 4
     assert sorted(bulk.resident()) == sorted(pinned.resident())
     assert all(slot.pins == 0 for slot in bulk.slots)
+    every = list(range(store.num_experts))
+    bulk.use_in_place([(1, every)])  # the layer all mapped: its uses are counted, nothing mapped
+    bulk.use_in_place([(1, [2, 0])])
+    assert counters(bulk) == (5 + store.num_experts + 2, 0, 0, 0)
+    assert bulk.used_slots == store.num_experts
     with pytest.raises(RuntimeError, match="in-place cache"):
         make_cache(store, link, n_slots=4).use_in_place([(1, [0])])

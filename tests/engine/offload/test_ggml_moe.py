@@ -11,7 +11,7 @@ from engine.loader import load_model
 from engine.model.tiny_gguf import write_tiny_gguf
 from engine.offload import ggml_library
 from engine.offload.ggml_moe import RoutedMlp
-from engine.offload.moe_layer import DraftRouting
+from engine.offload.moe_layer import DraftRouting, RoutingTrace
 
 needs_ggml = pytest.mark.skipif(not ggml_library.available()[0], reason="llama-cpp-python is not installed")
 PROMPT = torch.tensor([3, 17, 42, 99, 7, 25, 11, 64] * 3)
@@ -76,6 +76,16 @@ def test_whatever_watches_the_routes_sends_the_step_through_the_block(model):
         assert not moe.takes() and layer.ends.finish(attended, hidden, 1) is None
     finally:
         handle.remove()
+    for module, register in (
+        (moe.router, "register_forward_hook"),  # beside the trace's own
+        (moe.router, "register_forward_pre_hook"),
+        (moe.experts, "register_forward_pre_hook"),
+    ):
+        handle = getattr(module, register)(lambda *args: None)
+        try:
+            assert not moe.takes()
+        finally:
+            handle.remove()
     control = moe.experts.control
     with control.installed(observers=(lambda *args: None,)):
         assert not moe.takes()
@@ -115,3 +125,22 @@ def test_the_routers_rule_is_asked_of_it(model, tmp_path, monkeypatch):
         assert all(layer.ends is None or layer.ends.moe is None for layer in shared.lean.layers)
     finally:
         shared.close()
+
+
+def test_a_steps_router_logits_are_traced_as_the_routers_hooks_would_trace_them():
+    """`record_layers` keeps a step's `[L, T, E]` logits whole and gives each layer its rows when
+    read (the last layer's kept rows alone); a hook's record, or another set of layers, comes after
+    them in order."""
+    trace, logits = RoutingTrace(), torch.randn(3, 2, 5)
+    trace.record_layers((1, 2, 4), logits, 1)
+    assert trace.logits.keys() == {1, 2, 4}
+    assert torch.equal(trace.logits[1], logits[0]) and torch.equal(trace.logits[4], logits[2, :1])
+    later = torch.randn(3, 2, 5)
+    trace.record_layers((1, 2, 4), later, 2)
+    trace.record(2, None, None, (torch.ones(2, 5),))  # a router's hook after the step
+    assert torch.equal(trace.logits[1], later[0]) and torch.equal(trace.logits[2], torch.ones(2, 5))
+    trace.record_layers((1, 2, 4), logits, 2)
+    trace.record_layers((7,), later[:1], 2)  # one layer's step: the previous step's layers stay
+    assert trace.logits.keys() == {1, 2, 4, 7} and torch.equal(trace.logits[4], logits[2])
+    trace.clear()
+    assert trace.logits == {}
