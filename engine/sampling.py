@@ -92,12 +92,42 @@ class Sampler:
             return one_hot
         return torch.softmax(scores, dim=-1)[0]
 
+    def greedy_scores(self, logits: torch.Tensor, context: torch.Tensor, committed: int) -> torch.Tensor:
+        """Scores `[n, V]` whose argmax a greedy step takes at each of `logits`' rows (row i after
+        `context[: committed + i]`): the logits themselves where nothing changes them."""
+        if self._plain():
+            return logits
+        return torch.cat([self._scores(logits[i], context[: committed + i]) for i in range(len(logits))])
+
+    def _plain(self) -> bool:
+        """Whether the scores are the logits: no processor, no subclass's mask (a float32 copy
+        keeps their argmax)."""
+        return not self._processors and type(self)._scores is Sampler._scores
+
     def sample(self, logits: torch.Tensor, history: torch.Tensor) -> int:
         """Draw the next token id (the argmax when greedy)."""
         if self.config.is_greedy:
             # nothing changes the scores (no processor, no subclass's mask): the logits' own argmax,
             # which a float32 copy keeps
-            plain = not self._processors and type(self)._scores is Sampler._scores
-            return int((logits if plain else self._scores(logits, history)[0]).argmax())
+            return argmax(logits if self._plain() else self._scores(logits, history)[0])
         probs = self.probs(logits, history)  # [V]
         return int(torch.multinomial(probs, 1, generator=self._generator))
+
+
+def argmax(scores: torch.Tensor) -> int:
+    """The index of the first largest of `scores [V]`, as `torch.argmax` gives it: numpy's for
+    float32 on the CPU, where torch's takes ~130 µs over a 151k vocabulary and numpy's ~11."""
+    if _numpy_reads(scores):
+        return int(scores.numpy().argmax())
+    return int(scores.argmax())
+
+
+def argmaxes(scores: torch.Tensor) -> list[int]:
+    """`argmax` of each row of `scores [n, V]`."""
+    if _numpy_reads(scores):
+        return scores.numpy().argmax(axis=-1).tolist()
+    return scores.argmax(dim=-1).tolist()
+
+
+def _numpy_reads(scores: torch.Tensor) -> bool:
+    return scores.is_cpu and scores.dtype == torch.float32 and not scores.requires_grad

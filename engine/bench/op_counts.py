@@ -23,17 +23,18 @@ from engine.generation import generate_text
 from engine.prompts import greedy
 
 # aten operators that copy a device value to the host (and so wait for the device)
-# `.item()`, `int(t)`, `bool(t)` dispatch `_local_scalar_dense`; `.tolist()` dispatches nothing and
-# is counted apart
+# `.item()`, `int(t)`, `bool(t)` dispatch `_local_scalar_dense`; `.tolist()` and `.numpy()` (the
+# greedy argmax on the CPU) dispatch nothing and are counted apart
 HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::equal", "aten::is_nonzero")
 CUDA_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
 
 
 @contextmanager
 def _value_reads() -> Iterator[Counter]:
-    """Count `Tensor.tolist()` calls, which read a tensor's values without dispatching an operator."""
+    """Count `Tensor.tolist()` and `Tensor.numpy()` calls, which read a tensor's values without
+    dispatching an operator."""
     reads: Counter = Counter()
-    own = {name: torch.Tensor.__dict__.get(name) for name in ("tolist",)}
+    own = {name: torch.Tensor.__dict__.get(name) for name in ("tolist", "numpy")}
     for name in own:
         method = getattr(torch.Tensor, name)
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling import argmaxes
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -58,7 +60,7 @@ def greedy_accept(draft: Sequence[int], target_logits: torch.Tensor) -> Verdict:
     """
     draft_ids = _as_ids(draft)
     _check_rows(target_logits, len(draft_ids) + 1, "target_logits")
-    target_ids = target_logits.argmax(dim=-1).tolist()  # [γ+1], the one host read
+    target_ids = argmaxes(target_logits)  # [γ+1], the one host read
     accepted = 0
     while accepted < len(draft_ids) and draft_ids[accepted] == target_ids[accepted]:
         accepted += 1

@@ -198,18 +198,21 @@ class SpeculativeDecoder:
             rewind_cache(kv_cache, committed, saved)
 
     def _verify(self, history: torch.Tensor, draft: list[int], kv_cache: DynamicCache) -> torch.Tensor:
-        """Target distributions `[γ+1, V]` after the last committed token and after each draft token."""
+        """Target distributions `[γ+1, V]` after the last committed token and after each draft token
+        (greedy: the scores whose argmax `greedy_accept` takes)."""
         with self.model.cache.in_phase("verify"):
             ids = torch.cat([history[-1:], history.new_tensor(draft)])
             logits = self.model.forward(ids, kv_cache, logits_to_keep=0)  # [γ+1, V]
         context = torch.cat([history, history.new_tensor(draft)])
         committed = len(history)
+        if self.sampler.config.is_greedy:  # `greedy_accept` takes their argmax: no one-hot rows made
+            return self.sampler.greedy_scores(logits, context, committed)
         rows = [self.sampler.probs(logits[i], context[: committed + i]) for i in range(len(draft) + 1)]
         return torch.stack(rows)  # [γ+1, V]
 
     def _accept(self, draft, target_probs: torch.Tensor) -> Verdict:
         if self.sampler.config.is_greedy:
-            return greedy_accept(draft.tokens, target_probs)  # rows are one-hot argmaxes
+            return greedy_accept(draft.tokens, target_probs)  # rows are scores: their argmax
         if self.spec.lossless:
             return rejection_accept(draft.tokens, draft.probs, target_probs, self.sampler.generator)
         return adaptive_accept(

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.errors import InvalidRequestError
-from engine.sampling import Sampler, SamplingConfig, build_logits_processors
+from engine.sampling import Sampler, SamplingConfig, argmax, argmaxes, build_logits_processors
 
 VOCAB = 64
 PROMPT = torch.tensor([[1, 5, 9, 5, 17]])
@@ -211,3 +211,25 @@ def test_invalid_values_name_the_option(kwargs, option):
         config.validate()
     with pytest.raises(InvalidRequestError, match=option):
         Sampler(config)
+
+
+def test_the_argmax_is_torchs_first_largest_on_every_path():
+    """numpy's argmax on float32 CPU scores, torch's elsewhere: the first of tied maxima, a NaN
+    before anything, as `torch.argmax` gives them."""
+    scores = torch.tensor([0.5, 2.0, -1.0, 2.0])
+    for values in (scores, scores.half(), scores.bfloat16(), torch.tensor([1.0, float("nan"), 3.0])):
+        assert argmax(values) == int(values.argmax())
+    big = torch.randn(151_936, generator=torch.Generator().manual_seed(0))
+    assert argmax(big) == int(big.argmax())
+
+
+def test_a_greedy_verifications_scores_take_the_argmax_each_row_would():
+    """Verification's greedy rows: the logits themselves for a plain sampler; with a processor,
+    each row's scores after its own context — their argmaxes the one-hot rows' `probs` gave."""
+    generator = torch.Generator().manual_seed(3)
+    logits, context = torch.randn(4, 50, generator=generator), torch.tensor([3, 7, 7, 9, 11, 5])
+    assert Sampler(SamplingConfig(temperature=0.0)).greedy_scores(logits, context, 3) is logits
+    sampler = Sampler(SamplingConfig(temperature=0.0, repetition_penalty=5.0))
+    scores = sampler.greedy_scores(logits, context, 3)
+    wanted = [int(sampler.probs(logits[i], context[: 3 + i]).argmax()) for i in range(4)]
+    assert argmaxes(scores) == wanted == argmaxes(scores.double())
