@@ -25,7 +25,7 @@ for rejected drafts, which this does not do yet (the request is refused, not sil
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ import torch
 from engine.errors import InvalidRequestError
 from engine.generation_config import GenerationConfig, forced_tool_names
 from engine.reasoning import CLOSE as THINK_CLOSE
-from engine.reasoning import HARMONY, harmony_splitter_for, splitter_for
+from engine.reasoning import HARMONY, harmony_splitter_for, splitter_for, vocabulary
 from engine.sampling import Sampler
 
 # OpenAI: "omitting parameters defines a function with an empty parameter list"
@@ -73,16 +73,16 @@ def request_grammar(
     parameters = {t["function"]["name"]: t["function"].get("parameters") for t in config.tools}
     calls = {name: parameters[name] or NO_PARAMETERS for name in forced}
     if harmony_splitter_for(tokenizer) is not None:
-        lark = harmony_call_lark(calls, "<|constrain|>" in tokenizer.get_vocab())
+        lark = harmony_call_lark(calls, "<|constrain|>" in vocabulary(tokenizer))
     else:
         thinking = splitter_for(tokenizer, prompt_ids)
         lark = hermes_call_lark(
-            calls, tokenizer.get_vocab(), close_think=thinking is not None and thinking.inside
+            calls, vocabulary(tokenizer), close_think=thinking is not None and thinking.inside
         )
     return llguidance.LLMatcher.grammar_from_lark(lark), "tool_choice"
 
 
-def hermes_call_lark(calls: dict[str, dict], vocab: dict[str, int], close_think: bool = False) -> str:
+def hermes_call_lark(calls: dict[str, dict], vocab: Mapping[str, int], close_think: bool = False) -> str:
     """One `<tool_call>` block calling one of `calls` (name -> parameters schema)."""
     schema = {
         "anyOf": [
@@ -101,7 +101,7 @@ def hermes_call_lark(calls: dict[str, dict], vocab: dict[str, int], close_think:
     return f"{start}\ncall: %json {call}\n"
 
 
-def _tag(tag: str, vocab: dict[str, int]) -> str:
+def _tag(tag: str, vocab: Mapping[str, int]) -> str:
     """A tag in a lark grammar: the token of its own a vocabulary gives it (Qwen's `<tool_call>`,
     `</think>`: added tokens, which the model writes as one token and llguidance reads as special),
     else its text."""

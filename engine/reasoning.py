@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -82,9 +83,23 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
+_VOCABULARIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def vocabulary(tokenizer: Any) -> Mapping[str, int]:
+    """The tokenizer's vocabulary, added tokens included: asked of the tokenizer once (a 151k
+    vocabulary's `get_vocab()` takes ~80 ms, and every request looks a few tokens up in it)."""
+    if tokenizer is None:
+        return {}
+    vocab = _VOCABULARIES.get(tokenizer)
+    if vocab is None:
+        vocab = _VOCABULARIES[tokenizer] = tokenizer.get_vocab()
+    return vocab
+
+
 def thinks(tokenizer: Any) -> bool:
     """Whether the model's vocabulary has the think tags as tokens of their own."""
-    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    vocab = vocabulary(tokenizer)
     return OPEN in vocab and CLOSE in vocab
 
 
@@ -194,7 +209,7 @@ def _json(text: str) -> Any:
 
 def harmony_splitter_for(tokenizer: Any) -> HarmonySplitter | None:
     """A splitter for a model whose vocabulary has harmony's control tokens (gpt-oss)."""
-    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    vocab = vocabulary(tokenizer)
     if not all(token in vocab for token in HARMONY[:4]):
         return None
     return HarmonySplitter({token: vocab[token] for token in HARMONY if token in vocab})

@@ -9,7 +9,7 @@ from engine.generation import FinishedEvent, TokenEvent, _ReplyText, encode_prom
 from engine.generation_config import GenerationConfig, SamplingConfig
 from engine.loader import load_model
 from engine.model.tiny_gguf import demo_tokenizer
-from engine.reasoning import ThinkSplitter, harmony_splitter_for, splitter_for, thinks
+from engine.reasoning import ThinkSplitter, harmony_splitter_for, splitter_for, thinks, vocabulary
 from tests.engine.harmony_model import harmony_tokenizer
 from tests.engine.thinking_model import save_thinking_model, thinking_tokenizer
 
@@ -47,6 +47,19 @@ def test_only_a_model_with_think_tokens_is_parsed():
     )
     assert splitter_for(tokenizer, opened["input_ids"]).inside
     assert not splitter_for(tokenizer, closed["input_ids"]).inside
+
+
+def test_a_tokenizers_vocabulary_is_asked_of_it_once(monkeypatch):
+    """Every request looks its think and harmony tokens up: a 151k vocabulary's `get_vocab()`
+    takes ~80 ms, so it is asked once a tokenizer."""
+    tokenizer = thinking_tokenizer()
+    calls = []
+    get_vocab = tokenizer.get_vocab
+    monkeypatch.setattr(tokenizer, "get_vocab", lambda: calls.append(1) or get_vocab())
+    for _ in range(3):
+        assert thinks(tokenizer) and harmony_splitter_for(tokenizer) is None
+    assert len(calls) == 1
+    assert vocabulary(tokenizer) == get_vocab() and vocabulary(None) == {}
 
 
 def test_the_reply_text_splits_token_by_token_with_a_stop_string():
