@@ -197,7 +197,8 @@ class AttentionEnds:
         if cache.get_seq_length() + tokens > GRAPH_ATTENTION_POSITIONS:
             return None
         room = cache.room(tokens)
-        if room is None or all(r is f() for r, f in zip(room, self._fitting, strict=True)):
+        fitting = self._fitting
+        if room is None or (room[0] is fitting[0]() and room[1] is fitting[1]()):
             return room  # the buffers of the last steps, checked then
         shape = (self.kv_heads, self.layer.head_dim)  # of [1, KV, capacity, D] float32 buffers
         if any(b.dtype != torch.float32 or b.shape[1::2] != shape for b in room):

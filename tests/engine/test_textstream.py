@@ -242,3 +242,24 @@ def test_detokenizer_and_stop_strings_together(byte_level_tokenizer):
     else:
         pytest.fail("the stop string was not found")
     assert "".join(shown) == "Réponse: 世界"
+
+
+def test_the_backends_decode_serves_where_it_gives_the_tokenizers_text(byte_level_tokenizer):
+    """A fast tokenizer's Rust backend decodes a reply's windows where transformers' wrapper would
+    give the same text (no space clean-up: BPE never gets one); a WordPiece tokenizer that cleans
+    up spaces keeps the wrapper, and both stream what the tokenizer decodes."""
+    backend = byte_level_tokenizer.backend_tokenizer
+    assert IncrementalDetokenizer(byte_level_tokenizer)._decode_ids == backend.decode
+    vocab = {token: i for i, token in enumerate(["[UNK]", "hello", "world", "!", ",", "a"])}
+    piece = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    piece.pre_tokenizer = pre_tokenizers.Whitespace()
+    piece.decoder = decoders.WordPiece()
+    wordpiece = PreTrainedTokenizerFast(
+        tokenizer_object=piece, unk_token="[UNK]", clean_up_tokenization_spaces=True
+    )
+    assert IncrementalDetokenizer(wordpiece)._decode_ids == wordpiece.decode
+    ids = wordpiece.encode("hello , world !", add_special_tokens=False)
+    deltas, tail = _stream(wordpiece, ids)
+    assert "".join(deltas) + tail == wordpiece.decode(ids, skip_special_tokens=True) == "hello, world!"
+    ids = byte_level_tokenizer.encode(TEXT, add_special_tokens=False)
+    assert "".join(_stream(byte_level_tokenizer, ids)[0]) == byte_level_tokenizer.decode(ids)
