@@ -48,15 +48,11 @@ from engine.offload.fp8_store import Fp8Checkpoint, build_fp8_store, fp8_checkpo
 from engine.offload.gguf_store import build_gguf_store
 from engine.offload.int4_store import Int4Checkpoint, build_int4_store, int4_checkpoint
 from engine.offload.model import OffloadedModel
-from engine.offload.moe_layer import (
-    ExpertControl,
-    OffloadedExperts,
-    RoutingTrace,
-    moe_blocks,
-)
+from engine.offload.moe_layer import ExpertControl, OffloadedExperts, moe_blocks
 from engine.offload.mxfp4_store import build_mxfp4_store, is_mxfp4
 from engine.offload.prequantized import first_experts, refuse_requantization
 from engine.offload.quant import QuantSpec
+from engine.offload.routing_trace import RoutingTrace
 from engine.offload.staging import pinned_for_copies
 from engine.offload.store_cache import StoreKey, load_or_build
 from engine.offload.transfer import make_transfer

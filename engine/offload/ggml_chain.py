@@ -35,15 +35,11 @@ def run_layers(
     `[1, T]` (int32), looked up in the graph. The layers' MoE blocks route alike (top-k of as
     many experts: `routes_alike`). None where a layer may not (`room`) or the caches differ in
     length or buffers."""
-    tokens, rooms = hidden.shape[1], []
-    for end, cache in zip(ends, caches, strict=True):
-        room = end.room(cache, tokens)
-        if room is None:
-            return None
-        rooms.append(room)
-    length, capacity = caches[0].get_seq_length(), rooms[0][0].shape[2]
-    if any(c.get_seq_length() != length for c in caches) or any(r[0].shape[2] != capacity for r in rooms):
+    tokens = hidden.shape[1]
+    rooms = _rooms(ends, caches, tokens)
+    if rooms is None:
         return None
+    length, capacity = caches[0].get_seq_length(), rooms[0][0].shape[2]
     where, mask = new_positions(length, tokens, capacity, ends[0].kv_heads)
     # a graph's inputs are read where they lie, in rows as the graph was built for: `[T, D]` angles
     # (`[1, T, D]` as the rotary module gives them), `[T, H]` rows or `[T]` ids
@@ -88,6 +84,21 @@ def run_layers(
         cache.written(tokens)
     record_routes([end.moe for end in ends], chosen, logits, keep)
     return out
+
+
+def _rooms(ends: list, caches, tokens: int) -> list | None:
+    """Each layer's cache buffers with room for `tokens` more (`AttentionEnds.room`); None where a
+    layer may not run in the graph or the caches differ in length or capacity."""
+    rooms = []
+    for end, cache in zip(ends, caches, strict=True):
+        room = end.room(cache, tokens)
+        if room is None:
+            return None
+        rooms.append(room)
+    length, capacity = caches[0].get_seq_length(), rooms[0][0].shape[2]
+    if any(c.get_seq_length() != length for c in caches) or any(r[0].shape[2] != capacity for r in rooms):
+        return None
+    return rooms
 
 
 def routes_alike(ends: list) -> bool:

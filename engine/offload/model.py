@@ -26,7 +26,8 @@ from engine.model.prefix_cache import PrefixCache
 from engine.offload import ggml_step
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertStore
-from engine.offload.moe_layer import ExpertControl, OffloadedExperts, RoutingTrace
+from engine.offload.moe_layer import ExpertControl, OffloadedExperts
+from engine.offload.routing_trace import RoutingTrace
 from engine.offload.transfer import TransferEngine
 
 log = logging.getLogger(__name__)

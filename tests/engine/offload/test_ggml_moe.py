@@ -11,7 +11,8 @@ from engine.loader import load_model
 from engine.model.tiny_gguf import write_tiny_gguf
 from engine.offload import ggml_library
 from engine.offload.ggml_moe import RoutedMlp
-from engine.offload.moe_layer import DraftRouting, RoutingTrace
+from engine.offload.moe_layer import DraftRouting
+from engine.offload.routing_trace import RoutingTrace
 
 needs_ggml = pytest.mark.skipif(not ggml_library.available()[0], reason="llama-cpp-python is not installed")
 PROMPT = torch.tensor([3, 17, 42, 99, 7, 25, 11, 64] * 3)
