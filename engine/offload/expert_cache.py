@@ -68,6 +68,7 @@ class ExpertCache:
         self._table: dict[ExpertKey, Slot] = {}
         self._kept: dict[int, int] = defaultdict(int)  # layer -> resident experts not transient
         self._transient: set[ExpertKey] = set()  # resident experts loaded as transient
+        self._in_place: dict[int, set[int]] = defaultdict(set)  # layer -> its experts mapped in place
         self.stats = CacheStats()
         self.phase = "decode"
         self.lock = threading.RLock()
@@ -157,11 +158,12 @@ class ExpertCache:
         if not self.in_place:
             raise RuntimeError("use_in_place needs an in-place cache (every expert in host memory)")
         with self.lock:  # once for a step's layers
-            counters, every = self.stats.phases[self.phase], self.store.num_experts
+            counters = self.stats.phases[self.phase]
             for layer, experts in uses:
-                if self._kept[layer] < every:  # not yet all mapped
+                mapped = self._in_place[layer]
+                if not mapped.issuperset(experts):  # one set operation a layer, where most are mapped
                     for expert in experts:
-                        if (layer, expert) not in self._table:
+                        if expert not in mapped:
                             self._map_in_place((layer, expert))
                 counters.hits += len(experts)
 
@@ -302,6 +304,7 @@ class ExpertCache:
         slot.views = self.store.views(*key)
         slot.key, slot.state = key, SlotState.READY
         self._kept[key[0]] += 1
+        self._in_place[key[0]].add(key[1])
         self._table[key] = slot
         self.policy.on_insert(key)
         return slot
@@ -351,6 +354,7 @@ class ExpertCache:
         self._drop_prefetch(slot)
         del self._table[slot.key]
         self._transient.discard(slot.key)
+        self._in_place[slot.key[0]].discard(slot.key[1])
         if not slot.transient:
             self._kept[slot.key[0]] -= 1
         self.policy.on_remove(slot.key)
@@ -377,6 +381,7 @@ class ExpertCache:
                 )
             self._table.clear()
             self._kept.clear()
+            self._in_place.clear()
             self._transient.clear()
             self._free = list(reversed(self.slots))
 

@@ -82,7 +82,7 @@ def run_layers(
     )
     for cache in caches:
         cache.written(tokens)
-    record_routes([end.moe for end in ends], chosen, logits, keep)
+    record_routes(tuple(end.moe for end in ends), chosen, logits, keep)
     return out
 
 

@@ -107,33 +107,32 @@ class RoutedMlp:
         return out, chosen, logits
 
     def used(self, chosen: torch.Tensor, logits: torch.Tensor) -> None:
-        record_routes([self], chosen[None], logits[None], chosen.shape[0])
+        record_routes((self,), chosen[None], logits[None], chosen.shape[0])
 
 
 def record_routes(
-    blocks: list[RoutedMlp], chosen: torch.Tensor, logits: torch.Tensor, last_rows: int
+    blocks: tuple[RoutedMlp, ...], chosen: torch.Tensor, logits: torch.Tensor, last_rows: int
 ) -> None:
     """The experts each block chose (`chosen [L, T, K]`: block i's in row i, the last block's in
     its first `last_rows`) counted as hits in its expert cache, in one hold of the cache's lock for
     all the blocks sharing it, and their router logits (`logits [L, T, E]`, alike) traced."""
     routes = chosen.tolist()
     routes[-1] = routes[-1][:last_rows]
-    uses: dict[int, tuple] = {}  # per expert cache: the cache and its (layer, experts)
-    traces: dict[int, tuple] = {}  # per routing trace: the trace and its layers
-    for block, rows in zip(blocks, routes, strict=True):
-        experts = block.experts
-        used = rows[0] if len(rows) == 1 else {expert for row in rows for expert in row}  # top-k: distinct
-        uses.setdefault(id(experts.cache), (experts.cache, []))[1].append((experts.layer, used))
-        traces.setdefault(id(experts.trace), (experts.trace, []))[1].append(experts.layer)
-    for cache, layers in uses.values():
-        cache.use_in_place(layers)
-    if len(traces) == 1:  # the model's one trace
-        trace, layers = next(iter(traces.values()))
-        trace.record_layers(tuple(layers), logits, last_rows)
-    else:
-        for index, block in enumerate(blocks):
-            rows = last_rows if index == len(blocks) - 1 else logits.shape[1]
-            block.experts.trace.record(block.experts.layer, block.router, None, (logits[index, :rows],))
+    used = [rows[0] if len(rows) == 1 else {e for row in rows for e in row} for rows in routes]  # distinct
+    experts = [block.experts for block in blocks]
+    cache, trace = experts[0].cache, experts[0].trace
+    if all(e.cache is cache and e.trace is trace for e in experts):  # one model's blocks: one of each
+        layers = tuple(e.layer for e in experts)
+        cache.use_in_place(list(zip(layers, used, strict=True)))
+        trace.record_layers(layers, logits, last_rows)
+        return
+    caches: dict[int, tuple] = {}  # per expert cache: the cache and its (layer, experts)
+    for index, e in enumerate(experts):
+        caches.setdefault(id(e.cache), (e.cache, []))[1].append((e.layer, used[index]))
+        rows = last_rows if index == len(blocks) - 1 else logits.shape[1]
+        e.trace.record(e.layer, blocks[index].router, None, (logits[index, :rows],))
+    for cache, uses in caches.values():
+        cache.use_in_place(uses)
 
 
 def _normalizes(router: nn.Module) -> bool | None:

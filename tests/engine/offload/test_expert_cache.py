@@ -366,5 +366,8 @@ def test_uses_in_place_count_as_the_acquires_would_and_map_each_expert_once(stor
     bulk.use_in_place([(1, [2, 0])])
     assert counters(bulk) == (5 + store.num_experts + 2, 0, 0, 0)
     assert bulk.used_slots == store.num_experts
+    bulk.clear()  # forgotten: the next use maps its expert again
+    bulk.use_in_place([(1, [2])])
+    assert bulk.used_slots == 1 and bulk.resident() == [(1, 2)]
     with pytest.raises(RuntimeError, match="in-place cache"):
         make_cache(store, link, n_slots=4).use_in_place([(1, [0])])

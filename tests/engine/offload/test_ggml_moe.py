@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as QT
 from engine.config import ExpertBudget, OffloadConfig
 from engine.loader import load_model
 from engine.model.tiny_gguf import write_tiny_gguf
-from engine.offload import ggml_library
+from engine.offload import ggml_library, ggml_moe
 from engine.offload.ggml_moe import RoutedMlp
 from engine.offload.moe_layer import DraftRouting
 from engine.offload.routing_trace import RoutingTrace
@@ -126,6 +126,28 @@ def test_the_routers_rule_is_asked_of_it(model, tmp_path, monkeypatch):
         assert all(layer.ends is None or layer.ends.moe is None for layer in shared.lean.layers)
     finally:
         shared.close()
+
+
+@needs_ggml
+def test_a_steps_routes_reach_each_blocks_own_cache_and_trace(model, monkeypatch):
+    """A step's blocks sharing the model's cache and trace are counted and traced at once; blocks
+    with traces of their own each get theirs, the cache's hits the same."""
+    blocks = tuple(layer.ends.moe for layer in model.lean.layers)
+    top_k, experts = blocks[0].top_k, blocks[0].num_experts
+    chosen = torch.arange(top_k, dtype=torch.int32).expand(len(blocks), 2, top_k).contiguous()
+    chosen[:, 1] = torch.arange(1, top_k + 1) % experts  # the second token: one more expert
+    logits = torch.randn(len(blocks), 2, experts)
+    wanted = (len(blocks) - 1) * len({*range(top_k), top_k % experts}) + top_k  # the last: one row
+    for own_traces in (False, True):
+        if own_traces:
+            for block in blocks:
+                monkeypatch.setattr(block.experts, "trace", RoutingTrace())
+        hits = model.cache.stats.total().hits
+        ggml_moe.record_routes(blocks, chosen, logits, 1)
+        assert model.cache.stats.total().hits - hits == wanted
+        for index, block in enumerate(blocks):
+            traced = block.experts.trace.logits[block.experts.layer]
+            assert torch.equal(traced, logits[index, : 1 if index == len(blocks) - 1 else 2])
 
 
 def test_a_steps_router_logits_are_traced_as_the_routers_hooks_would_trace_them():
