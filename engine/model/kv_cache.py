@@ -185,7 +185,7 @@ class GrowingLayer(DynamicLayer):
         self._hold(self._length + new)
 
     def reset(self) -> None:
-        self._buffers = None
+        self._buffers, self._length, self._views = None, None, None  # keys and values: as assigned
         super().reset()
 
 

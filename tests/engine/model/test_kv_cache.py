@@ -154,6 +154,9 @@ def test_a_producer_writing_the_buffers_leaves_the_layer_as_update_would():
     batched = GrowingLayer()
     batched.update(torch.zeros(2, 2, 3, 4), torch.zeros(2, 2, 3, 4))
     assert batched.room(1) is None  # several sequences: not a producer's
+    grown.written(0)  # held, its views not made yet
+    grown.reset()
+    assert grown.get_seq_length() == 0 and grown.keys is None and grown.room(1) is None
 
 
 def test_full_attention_layers_grow_in_place_and_sliding_ones_stay_transformers(qwen3_next):
