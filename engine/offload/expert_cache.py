@@ -372,13 +372,7 @@ class ExpertCache:
                 if slot.key is not None:
                     self.policy.on_remove(slot.key)
                 self._drop_prefetch(slot)
-                slot.key, slot.state, slot.copy, slot.pins, slot.transient = (
-                    None,
-                    SlotState.FREE,
-                    None,
-                    0,
-                    False,
-                )
+                slot.free()
             self._table.clear()
             self._kept.clear()
             self._in_place.clear()

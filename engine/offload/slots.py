@@ -44,6 +44,10 @@ class Slot:
     prefetch_phase: str | None = None
     transient: bool = False
 
+    def free(self) -> None:
+        """Back to holding nothing: no expert, no copy, no pin."""
+        self.key, self.state, self.copy, self.pins, self.transient = None, SlotState.FREE, None, 0, False
+
 
 class NoEvictableSlot(Exception):
     """Every slot is loading or pinned: finish some work, then ask again."""
