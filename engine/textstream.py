@@ -110,7 +110,7 @@ def _plain_decode(tokenizer: Any):
     tokenizer whose `_decode` is transformers' own and that cleans up no spaces (BPE never does).
     The backend's call takes a third of the wrapper's time, and a reply decodes twice a token."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    own = next((c.__dict__["_decode"] for c in type(tokenizer).__mro__ if "_decode" in c.__dict__), None)
+    own = getattr(type(tokenizer), "_decode", None)
     if backend is None or getattr(own, "__qualname__", "") != "TokenizersBackend._decode":
         return tokenizer.decode
     bpe = type(backend.model).__name__ == "BPE"

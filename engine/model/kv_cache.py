@@ -94,21 +94,8 @@ class GrowingLayer(DynamicLayer):
     _views: tuple[torch.Tensor, torch.Tensor] | None = None  # those, once read
     _set: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # keys, values as assigned
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._pair()[0]
-
-    @keys.setter
-    def keys(self, tensor: torch.Tensor | None) -> None:
-        self._assign(0, tensor)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._pair()[1]
-
-    @values.setter
-    def values(self, tensor: torch.Tensor | None) -> None:
-        self._assign(1, tensor)
+    keys = property(lambda self: self._pair()[0], lambda self, tensor: self._assign(0, tensor))
+    values = property(lambda self: self._pair()[1], lambda self, tensor: self._assign(1, tensor))
 
     def _pair(self) -> tuple:
         if self._length is None:
