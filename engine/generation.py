@@ -142,7 +142,8 @@ def generate(
     max_new_tokens = _max_new_tokens(model, config, len(prompt_ids))
     eos = set() if config.ignore_eos else eos_token_ids(model)
     sampler = _sampler(model, config, eos, prompt_ids)
-    history = torch.tensor(prompt_ids, dtype=torch.long, device=model.device)
+    committed = _History(prompt_ids, model.device)
+    history = committed.tokens
     reply = _ReplyText(model.tokenizer, config.stop_strings, prompt_ids)
     live.before = cache_snapshot(model.cache)
     live.prompt_tokens = len(prompt_ids)
@@ -165,7 +166,7 @@ def generate(
             for token in new_tokens:
                 generated.append(token)
                 live.generated = len(generated)
-                history = torch.cat([history, history.new_tensor([token])])
+                history = committed.append(token)
                 thought, delta, stopped = reply.push(token, token in eos)
                 now = time.perf_counter()
                 yield TokenEvent(token, delta, len(generated) - 1, (now - last) * 1e3, thought)
@@ -174,7 +175,7 @@ def generate(
                 if reason is not None:
                     break
             if reason is None:
-                new_tokens = decoder.step(history, kv_cache, max_new_tokens - len(generated))
+                new_tokens = decoder.step(history, kv_cache, max_new_tokens - len(generated), token)
         live.finished = time.perf_counter()
     finally:
         decoder.close()  # uninstalls the prefetch policy; unused prefetches are counted as wasted
@@ -254,6 +255,34 @@ def _end_reason(stopped: bool, is_eos: bool, generated: int, limit: int, cancel)
     if cancel is not None and cancel.is_set():
         return "cancelled"
     return None
+
+
+class _History:
+    """Every committed token id, `tokens [L]` on the model's device, appended to in place: one
+    element written into a buffer that doubles when full (a `torch.cat` a token took ~35 µs of a
+    2.8 ms CPU decode step). A view handed out never changes: later tokens lie past its end."""
+
+    def __init__(self, ids: Sequence[int], device: torch.device):
+        self._buffer = torch.tensor(ids, dtype=torch.long, device=device)
+        self._host = self._buffer.numpy() if self._buffer.is_cpu else None  # written through numpy
+        self._length = self._capacity = len(ids)
+        self.tokens = self._buffer
+
+    def append(self, token: int) -> torch.Tensor:
+        """`tokens` with `token` after them."""
+        length = self._length
+        if length == self._capacity:
+            self._capacity = max(16, 2 * length)
+            grown = self._buffer.new_empty(self._capacity)
+            grown[:length] = self._buffer
+            self._buffer, self._host = grown, grown.numpy() if grown.is_cpu else None
+        if self._host is not None:
+            self._host[length] = token
+        else:
+            self._buffer[length] = token
+        self._length = length + 1
+        self.tokens = self._buffer[: length + 1]
+        return self.tokens
 
 
 class _ReplyText:

@@ -178,12 +178,16 @@ class WholeStep:
         """`tokens [1, T]` as the int32 ids the embedding's graph nodes look up (`embeds()` first):
         one token's its place in the embedding's `index`; None where an id lies outside the table
         (ggml's get_rows would abort the process: the module's lookup raises)."""
-        rows = self.embedding.rows
         if tokens.numel() == 1:
-            token = int(tokens)
-            return Row.of(self.embedding.index, token, (1, 1)) if 0 <= token < rows else None
+            return self.token(int(tokens))
+        rows = self.embedding.rows
         inside = bool(((tokens >= 0) & (tokens < rows)).all())
         return tokens.to(torch.int32) if inside else None
+
+    def token(self, token: int) -> Row | None:
+        """One token id as `ids` gives it: its place in the embedding's `index`, or None outside
+        the table."""
+        return Row.of(self.embedding.index, token, (1, 1)) if 0 <= token < self.embedding.rows else None
 
     def of_ids(self, ids: torch.Tensor, cos, sin, kv_cache, keep: int) -> torch.Tensor | None:
         return self._run(ids, cos, sin, kv_cache, keep, self.embedding)

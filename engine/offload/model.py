@@ -207,6 +207,17 @@ class OffloadedModel:
         keys and values in --kv-dtype."""
         return new_kv_cache(self.hf_config, rewindable, self.kv_dtype)
 
+    def decode(self, token: int, kv_cache: DynamicCache) -> torch.Tensor:
+        """The logits `[V]` of one token id after `kv_cache`'s positions: `forward`'s of `[token]`.
+        Where the step's one ggml graph takes it (engine.model.lean_decode), the id goes to the graph
+        as it is, outside inference mode: that step runs no torch operator autograd would record,
+        and a decode step on the CPU spent ~60 µs making a tensor of the id and entering the mode."""
+        if self.lean is not None and self.lean.takes(kv_cache):
+            logits = self.lean.decode(token, kv_cache)
+            if logits is not None:
+                return logits[0]
+        return self.forward(torch.tensor([token]), kv_cache)[-1]
+
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, kv_cache: DynamicCache, logits_to_keep: int = 1

@@ -1,9 +1,10 @@
 """Decoding steps: plain (one token per target forward) and speculative (draft, verify, accept).
 
-A decoder's `step(history, kv_cache, wanted)` takes every committed token (`history [L]`,
+A decoder's `step(history, kv_cache, wanted, last)` takes every committed token (`history [L]`,
 whose last token the target has not seen yet: the KV cache holds L−1 positions)
 and returns the next tokens; `wanted` is how many more the caller can use (the rest of
-`max_new_tokens`), so no step drafts tokens that could never be emitted. A speculative step
+`max_new_tokens`), so no step drafts tokens that could never be emitted; `last`, where the caller
+has it, is history's last token as an int (not read back from the tensor). A speculative step
 reads top to bottom:
 
     draft     the drafter proposes up to γ tokens (prefetching verification's experts meanwhile)
@@ -75,10 +76,16 @@ class PlainDecoder:
         self.model, self.sampler, self.prefetch = model, sampler, prefetch
         self.installed = ExitStack()  # what `open_decoder` installed on the model for this run
 
-    def step(self, history: torch.Tensor, kv_cache: DynamicCache, wanted: int | None = None) -> list[int]:
+    def step(
+        self,
+        history: torch.Tensor,
+        kv_cache: DynamicCache,
+        wanted: int | None = None,
+        last: int | None = None,
+    ) -> list[int]:
         self.prefetch.begin_step()
         try:
-            logits = self.model.forward(history[-1:], kv_cache)[-1]
+            logits = self.model.decode(int(history[-1]) if last is None else last, kv_cache)
         finally:
             self.prefetch.end_step()
         return [self.sampler.sample(logits, history)]
@@ -109,12 +116,18 @@ class SpeculativeDecoder:
         self.counters = SpecCounters()
         self.installed = ExitStack()
 
-    def step(self, history: torch.Tensor, kv_cache: DynamicCache, wanted: int | None = None) -> list[int]:
+    def step(
+        self,
+        history: torch.Tensor,
+        kv_cache: DynamicCache,
+        wanted: int | None = None,
+        last: int | None = None,
+    ) -> list[int]:
         draft_len = self.length.draft_len
         if wanted is not None:  # a verify emits up to γ + 1 tokens: draft none the caller cannot use
             draft_len = min(draft_len, wanted - 1)
         if draft_len < 1:  # one token left: a draft would only cost time
-            return self.plain.step(history, kv_cache)
+            return self.plain.step(history, kv_cache, last=last)
         saved = RecurrentState.save(kv_cache)  # linear-attention/Mamba state: restored, not cropped
         verdict: Verdict | None = None
         draft = None

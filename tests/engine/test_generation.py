@@ -193,3 +193,15 @@ def test_held_back_text_arrives_as_the_tail(model, scripted, script, stop, tail)
     assert finished.reason == "length"
     assert finished.tail == tail
     assert "".join(t.text for t in tokens) + finished.tail == finished.text
+
+
+def test_the_history_grows_in_place_and_a_view_handed_out_never_changes():
+    from engine.generation import _History
+
+    history = _History([7, 8], torch.device("cpu"))
+    seen = [history.tokens]
+    for token in range(40):  # past several doublings of the buffer
+        seen.append(history.append(token))
+    assert history.tokens.tolist() == [7, 8, *range(40)]
+    for length, view in enumerate(seen, start=2):
+        assert view.tolist() == [7, 8, *range(length - 2)]

@@ -158,3 +158,25 @@ def test_past_the_graphs_attention_limit_the_lookup_is_a_graph_of_its_own(q4_mod
         assert len(looked_up) == 4
         wanted, _ = _decoded_by_module(q4_model)
     assert torch.equal(got, wanted)
+
+
+@needs_ggml
+@pytest.mark.parametrize("limit", [None, 2], ids=["one-graph", "past-the-graphs-attention"])
+def test_decode_of_a_token_id_is_forwards_step_of_it_outside_inference_mode(q4_model, monkeypatch, limit):
+    """`OffloadedModel.decode(id)` (the plain decoder's step) gives `forward([id])`'s logits and
+    cache bit for bit: through the one graph from the id as it is, and where that graph declines
+    the step (past its attention's positions) through `forward`."""
+    if limit is not None:
+        monkeypatch.setattr(ggml_layer, "GRAPH_ATTENTION_POSITIONS", limit)
+    tokens = (5, 9, 2, 7)
+    wanted, by_forward = _decoded(q4_model, tokens)
+    cache = q4_model.new_kv_cache()
+    got = [q4_model.forward(PROMPT, cache)[-1]]
+    got += [q4_model.decode(t, cache) for t in tokens]
+    assert not torch.is_inference_mode_enabled()
+    assert torch.equal(torch.stack(got), wanted)
+    for ours, theirs in zip(cache.layers, by_forward.layers, strict=True):
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    vocab = q4_model.lean.decoder.embed_tokens.num_embeddings
+    with pytest.raises(IndexError):  # an id outside the table: the module's error, as forward's
+        q4_model.decode(vocab, cache)
