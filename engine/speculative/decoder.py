@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
 from engine.generation_config import (  # noqa: F401  (SPEC_MODES is re-exported)
     SPEC_MODES,
@@ -77,11 +78,7 @@ class PlainDecoder:
         self.installed = ExitStack()  # what `open_decoder` installed on the model for this run
 
     def step(
-        self,
-        history: torch.Tensor,
-        kv_cache: DynamicCache,
-        wanted: int | None = None,
-        last: int | None = None,
+        self, history: torch.Tensor, kv_cache: Cache, wanted: int | None = None, last: int | None = None
     ) -> list[int]:
         self.prefetch.begin_step()
         try:
@@ -117,11 +114,7 @@ class SpeculativeDecoder:
         self.installed = ExitStack()
 
     def step(
-        self,
-        history: torch.Tensor,
-        kv_cache: DynamicCache,
-        wanted: int | None = None,
-        last: int | None = None,
+        self, history: torch.Tensor, kv_cache: Cache, wanted: int | None = None, last: int | None = None
     ) -> list[int]:
         draft_len = self.length.draft_len
         if wanted is not None:  # a verify emits up to γ + 1 tokens: draft none the caller cannot use
