@@ -11,6 +11,7 @@ graph's float32 rows, a `GgmlLinear`'s matrix, an RMS norm and the rotary angles
 
 from __future__ import annotations
 
+import array
 import functools
 
 import torch
@@ -50,8 +51,7 @@ def run_layers(
     moe, layers = ends[0].moe, len(ends)
     # every layer's experts chosen and router logits, in one tensor each: layer i's `[T, K]` and
     # `[T, E]` rows (the last layer's first `keep`) at its place in `[L, T, K]` and `[L, T, E]`
-    chosen = torch.empty((layers, tokens, moe.top_k), dtype=torch.int32)
-    logits = torch.empty((layers, tokens, moe.num_experts))
+    chosen, read_routes, logits = _routes(graphs, layers, tokens, moe.top_k, moe.num_experts)
 
     def build(context, bind):
         ggml = loaded()
@@ -82,8 +82,33 @@ def run_layers(
     )
     for cache in caches:
         cache.written(tokens)
-    record_routes(tuple(end.moe for end in ends), chosen, logits, keep)
+    record_routes(tuple(end.moe for end in ends), read_routes(), logits, keep)
     return out
+
+
+def _routes(graphs, layers: int, tokens: int, top_k: int, experts: int) -> tuple:
+    """A step's experts chosen `[L, T, K]` (int32) for the graph to write and how to read them
+    (`[L][T][K]` lists), and its router logits `[L, T, E]`. A one-token step's experts are the same
+    buffer step after step (`graphs.buffers`: this thread's, of this layer or step), read through
+    an `array` without torch: they are read before the next step, and a fresh tensor (~25 µs) and
+    `tolist` (~10) cost more than the rest of the step's bookkeeping with the caches cold from the
+    step's weights. The logits are fresh: the trace keeps them."""
+    logits = torch.empty((layers, tokens, experts))
+    if tokens != 1:
+        chosen = torch.empty((layers, tokens, top_k), dtype=torch.int32)
+        return chosen, chosen.tolist, logits
+    found = graphs.buffers.get(("routes", layers, top_k))
+    if found is None:
+        values = array.array("i", bytes(4 * layers * top_k))
+        chosen = torch.frombuffer(values, dtype=torch.int32).view(layers, 1, top_k)
+        found = graphs.buffers[("routes", layers, top_k)] = (chosen, values)
+    chosen, values = found
+
+    def read() -> list:
+        flat = values.tolist()
+        return [[flat[i : i + top_k]] for i in range(0, layers * top_k, top_k)]
+
+    return chosen, read, logits
 
 
 def _rooms(ends: list, caches, tokens: int) -> list | None:

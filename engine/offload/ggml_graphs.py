@@ -97,7 +97,9 @@ class KeptGraphs:
 
 class ThreadsKeptGraphs(threading.local):
     """Each thread's own `KeptGraphs` of at most `limit` graphs: for graphs that hold a KV cache's
-    buffers (engine.offload.ggml_layer), kept a few at a time, not among every product's."""
+    buffers (engine.offload.ggml_layer), kept a few at a time, not among every product's; and the
+    memory their caller gives them step after step (`buffers`, engine.offload.ggml_chain's)."""
 
     def __init__(self, limit: int) -> None:
         self.graphs = KeptGraphs(limit)
+        self.buffers: dict = {}

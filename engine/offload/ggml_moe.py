@@ -107,16 +107,13 @@ class RoutedMlp:
         return out, chosen, logits
 
     def used(self, chosen: torch.Tensor, logits: torch.Tensor) -> None:
-        record_routes((self,), chosen[None], logits[None], chosen.shape[0])
+        record_routes((self,), [chosen.tolist()], logits[None], chosen.shape[0])
 
 
-def record_routes(
-    blocks: tuple[RoutedMlp, ...], chosen: torch.Tensor, logits: torch.Tensor, last_rows: int
-) -> None:
-    """The experts each block chose (`chosen [L, T, K]`: block i's in row i, the last block's in
+def record_routes(blocks: tuple[RoutedMlp, ...], routes: list, logits: torch.Tensor, last_rows: int) -> None:
+    """The experts each block chose (`routes [L][T][K]` lists: block i's at i, the last block's in
     its first `last_rows`) counted as hits in its expert cache, in one hold of the cache's lock for
     all the blocks sharing it, and their router logits (`logits [L, T, E]`, alike) traced."""
-    routes = chosen.tolist()
     routes[-1] = routes[-1][:last_rows]
     used = [rows[0] if len(rows) == 1 else {e for row in rows for e in row} for rows in routes]  # distinct
     experts = [block.experts for block in blocks]

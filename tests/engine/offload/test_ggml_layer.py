@@ -234,20 +234,28 @@ def test_a_whole_layer_graph_follows_a_growing_cache_and_steps_aside_before_it(q
 @pytest.mark.parametrize(("tokens", "keep"), [(1, 1), (3, 3), (4, 1)])
 def test_one_graph_a_step_computes_the_layer_graphs_bit_for_bit(q8_model, tokens, keep):
     """Every layer's `whole` nodes and the head in one graph give the logits, the cache and the
-    routes of the graphs a layer, bit for bit: the same nodes."""
+    routes of the graphs a layer, bit for bit: the same nodes. The experts the step counts in the
+    cache are its routers' top-k."""
     lean = q8_model.lean
     assert lean.whole is not None
     one_graph, per_layer = _prompted_caches(q8_model)
     ids = torch.tensor([5, 9, 2, 7][:tokens])
     q8_model.trace.clear()
+    q8_model.cache.clear()
     got = q8_model.forward(ids, one_graph, logits_to_keep=keep)
-    traced = dict(q8_model.trace.logits)
+    traced, used = dict(q8_model.trace.logits), sorted(q8_model.cache.resident())
     whole, lean.whole = lean.whole, None
+    q8_model.cache.clear()
     try:
         wanted = q8_model.forward(ids, per_layer, logits_to_keep=keep)
     finally:
         lean.whole = whole
     assert got.shape == (keep, q8_model.hf_config.vocab_size) and torch.equal(got, wanted)
+    assert used == sorted(q8_model.cache.resident())
+    top_k = lean.layers[0].ends.moe.top_k
+    chosen = {layer: logits.topk(top_k).indices.view(-1).tolist() for layer, logits in traced.items()}
+    routed = {(layer, e) for layer, experts in chosen.items() for e in experts}
+    assert set(used) == routed
     for layer in range(len(lean.layers)):
         assert torch.equal(traced[layer], q8_model.trace.logits[layer])
         for a, b in zip(_kv(one_graph.layers[layer]), _kv(per_layer.layers[layer]), strict=True):

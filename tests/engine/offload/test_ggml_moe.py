@@ -143,7 +143,7 @@ def test_a_steps_routes_reach_each_blocks_own_cache_and_trace(model, monkeypatch
             for block in blocks:
                 monkeypatch.setattr(block.experts, "trace", RoutingTrace())
         hits = model.cache.stats.total().hits
-        ggml_moe.record_routes(blocks, chosen, logits, 1)
+        ggml_moe.record_routes(blocks, chosen.tolist(), logits, 1)
         assert model.cache.stats.total().hits - hits == wanted
         for index, block in enumerate(blocks):
             traced = block.experts.trace.logits[block.experts.layer]
