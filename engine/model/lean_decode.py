@@ -110,12 +110,13 @@ class LeanDecode:
 
     def decode(self, token: int, kv_cache) -> torch.Tensor | None:
         """`step`'s logits `[1, V]` of one token id, in the step's one graph (`whole`) from the id
-        as it is; None where that graph does not take the step (`step` then goes its other ways)."""
+        as it is, in a buffer the next decode rewrites; None where that graph does not take the
+        step (`step` then goes its other ways)."""
         whole = self.whole
         ids = whole.token(token) if whole is not None and whole.embeds() else None
         if ids is None:
             return None
-        return whole.of_ids(ids, *self.rotary.at(kv_cache.get_seq_length(), 1), kv_cache, 1)
+        return whole.of_ids(ids, *self.rotary.at(kv_cache.get_seq_length(), 1), kv_cache, 1, reuse=True)
 
     def step(self, tokens: torch.Tensor, kv_cache, logits_to_keep: int = 1) -> torch.Tensor:
         """Logits `[n, V]` of the last `logits_to_keep` (0: all) of `tokens` (`[1, T]` ids) after

@@ -27,7 +27,17 @@ F32, F16, I64, I32 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16",
 
 
 def run_layers(
-    ends: list, hidden: torch.Tensor, cos, sin, caches, keep: int, graphs, key, head=None, embedding=None
+    ends: list,
+    hidden: torch.Tensor,
+    cos,
+    sin,
+    caches,
+    keep: int,
+    graphs,
+    key,
+    head=None,
+    embedding=None,
+    reuse: bool = False,
 ):
     """`ends`' layers on `hidden [1, T, H]` over their `caches`, their `layer_nodes` chained (the
     last on its last `keep` rows) and `head`'s after them if given, in one graph kept in `graphs`
@@ -35,7 +45,7 @@ def run_layers(
     With an `embedding` (engine.offload.ggml_step.Embedding), `hidden` is the step's token ids
     `[1, T]` (int32), looked up in the graph. The layers' MoE blocks route alike (top-k of as
     many experts: `routes_alike`). None where a layer may not (`room`) or the caches differ in
-    length or buffers."""
+    length or buffers. With `reuse` the output is the one of `_output`, rewritten step after step."""
     tokens = hidden.shape[1]
     rooms = _rooms(ends, caches, tokens)
     if rooms is None:
@@ -47,7 +57,7 @@ def run_layers(
     rows = hidden if hidden.is_contiguous() else hidden.contiguous()
     cos, sin = (a if a.is_contiguous() else a.contiguous() for a in (cos, sin))
     width = rows.shape[-1] if embedding is None else None
-    out = torch.empty((keep, width if head is None else head.lm_head.out_features))
+    out = _output(graphs, (keep, width if head is None else head.lm_head.out_features), reuse)
     moe, layers = ends[0].moe, len(ends)
     # every layer's experts chosen and router logits, in one tensor each: layer i's `[T, K]` and
     # `[T, E]` rows (the last layer's first `keep`) at its place in `[L, T, K]` and `[L, T, E]`
@@ -69,40 +79,45 @@ def run_layers(
             placed += routes
         return (x if head is None else head.nodes(context, bind, x), *placed)
 
-    size = sum(end.graph_size for end in ends) + 16
-    ggml_kernels.compute_kept(
-        (key, tokens, keep, capacity, *(buffer.data_ptr() for room in rooms for buffer in room)),
-        build,
-        (rows, cos, sin, where, mask, chosen, logits),
-        (out,),
-        "a step's layers",
-        size,
-        size,
-        graphs,
-    )
+    size, moving = sum(end.graph_size for end in ends) + 16, (rows, cos, sin, where, mask, chosen, logits)
+    kept = (key, tokens, keep, capacity, *(buffer.data_ptr() for room in rooms for buffer in room))
+    ggml_kernels.compute_kept(kept, build, moving, (out,), "a step's layers", size, size, graphs)
     for cache in caches:
         cache.written(tokens)
     record_routes(tuple(end.moe for end in ends), read_routes(), logits, keep)
     return out
 
 
+def _output(graphs, shape: tuple[int, int], reuse: bool) -> torch.Tensor:
+    """A step's output rows or logits `shape`: fresh, or with `reuse` this thread's one buffer of
+    that shape in `graphs` (a decode step's logits, sampled before the next step: a fresh tensor
+    costs ~25 µs with the caches cold from the step's weights)."""
+    out = graphs.buffers.get(("out", shape)) if reuse else None
+    if out is None:
+        out = torch.empty(shape)
+        if reuse:
+            graphs.buffers[("out", shape)] = out
+    return out
+
+
 def _routes(graphs, layers: int, tokens: int, top_k: int, experts: int) -> tuple:
     """A step's experts chosen `[L, T, K]` (int32) for the graph to write and how to read them
-    (`[L][T][K]` lists), and its router logits `[L, T, E]`. A one-token step's experts are the same
-    buffer step after step (`graphs.buffers`: this thread's, of this layer or step), read through
-    an `array` without torch: they are read before the next step, and a fresh tensor (~25 µs) and
-    `tolist` (~10) cost more than the rest of the step's bookkeeping with the caches cold from the
-    step's weights. The logits are fresh: the trace keeps them."""
-    logits = torch.empty((layers, tokens, experts))
+    (`[L][T][K]` lists), and its router logits `[L, T, E]`. A one-token step's are the same buffers
+    step after step (`graphs.buffers`: this thread's, of this layer or step), the experts read
+    through an `array` without torch: they are read before the next step, the trace holds the
+    latest step's logits (the next one-token step rewrites them), and a fresh tensor (~25 µs) or
+    torch's `tolist` (~10) cost more than the rest of the step's bookkeeping with the caches cold
+    from the step's weights."""
     if tokens != 1:
         chosen = torch.empty((layers, tokens, top_k), dtype=torch.int32)
-        return chosen, chosen.tolist, logits
-    found = graphs.buffers.get(("routes", layers, top_k))
+        return chosen, chosen.tolist, torch.empty((layers, tokens, experts))
+    found = graphs.buffers.get(("routes", layers, top_k, experts))
     if found is None:
         values = array.array("i", bytes(4 * layers * top_k))
         chosen = torch.frombuffer(values, dtype=torch.int32).view(layers, 1, top_k)
-        found = graphs.buffers[("routes", layers, top_k)] = (chosen, values)
-    chosen, values = found
+        logits = torch.empty((layers, 1, experts))
+        found = graphs.buffers[("routes", layers, top_k, experts)] = (chosen, values, logits)
+    chosen, values, logits = found
 
     def read() -> list:
         flat = values.tolist()

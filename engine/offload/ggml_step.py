@@ -189,14 +189,16 @@ class WholeStep:
         the table."""
         return Row.of(self.embedding.index, token, (1, 1)) if 0 <= token < self.embedding.rows else None
 
-    def of_ids(self, ids: torch.Tensor, cos, sin, kv_cache, keep: int) -> torch.Tensor | None:
-        return self._run(ids, cos, sin, kv_cache, keep, self.embedding)
+    def of_ids(self, ids, cos, sin, kv_cache, keep: int, reuse: bool = False) -> torch.Tensor | None:
+        """`__call__` from token ids; with `reuse`, the logits in a buffer the next such step
+        rewrites (`run_layers`)."""
+        return self._run(ids, cos, sin, kv_cache, keep, self.embedding, reuse)
 
-    def _run(self, hidden, cos, sin, kv_cache, keep: int, embedding) -> torch.Tensor | None:
+    def _run(self, hidden, cos, sin, kv_cache, keep: int, embedding, reuse=False) -> torch.Tensor | None:
         caches = getattr(kv_cache, "layers", ())
         if getattr(kv_cache, "offloading", False) or self.head.hooked() or len(caches) != len(self.ends):
             return None
         # the graphs taking ids and those taking rows are kept apart: either one's inputs would be
         # garbage to the other (and ids read as rows can abort the process in get_rows)
         graphs, key, head = self._cached, (self._key, embedding is not None), self.head
-        return run_layers(self.ends, hidden, cos, sin, caches, keep, graphs, key, head, embedding)
+        return run_layers(self.ends, hidden, cos, sin, caches, keep, graphs, key, head, embedding, reuse)

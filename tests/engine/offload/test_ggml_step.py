@@ -164,19 +164,23 @@ def test_past_the_graphs_attention_limit_the_lookup_is_a_graph_of_its_own(q4_mod
 @pytest.mark.parametrize("limit", [None, 2], ids=["one-graph", "past-the-graphs-attention"])
 def test_decode_of_a_token_id_is_forwards_step_of_it_outside_inference_mode(q4_model, monkeypatch, limit):
     """`OffloadedModel.decode(id)` (the plain decoder's step) gives `forward([id])`'s logits and
-    cache bit for bit: through the one graph from the id as it is, and where that graph declines
-    the step (past its attention's positions) through `forward`."""
+    cache bit for bit: through the one graph from the id as it is (the logits in one buffer step
+    after step), and where that graph declines the step (past its attention's positions) through
+    `forward`."""
     if limit is not None:
         monkeypatch.setattr(ggml_layer, "GRAPH_ATTENTION_POSITIONS", limit)
     tokens = (5, 9, 2, 7)
     wanted, by_forward = _decoded(q4_model, tokens)
     cache = q4_model.new_kv_cache()
     got = [q4_model.forward(PROMPT, cache)[-1]]
-    got += [q4_model.decode(t, cache) for t in tokens]
+    decoded = [q4_model.decode(t, cache) for t in tokens[:1]]
+    got += [decoded[0].clone()] + [q4_model.decode(t, cache).clone() for t in tokens[1:]]
     assert not torch.is_inference_mode_enabled()
     assert torch.equal(torch.stack(got), wanted)
     for ours, theirs in zip(cache.layers, by_forward.layers, strict=True):
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    # in the one graph each step's logits are written where the last step's were: read before the next
+    assert (decoded[0].data_ptr() == q4_model.decode(5, cache).data_ptr()) == (limit is None)
     vocab = q4_model.lean.decoder.embed_tokens.num_embeddings
     with pytest.raises(IndexError):  # an id outside the table: the module's error, as forward's
         q4_model.decode(vocab, cache)
