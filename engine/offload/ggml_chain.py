@@ -107,7 +107,7 @@ def _routes(graphs, layers: int, tokens: int, top_k: int, experts: int) -> tuple
     through an `array` without torch: they are read before the next step, the trace holds the
     latest step's logits (the next one-token step rewrites them), and a fresh tensor (~25 µs) or
     torch's `tolist` (~10) cost more than the rest of the step's bookkeeping with the caches cold
-    from the step's weights."""
+    from the step's weights. The reading of a buffer is made with it, once."""
     if tokens != 1:
         chosen = torch.empty((layers, tokens, top_k), dtype=torch.int32)
         return chosen, chosen.tolist, torch.empty((layers, tokens, experts))
@@ -115,15 +115,14 @@ def _routes(graphs, layers: int, tokens: int, top_k: int, experts: int) -> tuple
     if found is None:
         values = array.array("i", bytes(4 * layers * top_k))
         chosen = torch.frombuffer(values, dtype=torch.int32).view(layers, 1, top_k)
+
+        def read() -> list:
+            flat = values.tolist()
+            return [[flat[i : i + top_k]] for i in range(0, layers * top_k, top_k)]
+
         logits = torch.empty((layers, 1, experts))
-        found = graphs.buffers[("routes", layers, top_k, experts)] = (chosen, values, logits)
-    chosen, values, logits = found
-
-    def read() -> list:
-        flat = values.tolist()
-        return [[flat[i : i + top_k]] for i in range(0, layers * top_k, top_k)]
-
-    return chosen, read, logits
+        found = graphs.buffers[("routes", layers, top_k, experts)] = (chosen, read, logits)
+    return found
 
 
 def _rooms(ends: list, caches, tokens: int) -> list | None:
