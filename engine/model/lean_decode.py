@@ -101,22 +101,22 @@ class LeanDecode:
     def takes(self, kv_cache) -> bool:
         """Whether a step with `kv_cache` may go this way: nothing hooked on the decoder or the
         model (their hooks would not see it) and every layer cache an attention cache."""
-        if any(
-            module._forward_hooks or module._forward_pre_hooks for module in (self.hf_model, self.decoder)
-        ):
+        model, decoder = self.hf_model, self.decoder  # written out: asked every decode step
+        if model._forward_hooks or model._forward_pre_hooks:
+            return False
+        if decoder._forward_hooks or decoder._forward_pre_hooks:
             return False
         layers = getattr(kv_cache, "layers", ())
         return len(layers) == len(self.layers) and all(_attention_cache(type(layer)) for layer in layers)
 
     def decode(self, token: int, kv_cache) -> torch.Tensor | None:
-        """`step`'s logits `[1, V]` of one token id, in the step's one graph (`whole`) from the id
+        """`step`'s logits `[V]` of one token id, in the step's one graph (`whole`) from the id
         as it is, in a buffer the next decode rewrites; None where that graph does not take the
         step (`step` then goes its other ways)."""
         whole = self.whole
-        ids = whole.token(token) if whole is not None and whole.embeds() else None
-        if ids is None:
+        if whole is None or not whole.embeds():
             return None
-        return whole.of_ids(ids, *self.rotary.at(kv_cache.get_seq_length(), 1), kv_cache, 1, reuse=True)
+        return whole.decode(token, self.rotary, kv_cache)
 
     def step(self, tokens: torch.Tensor, kv_cache, logits_to_keep: int = 1) -> torch.Tensor:
         """Logits `[n, V]` of the last `logits_to_keep` (0: all) of `tokens` (`[1, T]` ids) after
@@ -248,12 +248,15 @@ class _Rotary:
                 return table[0][:, first : first + count], table[1][:, first : first + count]
         return module(hidden, torch.arange(first, first + count, device=hidden.device)[None])
 
+    def tabled(self) -> bool:
+        """Whether `at` gives one position's angles as rows of the table (of its length)."""
+        module = self.module
+        return self.static and not (module._forward_hooks or module._forward_pre_hooks)
+
     def at(self, first: int, count: int) -> tuple:
         """cos and sin of positions `first`… in float32 on the CPU as a graph reads them by address:
         `Row`s of the table for one position, else tensors as `__call__` gives them."""
-        module = self.module
-        hooked = module._forward_hooks or module._forward_pre_hooks
-        if count == 1 and self.static and not hooked and first < self.TABLE_POSITIONS:
+        if count == 1 and first < self.TABLE_POSITIONS and self.tabled():
             table = self._table(_FLOAT32, first + 1)
             if table is not None:
                 dim = table[0].shape[-1]

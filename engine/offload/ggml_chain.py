@@ -13,31 +13,27 @@ from __future__ import annotations
 
 import array
 import functools
+import weakref
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from gguf import GGMLQuantizationType
 
 from engine.model.table_rows import Row
 from engine.offload import ggml_kernels
+from engine.offload.ggml_graphs import KeptGraph
 from engine.offload.ggml_library import loaded
 from engine.offload.ggml_moe import record_routes
 from engine.offload.ggml_resident import GgmlLinear
 
 F32, F16, I64, I32 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "I64", "I32"))
+STEP = "a step's layers"  # what a failed compute names
+RAN = "ran"  # `graphs.buffers`' key of a `Ran`
 
 
 def run_layers(
-    ends: list,
-    hidden: torch.Tensor,
-    cos,
-    sin,
-    caches,
-    keep: int,
-    graphs,
-    key,
-    head=None,
-    embedding=None,
-    reuse: bool = False,
+    ends: list, hidden, cos, sin, caches, keep: int, graphs, key, head=None, embedding=None, reuse=False
 ):
     """`ends`' layers on `hidden [1, T, H]` over their `caches`, their `layer_nodes` chained (the
     last on its last `keep` rows) and `head`'s after them if given, in one graph kept in `graphs`
@@ -81,11 +77,38 @@ def run_layers(
 
     size, moving = sum(end.graph_size for end in ends) + 16, (rows, cos, sin, where, mask, chosen, logits)
     kept = (key, tokens, keep, capacity, *(buffer.data_ptr() for room in rooms for buffer in room))
-    ggml_kernels.compute_kept(kept, build, moving, (out,), "a step's layers", size, size, graphs)
+    graph = ggml_kernels.compute_kept(kept, build, moving, (out,), STEP, size, size, graphs)
     for cache in caches:
         cache.written(tokens)
     record_routes(tuple(end.moe for end in ends), read_routes(), logits, keep)
+    if reuse and tokens == 1:  # what a `OneTokenStep` runs again (engine.offload.ggml_decode)
+        graphs.buffers[RAN, key] = Ran.of(graph, rooms, capacity, (*moving, out), length, read_routes)
     return out
+
+
+class Ran(NamedTuple):
+    """The last one-token step `run_layers` ran with `reuse` under a key: its kept graph, the
+    cache buffers it wrote (weak references to each layer's keys and values) and their capacity,
+    the memories it read and wrote (the graph's moving order: token rows or ids, cos, sin, where
+    the new keys go, mask, experts chosen, router logits, output), the positions cached before it
+    and how its experts chosen are read."""
+
+    graph: KeptGraph
+    rooms: list[tuple[weakref.ref, weakref.ref]]
+    capacity: int
+    memories: tuple
+    length: int
+    read_routes: Callable[[], list]
+
+    @classmethod
+    def of(cls, graph: KeptGraph, rooms: list, capacity: int, memories: tuple, length: int, read) -> Ran:
+        weak = [tuple(weakref.ref(buffer) for buffer in room) for room in rooms]  # not keeping a cache
+        return cls(graph, weak, capacity, memories, length, read)
+
+
+def last_ran(graphs, key) -> Ran | None:
+    """This thread's last one-token step run with `reuse` under `key` in `graphs`."""
+    return graphs.buffers.get((RAN, key))
 
 
 def _output(graphs, shape: tuple[int, int], reuse: bool) -> torch.Tensor:

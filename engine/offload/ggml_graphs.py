@@ -72,6 +72,12 @@ class KeptGraph:
             head.data = memories[index].data_ptr() + offset
         return self._compute(backend, self.graph)
 
+    def compute_at(self, backend: int, addresses: Sequence[int]) -> int:
+        """`compute` on memories given by their addresses (`data_ptr()`)."""
+        for head, index, offset in self.moving:
+            head.data = addresses[index] + offset
+        return self._compute(backend, self.graph)
+
 
 def _free(ggml, context: int, allocator: int | None) -> None:
     if allocator:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Sequence
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -288,15 +289,23 @@ def _run(ggml: Ggml, build, out: torch.Tensor, what: str, moving: tuple = (), ke
 
 def compute_kept(
     key, build, moving: tuple, outputs: tuple, what: str, tensors: int, nodes: int, graphs=None
-) -> None:
+) -> KeptGraph:
     """A graph of several outputs kept under `key` (engine.offload.ggml_layer): `build(context,
     bind)` returns its products, one for each of `outputs` (bound there) apart from those it placed
     itself in `moving` memory (`bind(tensor, memory, address)`); `moving` is the call's other
     memory; `tensors` and `nodes` bound the graph's size; `graphs` a `ThreadsKeptGraphs` to keep
-    it in (else this thread's). Needs `kept_graphs_work()`."""
+    it in (else this thread's); the graph it ran. Needs `kept_graphs_work()`."""
     ggml, memories = loaded(), (*moving, *outputs)
     kept = _kept(ggml, key, build, memories, (tensors, nodes), graphs, intermediates=True)
     if kept.compute(_backend(ggml), memories) != 0:
+        raise RuntimeError(f"ggml's CPU backend failed to compute {what}")
+    return kept
+
+
+def compute_again(kept: KeptGraph, addresses: Sequence[int], what: str) -> None:
+    """A graph `compute_kept` gave, run again on the memories at `addresses` (in its order of
+    `moving` then `outputs`)."""
+    if kept.compute_at(_backend(loaded()), addresses) != 0:
         raise RuntimeError(f"ggml's CPU backend failed to compute {what}")
 
 

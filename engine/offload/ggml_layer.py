@@ -192,9 +192,9 @@ class AttentionEnds:
         """`cache`'s key and value buffers with room for `tokens` more, where `whole` may run this
         step: the MoE block in ggml (`RoutedMlp.takes`) and a float32 `GrowingLayer` holding a
         prompt, of at most `GRAPH_ATTENTION_POSITIONS` positions with the new ones."""
-        if self.moe is None or type(cache) is not GrowingLayer or not self.moe.takes():
+        if self.moe is None or type(cache) is not GrowingLayer:
             return None
-        if cache.get_seq_length() + tokens > GRAPH_ATTENTION_POSITIONS:
+        if cache.get_seq_length() + tokens > GRAPH_ATTENTION_POSITIONS or not self.moe.takes():
             return None
         room = cache.room(tokens)
         fitting = self._fitting

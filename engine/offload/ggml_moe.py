@@ -72,15 +72,20 @@ class RoutedMlp:
         return None if normalizes is None else cls(block, router, experts, normalizes)
 
     def takes(self) -> bool:
+        # written out, not as generators: a decode step asks each layer, with the caches cold
         block, router, experts = self.block, self.router, self.experts
-        hooked = any(m._forward_pre_hooks or m._forward_hooks for m in (block, experts))
-        if hooked or router._forward_pre_hooks:  # the router's own hooks: the trace's alone
+        if block._forward_pre_hooks or block._forward_hooks or experts._forward_pre_hooks:
+            return False
+        if experts._forward_hooks or router._forward_pre_hooks:  # the router's own hooks: the trace's alone
             return False
         control = experts.control
         if control.observers or control.draft is not None or experts.cache.policy.uses_scores:
             return False
-        record, hooks = experts.trace.record, router._forward_hooks.values()
-        return all(isinstance(h, functools.partial) and h.func == record for h in hooks)
+        record = experts.trace.record
+        for hook in router._forward_hooks.values():
+            if not isinstance(hook, functools.partial) or hook.func != record:
+                return False
+        return True
 
     def nodes(self, ggml, context, bind, x: int, tokens: int) -> tuple[int, int, int]:
         experts, hidden = self.weight.shape

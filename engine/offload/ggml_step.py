@@ -36,7 +36,8 @@ from torch import nn
 
 from engine.model.table_rows import Row
 from engine.offload import ggml_kernels, ggml_layer
-from engine.offload.ggml_chain import rms_normed, routes_alike, rows_in, run_layers, weight_of
+from engine.offload.ggml_chain import last_ran, rms_normed, routes_alike, rows_in, run_layers, weight_of
+from engine.offload.ggml_decode import OneTokenStep
 from engine.offload.ggml_embedding import GgmlEmbedding
 from engine.offload.ggml_graphs import ThreadsKeptGraphs
 from engine.offload.ggml_layer import rms
@@ -44,6 +45,7 @@ from engine.offload.ggml_library import loaded
 from engine.offload.ggml_resident import GgmlLinear
 
 _F32, _I32 = (int(GGMLQuantizationType[name]) for name in ("F32", "I32"))
+_ONE_TOKEN = "one token"  # this thread's `OneTokenStep` in the graphs' buffers
 
 
 def attach(lean) -> int:
@@ -188,6 +190,24 @@ class WholeStep:
         """One token id as `ids` gives it: its place in the embedding's `index`, or None outside
         the table."""
         return Row.of(self.embedding.index, token, (1, 1)) if 0 <= token < self.embedding.rows else None
+
+    def decode(self, token: int, rotary, kv_cache) -> torch.Tensor | None:
+        """The logits `[V]` of one token id after `kv_cache`'s positions (`embeds()` first): `of_ids`'
+        with `reuse`, through the step prepared on the last one (engine.offload.ggml_decode) where
+        it runs this one; None where `of_ids` declines."""
+        buffers, key = self._cached.buffers, (self._key, True)
+        prepared = buffers.get(_ONE_TOKEN)
+        logits = None if prepared is None else prepared.step(token, rotary, kv_cache)
+        if logits is not None:
+            return logits
+        ids = self.token(token)
+        if ids is None:
+            return None
+        logits = self.of_ids(ids, *rotary.at(kv_cache.get_seq_length(), 1), kv_cache, 1, reuse=True)
+        if logits is None:
+            return None
+        buffers[_ONE_TOKEN] = OneTokenStep.of(self, rotary, last_ran(self._cached, key))
+        return logits[0]
 
     def of_ids(self, ids, cos, sin, kv_cache, keep: int, reuse: bool = False) -> torch.Tensor | None:
         """`__call__` from token ids; with `reuse`, the logits in a buffer the next such step

@@ -217,7 +217,7 @@ class OffloadedModel:
         if self.lean is not None and self.lean.takes(kv_cache):
             logits = self.lean.decode(token, kv_cache)
             if logits is not None:
-                return logits[0]
+                return logits
         return self.forward(torch.tensor([token]), kv_cache)[-1]
 
     @torch.inference_mode()

@@ -223,6 +223,20 @@ def test_the_argmax_is_torchs_first_largest_on_every_path():
     assert argmax(big) == int(big.argmax())
 
 
+def test_greedy_reads_a_buffer_rewritten_step_after_step_as_it_is_now():
+    """A decode step's logits are one buffer rewritten each step (engine.offload.ggml_decode): the
+    sampler keeps its numpy view, and each draw takes the argmax of what the buffer holds then —
+    of another tensor, or one numpy cannot read, that tensor's own."""
+    sampler, history = Sampler(SamplingConfig(greedy=True)), torch.tensor([], dtype=torch.long)
+    buffer = torch.zeros(50)
+    for token in (3, 41, 41, 0, 17):
+        buffer.zero_()[token] = 1.0
+        assert sampler.sample(buffer, history) == token
+    other = torch.zeros(50).index_fill_(0, torch.tensor([9]), 1.0)
+    assert sampler.sample(other, history) == 9 and sampler.sample(buffer, history) == 17
+    assert sampler.sample(other.bfloat16(), history) == 9
+
+
 def test_a_greedy_verifications_scores_take_the_argmax_each_row_would():
     """Verification's greedy rows: the logits themselves for a plain sampler; with a processor,
     each row's scores after its own context — their argmaxes the one-hot rows' `probs` gave."""
