@@ -143,7 +143,6 @@ def generate(
     eos = set() if config.ignore_eos else eos_token_ids(model)
     sampler = _sampler(model, config, eos, prompt_ids)
     committed = _History(prompt_ids, model.device)
-    history = committed.tokens
     reply = _ReplyText(model.tokenizer, config.stop_strings, prompt_ids)
     live.before = cache_snapshot(model.cache)
     live.prompt_tokens = len(prompt_ids)
@@ -154,19 +153,19 @@ def generate(
         model, config.spec, config.prefetch, config.cutoff, sampler, config.cpu_experts
     )
     try:
-        logits = _prefill(model, history[reused:], kv_cache, config.prefill_chunk)
+        logits = _prefill(model, committed.tokens[reused:], kv_cache, config.prefill_chunk)
         prompt_state = save_point(kv_cache)  # a regenerate or an edited turn goes back to it
         live.prefilled = time.perf_counter()
 
         generated: list[int] = []
         last = started  # the first token's latency counts from the request
-        new_tokens = [sampler.sample(logits, history)]
+        new_tokens = [sampler.sample(logits, committed.tokens)]
         reason = None
         while reason is None:
             for token in new_tokens:
                 generated.append(token)
                 live.generated = len(generated)
-                history = committed.append(token)
+                committed.append(token)
                 thought, delta, stopped = reply.push(token, token in eos)
                 now = time.perf_counter()
                 yield TokenEvent(token, delta, len(generated) - 1, (now - last) * 1e3, thought)
@@ -175,12 +174,13 @@ def generate(
                 if reason is not None:
                     break
             if reason is None:
+                history = committed.tokens if decoder.reads_history else None
                 new_tokens = decoder.step(history, kv_cache, max_new_tokens - len(generated), token)
         live.finished = time.perf_counter()
     finally:
         decoder.close()  # uninstalls the prefetch policy; unused prefetches are counted as wasted
     # kept only after a clean end (a cancel comes between steps): a failed step's cache is dropped
-    model.prefix_cache.put(history.tolist(), kv_cache, rewindable, [prompt_state] if prompt_state else [])
+    model.prefix_cache.put(committed.tokens.tolist(), kv_cache, rewindable, [p for p in [prompt_state] if p])
 
     stats = live.stats(model.cache, live.finished, model.simulated_link)  # the run's final figures
     yield reply.finished(reason, generated, stats)
@@ -260,16 +260,23 @@ def _end_reason(stopped: bool, is_eos: bool, generated: int, limit: int, cancel)
 class _History:
     """Every committed token id, `tokens [L]` on the model's device, appended to in place: one
     element written into a buffer that doubles when full (a `torch.cat` a token took ~35 µs of a
-    2.8 ms CPU decode step). A view handed out never changes: later tokens lie past its end."""
+    2.8 ms CPU decode step), the view made when read. A view handed out never changes: later
+    tokens lie past its end."""
 
     def __init__(self, ids: Sequence[int], device: torch.device):
         self._buffer = torch.tensor(ids, dtype=torch.long, device=device)
         self._host = self._buffer.numpy() if self._buffer.is_cpu else None  # written through numpy
         self._length = self._capacity = len(ids)
-        self.tokens = self._buffer
+        self._tokens: torch.Tensor | None = self._buffer
 
-    def append(self, token: int) -> torch.Tensor:
-        """`tokens` with `token` after them."""
+    @property
+    def tokens(self) -> torch.Tensor:
+        if self._tokens is None:
+            self._tokens = self._buffer[: self._length]
+        return self._tokens
+
+    def append(self, token: int) -> None:
+        """`token` after the others."""
         length = self._length
         if length == self._capacity:
             self._capacity = max(16, 2 * length)
@@ -280,9 +287,7 @@ class _History:
             self._host[length] = token
         else:
             self._buffer[length] = token
-        self._length = length + 1
-        self.tokens = self._buffer[: length + 1]
-        return self.tokens
+        self._length, self._tokens = length + 1, None
 
 
 class _ReplyText:

@@ -68,6 +68,7 @@ class Sampler:
             self._generator.manual_seed(config.seed)
         # greedy on the logits as they are: their argmax, read through numpy (`_argmax`)
         self._argmax_only = config.is_greedy and self._plain()
+        self.reads_history = not self._argmax_only  # `sample`'s `history` may be None where it does not
         self._read: tuple[torch.Tensor | None, object] = (None, None)  # the last logits, as numpy reads them
         logger.debug("sampler %s with processors %s", config, [type(p).__name__ for p in self._processors])
 
@@ -119,7 +120,7 @@ class Sampler:
         keeps their argmax)."""
         return not self._processors and type(self)._scores is Sampler._scores
 
-    def sample(self, logits: torch.Tensor, history: torch.Tensor) -> int:
+    def sample(self, logits: torch.Tensor, history: torch.Tensor | None) -> int:
         """Draw the next token id (the argmax when greedy)."""
         if self._argmax_only:
             return self._argmax(logits)

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from engine.offload import ggml_kernels
-from engine.offload.ggml_chain import STEP, Ran, new_positions, record_routes
+from engine.offload.ggml_chain import STEP, Ran, new_positions
+from engine.offload.ggml_moe import one_cache, record_routes, record_shared
 
 _TOKEN, _POSITION = 0, 1  # the value a moving memory's address follows
 
@@ -35,6 +36,7 @@ class OneTokenStep:
     def __init__(self, whole, ran: Ran, lines: list[tuple[int, int, int]], positions: int):
         self.ends, self.head, self.vocabulary = whole.ends, whole.head, whole.embedding.rows
         self.blocks = tuple(end.moe for end in whole.ends)
+        self.shared = one_cache(self.blocks)  # their expert cache and trace, set at load
         self.graph, self.rooms, self.read_routes = ran.graph, ran.rooms, ran.read_routes
         self.lines = lines  # (start, step, value followed) a memory: at start + step × value
         self.positions = positions  # of the rotary table the angles lie in
@@ -83,7 +85,10 @@ class OneTokenStep:
         ggml_kernels.compute_again(self.graph, addresses, STEP)
         for cache in caches:
             cache.written(1)
-        record_routes(self.blocks, self.read_routes(), self.router_logits, 1)
+        if self.shared is not None:
+            record_shared(self.shared, self.read_routes(), self.router_logits, 1)
+        else:
+            record_routes(self.blocks, self.read_routes(), self.router_logits, 1)
         return self.logits
 
 

@@ -119,15 +119,13 @@ def record_routes(blocks: tuple[RoutedMlp, ...], routes: list, logits: torch.Ten
     """The experts each block chose (`routes [L][T][K]` lists: block i's at i, the last block's in
     its first `last_rows`) counted as hits in its expert cache, in one hold of the cache's lock for
     all the blocks sharing it, and their router logits (`logits [L, T, E]`, alike) traced."""
-    routes[-1] = routes[-1][:last_rows]
-    used = [rows[0] if len(rows) == 1 else {e for row in rows for e in row} for rows in routes]  # distinct
-    experts = [block.experts for block in blocks]
-    cache, trace = experts[0].cache, experts[0].trace
-    if all(e.cache is cache and e.trace is trace for e in experts):  # one model's blocks: one of each
-        layers = tuple(e.layer for e in experts)
-        cache.use_in_place(list(zip(layers, used, strict=True)))
-        trace.record_layers(layers, logits, last_rows)
+    shared = one_cache(blocks)
+    if shared is not None:
+        record_shared(shared, routes, logits, last_rows)
         return
+    routes[-1] = routes[-1][:last_rows]
+    used = _distinct(routes)
+    experts = [block.experts for block in blocks]
     caches: dict[int, tuple] = {}  # per expert cache: the cache and its (layer, experts)
     for index, e in enumerate(experts):
         caches.setdefault(id(e.cache), (e.cache, []))[1].append((e.layer, used[index]))
@@ -135,6 +133,29 @@ def record_routes(blocks: tuple[RoutedMlp, ...], routes: list, logits: torch.Ten
         e.trace.record(e.layer, blocks[index].router, None, (logits[index, :rows],))
     for cache, uses in caches.values():
         cache.use_in_place(uses)
+
+
+def one_cache(blocks: tuple[RoutedMlp, ...]) -> tuple | None:
+    """The expert cache and routing trace all `blocks` share (one model's), with their layers;
+    None where they do not share one."""
+    experts = [block.experts for block in blocks]
+    cache, trace = experts[0].cache, experts[0].trace
+    if all(e.cache is cache and e.trace is trace for e in experts):
+        return cache, trace, tuple(e.layer for e in experts)
+    return None
+
+
+def record_shared(shared: tuple, routes: list, logits: torch.Tensor, last_rows: int) -> None:
+    """`record_routes` of blocks sharing one expert cache and trace (`one_cache`'s)."""
+    cache, trace, layers = shared
+    routes[-1] = routes[-1][:last_rows]
+    cache.use_in_place(list(zip(layers, _distinct(routes), strict=True)))
+    trace.record_layers(layers, logits, last_rows)
+
+
+def _distinct(routes: list) -> list:
+    """Each block's distinct experts of its `[T][K]` routes (a token's own list where it is one)."""
+    return [rows[0] if len(rows) == 1 else {e for row in rows for e in row} for rows in routes]
 
 
 def _normalizes(router: nn.Module) -> bool | None:

@@ -98,6 +98,7 @@ class ScriptedSampler:
     """Stands in for Sampler: emits a fixed token sequence."""
 
     script: ClassVar[list[int]] = []
+    reads_history = False
 
     def __init__(self, config, device):
         self.remaining = list(self.script)
@@ -201,7 +202,29 @@ def test_the_history_grows_in_place_and_a_view_handed_out_never_changes():
     history = _History([7, 8], torch.device("cpu"))
     seen = [history.tokens]
     for token in range(40):  # past several doublings of the buffer
-        seen.append(history.append(token))
+        history.append(token)
+        seen.append(history.tokens)
     assert history.tokens.tolist() == [7, 8, *range(40)]
     for length, view in enumerate(seen, start=2):
         assert view.tolist() == [7, 8, *range(length - 2)]
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3], ids=["greedy", "with-a-repetition-penalty"])
+def test_a_plain_step_is_given_the_history_only_where_its_sampler_reads_it(model, monkeypatch, penalty):
+    """A greedy sampler on the logits as they are reads no history: its steps are given None (and
+    the last token); one with a processor is given every committed token, as before."""
+    from engine.speculative.decoder import PlainDecoder
+
+    given, step = [], PlainDecoder.step
+    monkeypatch.setattr(
+        PlainDecoder, "step", lambda self, history, *a: given.append(history) or step(self, history, *a)
+    )
+    sampling = SamplingConfig(greedy=True, repetition_penalty=penalty)
+    prompt = list(range(40, 50))
+    config = GenerationConfig(max_new_tokens=6, sampling=sampling, ignore_eos=True)
+    done = generate_text(model, prompt, config)
+    assert len(given) == 5
+    if penalty == 1.0:
+        assert given == [None] * 5
+    else:
+        assert [h.tolist() for h in given] == [prompt + list(done.token_ids[: n + 1]) for n in range(5)]
