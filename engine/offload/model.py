@@ -239,5 +239,5 @@ class OffloadedModel:
         return output.logits[0]
 
     def close(self) -> None:
-        self.prefix_cache.clear()
+        self.prefix_cache.close()
         self.transfer.close()

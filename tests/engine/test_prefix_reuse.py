@@ -148,3 +148,59 @@ def test_entries_are_evicted_least_recently_used_by_count_and_bytes():
     kept.put(list(range(200)), _cache_of(200), rewindable=False)  # 6.4 kB of keys and values
     kept.put(list(range(300, 500)), _cache_of(200), rewindable=False)
     assert len(kept) == 1 and kept.nbytes <= 10_000
+
+
+def _growing_cache_of(length: int):
+    from transformers import DynamicCache
+
+    from engine.model.kv_cache import GrowingLayer
+
+    cache = DynamicCache()
+    cache.layers = [GrowingLayer()]
+    cache.update(torch.ones(1, 1, length, 4), torch.ones(1, 1, length, 4), 0)
+    return cache
+
+
+def test_a_cache_let_go_leaves_its_memory_to_the_next_prompt_sharing_nothing(monkeypatch):
+    """Cleared, evicted or replaced, a cache of growing layers leaves its buffers as the spare,
+    with no positions: the next prompt sharing no prefix (and wanting as rewindable a cache) gets
+    it, once, and writes where it did; `close` drops it, and a cache past the spare's size or of
+    other layers leaves nothing."""
+    from transformers import DynamicCache
+
+    from engine.model import prefix_cache
+
+    kept = PrefixCache(max_entries=1)
+    cache = _growing_cache_of(4)
+    buffer = cache.layers[0]._buffers[0].data_ptr()
+    kept.put([1, 2, 3, 4], cache, rewindable=False)
+    kept.clear()
+    assert kept.take([7, 8], True) == (None, 0)  # not for a rewindable cache
+    spare, reused = kept.take([7, 8], False)
+    assert spare is cache and reused == 0 and spare.get_seq_length() == 0
+    spare.update(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), 0)
+    assert spare.layers[0]._buffers[0].data_ptr() == buffer and spare.layers[0].keys.sum() == 0
+    assert kept.take([7, 8], False) == (None, 0)  # handed out once
+    kept.put([1, 2], spare, rewindable=False)
+    kept.put([5, 6], _growing_cache_of(2), rewindable=False)  # evicts the first: its memory stays
+    assert kept.take([9], False)[0] is spare
+    kept.put([1, 2], _growing_cache_of(2), rewindable=False)
+    kept.close()
+    assert kept.take([9], False) == (None, 0)
+    monkeypatch.setattr(prefix_cache, "SPARE_MAX_BYTES", 100)
+    for too_big_or_other in (_growing_cache_of(8), DynamicCache()):
+        if not too_big_or_other.layers:
+            too_big_or_other.update(torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4), 0)
+        kept.put([1, 2], too_big_or_other, rewindable=False)
+        kept.clear()
+        assert kept.take([9], False) == (None, 0)
+
+
+@pytest.mark.parametrize("config", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_reply_on_the_spare_is_a_fresh_caches(demo, config):
+    demo.prefix_cache.close()
+    reference = generate_text(demo, [HORSE], config)  # on a cache of its own
+    generate_text(demo, [COW], config)
+    demo.prefix_cache.clear()  # the cow's cache is the spare now
+    reply = generate_text(demo, [HORSE], config)
+    assert reply.token_ids == reference.token_ids and reply.stats.cached_prompt_tokens == 0

@@ -168,3 +168,19 @@ def test_a_step_whose_memories_lie_off_the_lines_is_not_prepared(model):
     memories[1] = rotary.at(ran.length + 1, 1)[0]
     assert OneTokenStep.of(whole, rotary, ran._replace(memories=tuple(memories))) is None
     assert ggml_decode.OneTokenStep.of(whole, rotary, None) is None
+
+
+@needs_ggml
+def test_a_reply_on_the_spare_runs_the_last_replys_step_from_its_first(model, prepared_steps):
+    """A cleared cache's memory is the next reply's (engine.model.prefix_cache): every decode step
+    of that reply runs the graph and the step prepared on the last one, to a fresh cache's tokens."""
+    from engine.generation import generate_text
+    from engine.prompts import greedy
+
+    model.prefix_cache.close()
+    reference = generate_text(model, PROMPT[:9].tolist(), greedy(6))
+    generate_text(model, PROMPT.tolist(), greedy(6))
+    model.prefix_cache.clear()
+    prepared_steps.clear()
+    reply = generate_text(model, PROMPT[:9].tolist(), greedy(6))
+    assert prepared_steps == [True] * 5 and reply.token_ids == reference.token_ids
