@@ -194,7 +194,10 @@ class WholeStep:
     def decode(self, token: int, rotary, kv_cache) -> torch.Tensor | None:
         """The logits `[V]` of one token id after `kv_cache`'s positions (`embeds()` first): `of_ids`'
         with `reuse`, through the step prepared on the last one (engine.offload.ggml_decode) where
-        it runs this one; None where `of_ids` declines."""
+        it runs this one; None where `of_ids` declines (at once past the graph's attention limit:
+        a long chat's steps go layer by layer without asking the graph each token)."""
+        if kv_cache.get_seq_length() >= ggml_layer.GRAPH_ATTENTION_POSITIONS:
+            return None
         buffers, key = self._cached.buffers, (self._key, True)
         prepared = buffers.get(_ONE_TOKEN)
         logits = None if prepared is None else prepared.step(token, rotary, kv_cache)
