@@ -135,7 +135,7 @@ class PrefixCache:
         cache = entry.cache
         if not cache.layers or any(type(layer) is not GrowingLayer for layer in cache.layers):
             return
-        if _nbytes(cache) > SPARE_MAX_BYTES:
+        if entry.nbytes > SPARE_MAX_BYTES:
             return
         rewind_cache(cache, 0)
         self._spare = _Entry((), cache, entry.rewindable)

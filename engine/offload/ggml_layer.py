@@ -55,6 +55,14 @@ from engine.offload.ggml_resident import GgmlLinear
 # positions, 3.13 against 3.12 at 256, 3.94 against 3.73 at 1000, 7.84 against 5.67 at 4000)
 GRAPH_ATTENTION_POSITIONS = 256
 KV_GRAPHS = 4  # graphs over a cache's buffers kept at a time: a new or grown cache makes new ones
+
+
+def attends_in_graph(cached: int, tokens: int) -> bool:
+    """Whether a step of `tokens` after `cached` positions attends in the graph (ggml's flash
+    attention), not past `GRAPH_ATTENTION_POSITIONS`."""
+    return cached + tokens <= GRAPH_ATTENTION_POSITIONS
+
+
 _TENSORS = _NODES = 64  # a graph's tensors and nodes: the inputs graph has ~35
 
 
@@ -194,7 +202,7 @@ class AttentionEnds:
         prompt, of at most `GRAPH_ATTENTION_POSITIONS` positions with the new ones."""
         if self.moe is None or type(cache) is not GrowingLayer:
             return None
-        if cache.get_seq_length() + tokens > GRAPH_ATTENTION_POSITIONS or not self.moe.takes():
+        if not attends_in_graph(cache.get_seq_length(), tokens) or not self.moe.takes():
             return None
         room = cache.room(tokens)
         fitting = self._fitting

@@ -196,7 +196,7 @@ class WholeStep:
         with `reuse`, through the step prepared on the last one (engine.offload.ggml_decode) where
         it runs this one; None where `of_ids` declines (at once past the graph's attention limit:
         a long chat's steps go layer by layer without asking the graph each token)."""
-        if kv_cache.get_seq_length() >= ggml_layer.GRAPH_ATTENTION_POSITIONS:
+        if not ggml_layer.attends_in_graph(kv_cache.get_seq_length(), 1):
             return None
         buffers, key = self._cached.buffers, (self._key, True)
         prepared = buffers.get(_ONE_TOKEN)
