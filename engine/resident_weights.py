@@ -6,7 +6,8 @@ loader) on `device` and fills it from `checkpoint` under transformers' names and
 skipping the expert tensors in `skip`; what the checkpoint lacks is a `MissingTensorsError`, a
 shape it disagrees on a `CorruptCheckpointError`. A GGUF's big quantized token embedding stays in
 its blocks (engine.offload.ggml_embedding), and with `--kernels ggml` on the CPU its quantized
-matrices too (engine.offload.ggml_resident).
+matrices too (engine.offload.ggml_resident). On the CPU they lie on huge pages where the system
+gives them (engine.offload.huge_pages).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 from engine.errors import CorruptCheckpointError, DeviceOutOfMemoryError, MissingTensorsError
 from engine.model.checkpoint import Checkpoint
 from engine.model.gguf_file import GgufCheckpoint
+from engine.offload import huge_pages
 from engine.offload.ggml_embedding import fill_embedding, keep_embedding_quantized
 from engine.offload.ggml_resident import fill_linears, keep_linears_quantized
 
@@ -50,6 +52,8 @@ def _load_resident_weights(hf_model, checkpoint: Checkpoint, skip: set[str], dev
             "Out of device memory for the model's resident (non-expert) weights. "
             "This model needs a larger GPU, or use --device cpu."
         ) from err
+    for tensor in (*hf_model.parameters(), *hf_model.buffers()):
+        huge_pages.advise(tensor)  # before it is filled; the CPU reads the matrices every token
     transforms = get_model_conversion_mapping(hf_model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]

@@ -50,4 +50,5 @@ def memory_line(row) -> str | None:
         f"{format_bytes(model)} (experts {format_bytes(row.store_bytes)} + resident "
         f"{format_bytes(row.resident_bytes)} + KV {format_bytes(row.kv_bytes)}): "
         f"{grown / model:.2f}x of it"
+        + ("" if not row.huge_page_bytes else f"; {format_bytes(row.huge_page_bytes)} on 2 MiB pages")
     )

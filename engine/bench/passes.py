@@ -12,6 +12,7 @@ import statistics
 
 from engine.bench.memory import kv_cache_bytes, peak_rss_bytes
 from engine.bench.rows import BenchRow
+from engine.offload import huge_pages
 from engine.prompts import greedy
 
 
@@ -68,6 +69,7 @@ def engine_row(
         kv_bytes=kv_cache_bytes(model, tokens),
         in_place=model.cache.in_place,
         copy_hidden=median["copy_hidden"],
+        huge_page_bytes=huge_pages.backed_bytes(),
     )
 
 

@@ -31,7 +31,7 @@ import torch
 from engine.errors import CorruptCheckpointError, DeviceOutOfMemoryError, MissingTensorsError
 from engine.model.adapters.base import DiskLayout
 from engine.model.checkpoint import Checkpoint
-from engine.offload import ggml_kernels
+from engine.offload import ggml_kernels, huge_pages
 from engine.offload.fp8 import FP8_DTYPE, Fp8Weight, scale_shape
 from engine.offload.ggml_quants import linear as ggml_linear
 from engine.offload.ggml_repack import GGML_PACKINGS, repacked_linear
@@ -283,15 +283,18 @@ def read_expert(
 
 
 def allocate_layer(num_experts: int, nbytes: int, pin: bool, layer: int) -> torch.Tensor:
-    """An empty `[E, nbytes]` layer buffer in host memory, pinned when asked."""
+    """An empty `[E, nbytes]` layer buffer in host memory, pinned when asked, else on huge pages
+    where the system gives them (engine.offload.huge_pages: the CPU streams it every token)."""
     try:
-        return torch.empty((num_experts, nbytes), dtype=torch.uint8, pin_memory=pin)
+        packed = torch.empty((num_experts, nbytes), dtype=torch.uint8, pin_memory=pin)
     except RuntimeError as err:
         raise DeviceOutOfMemoryError(
             f"Cannot allocate {nbytes * num_experts / 2**30:.1f} GiB of "
             f"{'pinned ' if pin else ''}host memory for layer {layer}'s experts ({err}). "
             "Close other programs or use a smaller model."
         ) from err
+    huge_pages.advise(packed)
+    return packed
 
 
 def pack_expert(

@@ -31,7 +31,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.errors import DeviceOutOfMemoryError
-from engine.offload import ggml_kernels, ggml_memory
+from engine.offload import ggml_kernels, ggml_memory, huge_pages
 from engine.offload.ggml_graphs import Tensor, readable
 from engine.offload.ggml_library import library
 
@@ -96,7 +96,9 @@ def allocate(nbytes: int, what: str) -> torch.Tensor:
     array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(start))
     ggml_memory.own(start, start + nbytes, buffer)
     weakref.finalize(array, _free, start, buffer)  # the tensor below keeps `array` alive
-    return torch.from_numpy(array)
+    memory = torch.from_numpy(array)
+    huge_pages.advise(memory)  # not yet written: ggml's buffers are allocated, not cleared
+    return memory
 
 
 def _free(start: int, buffer: int) -> None:
