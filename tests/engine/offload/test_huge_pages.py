@@ -4,6 +4,7 @@ Linux only, and only where the kernel's transparent huge pages are "madvise" or 
 
 from __future__ import annotations
 
+import mmap
 import sys
 from pathlib import Path
 
@@ -38,11 +39,21 @@ def test_advised_memory_is_on_huge_pages_once_written():
     assert huge_pages.backed_bytes() >= huge_pages.backed_bytes(memory)
 
 
+def _fresh_mapping(nbytes: int) -> torch.Tensor:
+    """Memory of a mapping of its own: no advice another test gave the heap applies to it."""
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive
+
+
 @pytest.mark.skipif(_thp_mode() != "madvise", reason="only 'madvise' gives small pages unadvised")
 def test_memory_not_advised_stays_on_small_pages():
-    memory = torch.empty(16 * MiB, dtype=torch.uint8)
+    memory = _fresh_mapping(16 * MiB)
     memory.fill_(1)
     assert huge_pages.backed_bytes(memory) == 0
+    advised = _fresh_mapping(16 * MiB)
+    huge_pages.advise(advised)
+    advised.fill_(1)
+    assert huge_pages.backed_bytes(advised) >= 8 * MiB
 
 
 @needs_thp
