@@ -134,7 +134,19 @@ def side_by_side(
     finally:
         runner.close()
     row = passes.engine_row(model, ours, baseline_rss, max(map(len, prompt_ids)) + args.new_tokens, peak)
-    return (row, *_compared(row, theirs, runner, True))
+    theirs_row, ratios = _compared(row, theirs, runner, True)
+    return row, theirs_row, ratios | paired_ratios(ours, theirs)
+
+
+def paired_ratios(ours: list[dict], theirs: list[dict]) -> dict:
+    """The median over alternated pass pairs of each pair's decode and prefill ratio: a drift of
+    the host between pairs (this one's memory bandwidth moves by up to 30% in minutes) cancels."""
+    pairs = list(zip(ours, theirs, strict=True))
+    return {
+        "paired_decode_ratio": statistics.median(t["tpot_ms"] / o["tpot_ms"] for o, t in pairs),
+        "paired_prefill_ratio": statistics.median(o["prefill_tps"] / t["prefill_tps"] for o, t in pairs),
+        "pairs": len(pairs),
+    }
 
 
 def _compared(

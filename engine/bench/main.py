@@ -306,6 +306,11 @@ def _print_result(result: dict) -> None:
             + ("passes alternated; " if vs.get("alternated") else "llama.cpp's passes after MoE Chat's; ")
             + f"llama.cpp's tpot spread over passes {vs['their_spread']:.0%})"
         )
+        if "pairs" in vs:
+            print(
+                f"  pass by pass, the median of {vs['pairs']} alternated pairs' ratios: "
+                f"decode {vs['paired_decode_ratio']:.2f}x, prefill {vs['paired_prefill_ratio']:.2f}x"
+            )
     if "speed_vs_transformers" in result:
         print(
             f"decode speed with {result['compared_budget']} cached: "

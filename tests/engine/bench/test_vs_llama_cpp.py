@@ -76,6 +76,18 @@ def test_passes_alternate_where_memory_holds_both_engines(tmp_path, monkeypatch,
         assert timed == ["moe-chat"] * 3 + ["llama.cpp"] * 3
     result = json.loads(out.read_text())
     assert result["llama_cpp"]["alternated"] is fits
+    assert result["llama_cpp"].get("pairs") == (3 if fits else None)  # pairs only where alternated
     assert result["llama_cpp"]["decode_ratio"] == pytest.approx(result["rows"][0]["tokens_per_s"] / 500.0)
     # the passes' median prefill rate, not the median tpot pass's (the second: 300)
     assert result["rows"][1]["prefill_tokens_per_s"] == 200.0
+
+
+def test_paired_ratios_cancel_a_drift_between_pairs():
+    """The host slowed down by 3x after the first pair: the medians of each engine's passes fall
+    on either side of it, each pair's ratio does not."""
+    ours = [{"tpot_ms": t, "prefill_tps": 300.0 / t} for t in (1.0, 1.0, 3.0)]
+    theirs = [{"tpot_ms": t, "prefill_tps": 200.0 / t} for t in (1.1, 3.3, 3.3)]
+    paired = llama_cpp.paired_ratios(ours, theirs)
+    assert paired["paired_decode_ratio"] == pytest.approx(1.1)
+    assert paired["paired_prefill_ratio"] == pytest.approx(1.5 * 1.1)
+    assert paired["pairs"] == 3  # the passes' medians alone would have said 3.3 / 1.0
