@@ -293,7 +293,8 @@ def allocate_layer(num_experts: int, nbytes: int, pin: bool, layer: int) -> torc
             f"{'pinned ' if pin else ''}host memory for layer {layer}'s experts ({err}). "
             "Close other programs or use a smaller model."
         ) from err
-    huge_pages.advise(packed)
+    if not pin:
+        huge_pages.advise(packed)
     return packed
 
 

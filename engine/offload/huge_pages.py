@@ -51,10 +51,12 @@ def _aligned_span(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 def advise(tensor: torch.Tensor) -> None:
-    """Ask for huge pages under `tensor`'s host memory, before it is written (see the module)."""
+    """Ask for huge pages under `tensor`'s host memory, before it is written (see the module).
+    Not for pinned memory, which stays on the pages it was locked on (not asked of the tensor:
+    `is_pinned` may start a CUDA context)."""
     madvise = _madvise()
-    if madvise is None or tensor.device.type != "cpu" or tensor.is_pinned():
-        return  # pinned memory is locked on the pages it has
+    if madvise is None or tensor.device.type != "cpu":
+        return
     start, end = _aligned_span(tensor)
     if end > start:  # EINVAL where THP is off: the small pages stay
         madvise(start, end - start, _MADV_HUGEPAGE)
