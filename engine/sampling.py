@@ -124,10 +124,8 @@ class Sampler:
         """Draw the next token id (the argmax when greedy)."""
         if self._argmax_only:
             return self._argmax(logits)
-        if self.config.is_greedy:
-            # nothing changes the scores (no processor, no subclass's mask): the logits' own argmax,
-            # which a float32 copy keeps
-            return argmax(logits if self._plain() else self._scores(logits, history)[0])
+        if self.config.is_greedy:  # scores a processor or a subclass's mask changes (else above)
+            return argmax(self._scores(logits, history)[0])
         probs = self.probs(logits, history)  # [V]
         return int(torch.multinomial(probs, 1, generator=self._generator))
 

@@ -82,11 +82,11 @@ class PrefixCache:
             if entry.rewindable == rewindable and (n := entry.reusable(prompt)) > reused:
                 best, reused = entry, n
         if best is None:
-            spare, self._spare = self._spare, None
-            if spare is not None and spare.rewindable == rewindable:
-                return spare.cache, 0
-            self._spare = spare
-            return None, 0
+            spare = self._spare
+            if spare is None or spare.rewindable != rewindable:
+                return None, 0
+            self._spare = None
+            return spare.cache, 0
         self._entries.remove(best)
         rewind_cache(best.cache, reused, best.saved.get(reused))
         return best.cache, reused
@@ -120,9 +120,10 @@ class PrefixCache:
             self._let_go(self._entries.pop(0))
 
     def clear(self) -> None:
-        """Drop every kept cache (the latest one's memory stays as the spare)."""
-        for entry in self._entries:
-            self._let_go(entry)
+        """Drop every kept cache (the latest one's memory that may stays as the spare)."""
+        for entry in reversed(self._entries):
+            if self._let_go(entry):
+                break
         self._entries.clear()
 
     def close(self) -> None:
@@ -130,15 +131,17 @@ class PrefixCache:
         self._entries.clear()
         self._spare = None
 
-    def _let_go(self, entry: _Entry) -> None:
-        """`entry`'s cache leaves its memory as the spare where it may (see the module)."""
+    def _let_go(self, entry: _Entry) -> bool:
+        """`entry`'s cache leaves its memory as the spare where it may (see the module); whether
+        it did."""
         cache = entry.cache
         if not cache.layers or any(type(layer) is not GrowingLayer for layer in cache.layers):
-            return
+            return False
         if entry.nbytes > SPARE_MAX_BYTES:
-            return
+            return False
         rewind_cache(cache, 0)
         self._spare = _Entry((), cache, entry.rewindable)
+        return True
 
     def __len__(self) -> int:
         return len(self._entries)
