@@ -89,6 +89,8 @@ def load_model(
         trace, control = _offload_experts(blocks, arch, cache)
         expert_names = _expert_tensor_names(disk_layout, blocks, store.num_experts) if disk_layout else set()
         load_resident(hf_model, checkpoint, expert_names, dtype, device, progress, config.kernels)
+        if device.type == "cuda":  # a cache with a slot for every expert is filled now (offload.unpinned)
+            cache.fill()
         tokenizer = (
             checkpoint.tokenizer() if isinstance(checkpoint, GgufCheckpoint) else load_tokenizer(folder)
         )

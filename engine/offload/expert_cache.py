@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -41,6 +41,7 @@ from engine.offload.eviction import EvictionPolicy, ExpertKey
 from engine.offload.expert_store import ExpertStore
 from engine.offload.slots import NoEvictableSlot, Slot, SlotState, allocate_pool
 from engine.offload.transfer import TransferEngine
+from engine.offload.unpinned import UnpinnedUses
 from engine.offload.victims import can_evict, oldest_preferred, preferred_victims
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 STREAM_DEPTH = 2  # streamed misses pinned at once: one computing while the next is on the link
 
 
-class ExpertCache:
+class ExpertCache(UnpinnedUses):
     def __init__(
         self,
         store: ExpertStore,
@@ -69,6 +70,7 @@ class ExpertCache:
         self._kept: dict[int, int] = defaultdict(int)  # layer -> resident experts not transient
         self._transient: set[ExpertKey] = set()  # resident experts loaded as transient
         self._in_place: dict[int, set[int]] = defaultdict(set)  # layer -> its experts mapped in place
+        self._slot_tables: dict[int, torch.Tensor] = {}  # layer -> `slot_table`, until one leaves
         self.stats = CacheStats()
         self.phase = "decode"
         self.lock = threading.RLock()
@@ -151,21 +153,6 @@ class ExpertCache:
             slot.pins += 1
             self.policy.on_access(key)
             return slot
-
-    def use_in_place(self, uses: Iterable[tuple[int, Collection[int]]]) -> None:
-        """Each (layer, distinct experts) of `uses` used where they lie in an in-place store, without
-        pinning a slot (none is ever evicted or reused there): hits, as `acquire` counts them."""
-        if not self.in_place:
-            raise RuntimeError("use_in_place needs an in-place cache (every expert in host memory)")
-        with self.lock:  # once for a step's layers
-            counters = self.stats.phases[self.phase]
-            for layer, experts in uses:
-                mapped = self._in_place[layer]
-                if not mapped.issuperset(experts):  # one set operation a layer, where most are mapped
-                    for expert in experts:
-                        if expert not in mapped:
-                            self._map_in_place((layer, expert))
-                counters.hits += len(experts)
 
     def count_cpu_use(self) -> None:
         """A use computed on the CPU: a miss for the device cache, with no copy."""
@@ -298,17 +285,6 @@ class ExpertCache:
         counters.bytes_copied += src.numel()
         return slot
 
-    def _map_in_place(self, key: ExpertKey) -> Slot:
-        """The slot of `key` in place: views of its store row, ready at once, never evicted."""
-        slot = self._free.pop()
-        slot.views = self.store.views(*key)
-        slot.key, slot.state = key, SlotState.READY
-        self._kept[key[0]] += 1
-        self._in_place[key[0]].add(key[1])
-        self._table[key] = slot
-        self.policy.on_insert(key)
-        return slot
-
     def _evictable(self) -> dict[ExpertKey, Slot]:
         return {slot.key: slot for slot in self._table.values() if can_evict(slot)}
 
@@ -352,6 +328,7 @@ class ExpertCache:
 
     def _unmap(self, slot: Slot) -> None:
         self._drop_prefetch(slot)
+        self._slot_tables.pop(slot.key[0], None)
         del self._table[slot.key]
         self._transient.discard(slot.key)
         self._in_place[slot.key[0]].discard(slot.key[1])
@@ -374,6 +351,7 @@ class ExpertCache:
                 self._drop_prefetch(slot)
                 slot.free()
             self._table.clear()
+            self._slot_tables.clear()
             self._kept.clear()
             self._in_place.clear()
             self._transient.clear()

@@ -11,6 +11,11 @@ once; the group runs as two batched matmuls around the family's activation; and 
 outputs are added into the step's output by one matmul with a 0/1 matrix (no atomics: the same
 sums whatever the run).
 
+Where the cache holds every expert (`ExpertCache.holds_all`), a one-token step goes further
+(`forward_resident`): its `top_k_index` is looked up in the layer's slot table on the device and
+the K experts are gathered, computed and summed without the host reading which they are — no
+host synchronisation a layer, the same kernels for every route.
+
 Each expert's values are the ones `OffloadedExperts.expert_forward` computes, weighted as
 transformers weights them; only the summation order of the final combine differs (floating-point
 rounding, ~1e-7 in float32). Groups are for steps whose experts serve few tokens each (decode,
@@ -39,21 +44,40 @@ def groupable(layout: ExpertLayout) -> bool:
     return layout.quant is None and all(native_or_blocks)
 
 
-def in_groups(module, step, experts: Sequence[int], streaming: bool) -> bool:
-    """Whether `module` (an `OffloadedExperts`) computes `step`'s device `experts` in groups: asked
-    for (`ExpertControl.grouped`; None: on CUDA), a step that does not stream, whose busiest expert
-    serves at most `GROUP_TOKENS` tokens, on a layout of native or ggml fields."""
+def groups_asked(module) -> bool:
+    """Whether `module` (an `OffloadedExperts`) computes its experts in groups where a step allows:
+    asked for (`ExpertControl.grouped`; None: on CUDA), a device pool, a layout of native or ggml
+    fields."""
     cache, grouped = module.cache, module.control.grouped
     if grouped is None:
         grouped = cache.device.type == "cuda"
+    return grouped and cache.pool is not None and groupable(cache.store.layout_of(module.layer))
+
+
+def in_groups(module, step, experts: Sequence[int], streaming: bool) -> bool:
+    """Whether `module` computes `step`'s device `experts` in groups (`groups_asked`): a step that
+    does not stream, whose busiest expert serves at most `GROUP_TOKENS` tokens."""
     return (
-        grouped
-        and bool(experts)
+        bool(experts)
         and not streaming
-        and cache.pool is not None
-        and groupable(cache.store.layout_of(module.layer))
+        and groups_asked(module)
         and max(len(step.routes[e]) for e in experts) <= GROUP_TOKENS
     )
+
+
+def forward_resident(
+    module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, table: torch.Tensor
+) -> torch.Tensor:
+    """One token's experts (`hidden [1, H]`, `top_k_index` and `top_k_weights [1, K]`) from the
+    slots `table [E]` gives (`ExpertCache.slot_table`): looked up, gathered and computed as one
+    group on the device, summed over K — the host never reads which experts they are, and the
+    kernels are the same whatever the route. Returns `[1, H]` in `hidden`'s dtype."""
+    top_k = top_k_index.shape[1]
+    layout = module.cache.store.layout_of(module.layer)
+    weights = gathered_weights(module.cache.pool, table[top_k_index[0]], layout, hidden.dtype)
+    x = hidden.expand(top_k, -1).unsqueeze(1)  # [K, 1, H]
+    y = expert_outputs(module, x, top_k_weights.reshape(top_k, 1, 1), weights)  # [K, 1, H]
+    return y.sum(dim=0).to(hidden.dtype)
 
 
 def accumulate_in_groups(module, step, experts: Sequence[int]) -> None:
@@ -67,13 +91,16 @@ def accumulate_in_groups(module, step, experts: Sequence[int]) -> None:
 
 
 def gathered_weights(
-    pool: torch.Tensor, slots: Sequence[int], layout: ExpertLayout, dtype: torch.dtype
+    pool: torch.Tensor, slots: Sequence[int] | torch.Tensor, layout: ExpertLayout, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Each field of the experts in pool rows `slots`, stacked `[n, *shape]`: native fields as
-    stored, ggml blocks dequantized to `dtype` (float32 math, as `ggml_quants.dequantize`)."""
-    index = torch.tensor(slots, dtype=torch.long).to(pool.device, non_blocking=True)
+    """Each field of the experts in pool rows `slots` (a list, or indices on the device), stacked
+    `[n, *shape]`: native fields as stored, ggml blocks dequantized to `dtype` (float32 math, as
+    `ggml_quants.dequantize`)."""
+    index = slots
+    if not isinstance(index, torch.Tensor):
+        index = torch.tensor(slots, dtype=torch.long).to(pool.device, non_blocking=True)
     rows = pool.index_select(0, index)  # [n, slot bytes]
-    n = len(slots)
+    n = len(index)
     weights = {}
     for f in layout.fields:
         part = rows[:, f.offset : f.offset + f.nbytes]
@@ -89,6 +116,25 @@ def _linear(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
     return torch.bmm(x, w if transposed else w.transpose(1, 2))
 
 
+def expert_outputs(
+    module, x: torch.Tensor, scale: torch.Tensor, weights: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """Each of `n` experts (stacked `weights`) on its `m` inputs `x [n, m, H]`, weighted by
+    `scale [n, m, 1]` as the family weights them: `[n, m, H]`. `module` holds the family's flags
+    and activation (an `OffloadedExperts`)."""
+    if module.scales_input:  # Llama 4: the routing weight scales the expert's input
+        x = x * scale
+    gate_up = "gate_up_proj" if module.has_gate else "up_proj"
+    up = _linear(x, weights[gate_up], module.is_transposed)
+    if module.has_bias:
+        up = up + weights[f"{gate_up}_bias"][:, None, :]
+    act = module.template._apply_gate(up) if module.has_gate else module.template.act_fn(up)
+    y = _linear(act, weights["down_proj"], module.is_transposed)
+    if module.has_bias:
+        y = y + weights["down_proj_bias"][:, None, :]
+    return y if module.scales_input else y * scale
+
+
 def accumulate_together(module, step, experts: Sequence[int], weights: dict[str, torch.Tensor]) -> None:
     """`experts` (with their stacked `weights`) on the tokens routed to them, weighted and added
     into `step.out`. `module` is the layer's `OffloadedExperts` (the family's flags and activation)."""
@@ -102,18 +148,7 @@ def accumulate_together(module, step, experts: Sequence[int], weights: dict[str,
     token = torch.where(index < pad, index // top_k, 0)
     scale = torch.cat([step.weights, step.weights.new_zeros(1)])[index].view(len(experts), width, 1)
     x = hidden[token].view(len(experts), width, -1)  # [n, m, H]
-    if module.scales_input:  # Llama 4: the routing weight scales the expert's input
-        x = x * scale
-    gate_up = "gate_up_proj" if module.has_gate else "up_proj"
-    up = _linear(x, weights[gate_up], module.is_transposed)
-    if module.has_bias:
-        up = up + weights[f"{gate_up}_bias"][:, None, :]
-    act = module.template._apply_gate(up) if module.has_gate else module.template.act_fn(up)
-    y = _linear(act, weights["down_proj"], module.is_transposed)
-    if module.has_bias:
-        y = y + weights["down_proj_bias"][:, None, :]
-    if not module.scales_input:
-        y = y * scale
+    y = expert_outputs(module, x, scale, weights)
     # out[t] += Σ y[j] over the routes j of token t: one matmul with a 0/1 matrix, padding all zero
     combine = torch.zeros(tokens, len(flat), dtype=y.dtype, device=y.device)
     combine[token, torch.arange(len(flat), device=y.device)] = (index < pad).to(y.dtype)

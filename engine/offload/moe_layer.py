@@ -17,7 +17,10 @@ replacement runs in named stages, as vLLM's modular fused-MoE layer does:
 
 On CUDA a step whose experts serve few tokens each (decode, drafting, a verify) brings them in
 and computes them in groups instead (`pipeline.ready_together`, `engine.offload.grouped`): a few
-batched kernels a layer rather than a few an expert.
+batched kernels a layer rather than a few an expert. Where the device cache holds every expert
+(`ExpertCache.holds_all`, filled at load), a one-token step skips route, plan and bring in: its
+experts are looked up in the layer's slot table on the device (`grouped.forward_resident`), with
+no host synchronisation and the same kernels whatever the route.
 
 `ExpertControl` is the one object every layer of a model shares (built by the loader):
 what a run installs for its duration, always through `ExpertControl.installed`, which
@@ -47,7 +50,7 @@ from engine.offload import ggml_kernels, quant
 from engine.offload.expert_cache import ExpertCache
 from engine.offload.expert_store import ExpertStore
 from engine.offload.ggml_repack import GGML_PACKINGS
-from engine.offload.grouped import accumulate_in_groups, in_groups
+from engine.offload.grouped import accumulate_in_groups, forward_resident, groups_asked, in_groups
 from engine.offload.pipeline import ready_experts
 from engine.offload.routing_trace import RoutingTrace
 
@@ -162,6 +165,10 @@ class OffloadedExperts(nn.Module):
             index, weights = self._routes(top_k_index, top_k_weights, draft)
             self.cache.use_in_place([(self.layer, {e for token in index for e in token})])
             return self._routed_in_ggml(hidden_states, weights, index)
+        table = self._slot_table(hidden_states, draft)
+        if table is not None:  # every expert on the device: the host never reads the routing
+            self.cache.count_hits(top_k_index.shape[1])
+            return forward_resident(self, hidden_states, top_k_index, top_k_weights, table)
         step = self._route(hidden_states, top_k_index, top_k_weights, draft)
         plan = self._plan(step, drafting=draft is not None)
         for expert in plan.on_cpu:
@@ -176,6 +183,12 @@ class OffloadedExperts(nn.Module):
             for expert, weights in experts:
                 self._accumulate(step.routes[expert], weights, step)
         return step.out
+
+    def _slot_table(self, hidden: torch.Tensor, draft: DraftRouting | None) -> torch.Tensor | None:
+        """The layer's `ExpertCache.slot_table`, for a one-token target step computed in groups."""
+        if hidden.shape[0] != 1 or draft is not None or not groups_asked(self):
+            return None
+        return self.cache.slot_table(self.layer)
 
     def _routes(
         self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, draft: DraftRouting | None

@@ -358,3 +358,38 @@ def test_a_q4_k_m_gguf_on_cuda_computes_in_groups_exactly(tmp_path, cuda, monkey
         assert groups
     finally:
         model.close()
+
+
+def test_a_q4_k_m_gguf_the_gpu_holds_whole_is_filled_at_load_and_decodes_without_host_syncs(
+    tmp_path, cuda, monkeypatch
+) -> None:
+    """Every expert fits: the cache is filled while the model loads, and a decode step reads its
+    experts through the slot tables (`grouped.forward_resident`) with no host synchronisation and
+    no CUDA synchronize — transformers' own GGUF loading's logits and greedy tokens."""
+    import engine.offload.moe_layer as moe_layer
+    from engine.bench.op_counts import HOST_READS, _value_reads
+
+    resident: list[int] = []
+    real = moe_layer.forward_resident
+    monkeypatch.setattr(moe_layer, "forward_resident", lambda *a: resident.append(a[0].layer) or real(*a))
+    path = write_tiny_gguf(tmp_path, expert_type=QT.Q4_K, down_type=QT.Q6_K, other_type=QT.Q8_0)
+    reference = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, config=gguf_config(path), dtype=torch.float32
+    )
+    config = OffloadConfig(device="cuda", dtype="float32", expert_budget=ExpertBudget.parse("all"))
+    model = load_model(path, config)
+    try:
+        cache = model.cache
+        assert cache.holds_all and cache.stats.phases["load"].misses == model.store.total_experts
+        assert_matches_reference(model, reference.to(cuda).eval(), PROMPT)
+        assert resident, "decode steps must read their experts through the slot tables"
+        kv = model.new_kv_cache()
+        model.forward(torch.tensor(PROMPT), kv, logits_to_keep=1)
+        with torch.profiler.profile() as prof, _value_reads() as reads:
+            model.forward(torch.tensor(PROMPT[:1]), kv)
+        events = prof.events()
+        assert not sum(reads.values()) and not [e.name for e in events if e.name in HOST_READS]
+        assert not [e.name for e in events if e.name.endswith("Synchronize")]
+        assert cache.stats.total().misses == model.store.total_experts  # the fill's alone
+    finally:
+        model.close()

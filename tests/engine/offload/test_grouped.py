@@ -15,7 +15,7 @@ from engine.model.tiny import build_tiny_model
 from engine.offload.expert_store import ExpertLayout
 from engine.offload.ggml_quants import row_bytes
 from engine.offload.ggml_repack import GGML
-from engine.offload.grouped import accumulate_together, gathered_weights, groupable
+from engine.offload.grouped import accumulate_together, forward_resident, gathered_weights, groupable
 from engine.offload.moe_layer import OffloadedExperts, _group_by_expert, _Step
 from engine.offload.pipeline import ready_together
 from tests.engine.cache_helpers import NUM_EXPERTS, ManualTransfer, make_cache
@@ -72,6 +72,28 @@ def test_ggml_experts_in_a_group_give_the_values_of_one_at_a_time() -> None:
     accumulate_together(module, grouped, experts, gathered_weights(pool, experts, layout, torch.float32))
     scale = expected.out.abs().max().item()
     torch.testing.assert_close(grouped.out, expected.out, atol=1e-5 * scale, rtol=1e-5)
+
+
+def test_one_tokens_experts_looked_up_in_a_slot_table_give_the_values_of_one_at_a_time() -> None:
+    """`forward_resident`: the experts of `top_k_index` found through the table (experts in
+    shuffled slots), on the device, summed over K — as each expert computed alone and added."""
+    layout, pool = _ggml_pool(n_slots=6)
+    module = _module()
+    module.layer, module.cache = (
+        0,
+        SimpleNamespace(pool=pool, store=SimpleNamespace(layout_of=lambda _: layout)),
+    )
+    table = torch.tensor([3, 0, 5, 1, 4, 2])  # expert -> slot
+    hidden = torch.randn(1, H, generator=torch.Generator().manual_seed(0))
+    top_k_index = torch.tensor([[4, 1, 2]])
+    top_k_weights = torch.rand(1, 3, generator=torch.Generator().manual_seed(1))
+    expected = torch.zeros_like(hidden)
+    for k, expert in enumerate(top_k_index[0].tolist()):
+        views = layout.views(pool[table[expert]])
+        expected += OffloadedExperts.expert_forward(module, hidden, views) * top_k_weights[0, k]
+    out = forward_resident(module, hidden, top_k_index, top_k_weights, table)
+    assert out.shape == hidden.shape and out.dtype == hidden.dtype
+    torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-5)
 
 
 def test_a_repacked_or_quantized_layout_is_not_grouped() -> None:

@@ -123,6 +123,56 @@ def test_auto_dtype_keeps_checkpoint_precision_when_asked(tmp_path):
         model.close()
 
 
+def greedy_reference(reference, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' 32 greedy tokens after `ids`, and its logits at the first three of them."""
+    with torch.no_grad():
+        expected_ids = reference.generate(
+            ids[None], max_new_tokens=32, do_sample=False, min_new_tokens=32, eos_token_id=None
+        )[0, len(ids) :]
+        return expected_ids, reference(torch.cat([ids, expected_ids[:3]])[None]).logits[0, len(ids) :]
+
+
+@pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
+def test_experts_read_through_slot_tables_match_transformers(saved_models, model_type, monkeypatch):
+    """A cache with a slot for every expert, filled (as CUDA's is at load; forced here on the CPU):
+    one-token steps look their experts up on the device — the same logits and greedy tokens, with
+    plain decoding and self-speculation; no host synchronisation in a decode step; every use a hit."""
+    import engine.offload.moe_layer as moe_layer
+    from engine.bench.op_counts import HOST_READS, _value_reads
+
+    resident = []
+    real = moe_layer.forward_resident
+    monkeypatch.setattr(moe_layer, "forward_resident", lambda *a: resident.append(a[0].layer) or real(*a))
+    reference, folders = saved_models[model_type]
+    model = load_model(
+        folders["per_expert"], replace(quarter_cache("lru"), expert_budget=ExpertBudget(experts=16))
+    )
+    try:
+        assert model.cache.holds_all and model.cache.fill() == 16
+        model.control.grouped = True
+        ids = prompt_ids(reference.config.vocab_size)
+        expected_ids, expected = greedy_reference(reference, ids)
+        cache = model.new_kv_cache()
+        model.forward(ids, cache, logits_to_keep=1)  # the prefill (its last layer may keep one row)
+        resident.clear()
+        hits = model.cache.stats.phases["decode"].hits
+        with torch.profiler.profile() as prof, _value_reads() as reads:
+            logits = torch.cat([model.forward(expected_ids[i : i + 1], cache) for i in range(3)])
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+        assert resident == sorted(model.cache.store.layer_indices) * 3
+        top_k = reference.config.num_experts_per_tok
+        assert model.cache.stats.phases["decode"].hits == hits + len(resident) * top_k
+        assert not sum(reads.values()) and not [e for e in prof.events() if e.name in HOST_READS]
+
+        for spec in (SpecConfig(), SpecConfig(mode="self", adapt_draft_len=False)):
+            finished = generate_text(model, ids.tolist(), replace(GREEDY_32, spec=spec))
+            assert list(finished.token_ids) == expected_ids.tolist(), spec.mode
+        total = model.cache.stats.total()
+        assert total.misses == 16 and model.cache.stats.phases["load"].misses == 16  # only the fill's
+    finally:
+        model.close()
+
+
 @pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
 def test_experts_computed_in_groups_match_transformers(saved_models, model_type, monkeypatch):
     """The grouped path (CUDA's default, forced here on the CPU): the same logits and greedy tokens,
@@ -140,11 +190,7 @@ def test_experts_computed_in_groups_match_transformers(saved_models, model_type,
     try:
         model.control.grouped = True
         ids = prompt_ids(reference.config.vocab_size)
-        with torch.no_grad():
-            expected_ids = reference.generate(
-                ids[None], max_new_tokens=32, do_sample=False, min_new_tokens=32, eos_token_id=None
-            )[0, len(ids) :]
-            expected = reference(torch.cat([ids, expected_ids[:3]])[None]).logits[0, len(ids) :]
+        expected_ids, expected = greedy_reference(reference, ids)
         cache = model.new_kv_cache()
         model.forward(ids, cache, logits_to_keep=1)  # the prefill: experts one at a time
         logits = torch.cat([model.forward(expected_ids[i : i + 1], cache) for i in range(3)])
