@@ -94,12 +94,21 @@ class GgmlType:
         return self.decode(**split_fields(blocks, self.fields))
 
 
+def _read_as(field_bytes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A field's bytes `[n_blocks, nbytes]` read as `dtype`: a view where the blocks' strides
+    allow it (a kernel less on a GPU), else a contiguous copy's."""
+    try:
+        return field_bytes.view(dtype)
+    except RuntimeError:
+        return field_bytes.contiguous().view(dtype)
+
+
 _READ_FIELD: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "u8": lambda b: b,
     "i8": lambda b: b.view(torch.int8),
-    "f16": lambda b: b.contiguous().view(torch.float16).float(),
-    "bf16": lambda b: b.contiguous().view(torch.bfloat16).float(),
-    "f32": lambda b: b.contiguous().view(torch.float32),
+    "f16": lambda b: _read_as(b, torch.float16).float(),
+    "bf16": lambda b: _read_as(b, torch.bfloat16).float(),
+    "f32": lambda b: _read_as(b, torch.float32),
 }
 
 
