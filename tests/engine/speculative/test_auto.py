@@ -35,8 +35,9 @@ def test_no_draft_model_falls_back_to_self_and_says_why(tmp_path, caplog):
 
 
 def test_experts_used_in_place_are_not_self_drafted_and_it_says_why(tmp_path, caplog):
-    """A CPU run with every expert where the store holds it: nothing crosses a link, so drafting with
-    the model itself only adds steps; its own draft model still drafts (the demo's pays)."""
+    """A CPU run with every expert where the store holds it, or a device cache holding every expert:
+    nothing crosses a link, so drafting with the model itself only adds steps; its own draft model
+    still drafts (the demo's pays)."""
     in_place = SimpleNamespace(path=tmp_path / "qwen", top_k=8, cache=SimpleNamespace(in_place=True))
     with caplog.at_level(logging.INFO, logger="engine.speculative.auto"):
         chosen = resolve(in_place, AUTO, "auto", None)
@@ -46,6 +47,9 @@ def test_experts_used_in_place_are_not_self_drafted_and_it_says_why(tmp_path, ca
     assert resolve(demo, AUTO, "auto", None).spec.mode == "draft"
     linked = SimpleNamespace(path=tmp_path / "qwen", top_k=8, cache=SimpleNamespace(in_place=False))
     assert resolve(linked, AUTO, "auto", None).spec.mode == "self"
+    every_expert_on_the_device = SimpleNamespace(in_place=False, holds_all=True)
+    whole = SimpleNamespace(path=tmp_path / "qwen", top_k=8, cache=every_expert_on_the_device)
+    assert resolve(whole, AUTO, "auto", None).spec.mode == "none"
 
 
 def test_one_expert_per_token_cannot_self_draft_so_nothing_speculates(tmp_path, caplog):
