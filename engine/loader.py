@@ -38,6 +38,7 @@ from engine.model.adapters.generic import bind, experts_per_token
 from engine.model.checkpoint import Checkpoint
 from engine.model.cpu_attention import use_cpu_attention
 from engine.model.folder import load_tokenizer, open_checkpoint
+from engine.model.fused_norms import fuse_rms_norms
 from engine.model.gguf_file import GgufCheckpoint
 from engine.model.kv_size import KV_RESERVE_TOKENS, kv_element_bytes, kv_reserve_bytes
 from engine.offload.compressed_tensors import compressed_checkpoint
@@ -75,9 +76,7 @@ def load_model(
     transfer = n_slots = None
     try:
         dtype = resolve_dtype(config.dtype, checkpoint, device, config.kernels)
-        hf_model, arch, blocks = _skeleton(hf_config, dtype, folder)
-        if device.type == "cpu":
-            use_cpu_attention(hf_model)  # decode steps as two matmuls, not the flash kernel
+        hf_model, arch, blocks = _skeleton(hf_config, dtype, folder, device)
         top_k = experts_per_token(hf_model.config)  # the language model's (a multimodal config nests it)
         store, disk_layout = _expert_store(
             folder, checkpoint, hf_model, arch, blocks, dtype, device, config, progress
@@ -167,12 +166,19 @@ def _gguf_layout_name(store: ExpertStore) -> str:
     return "gguf " + "/".join(GGMLQuantizationType(t).name for t in types)
 
 
-def _skeleton(hf_config, dtype: torch.dtype, folder: Path) -> tuple[torch.nn.Module, Architecture, dict]:
-    """transformers' model built on the meta device (no memory), its architecture as the generic
-    adapter reads it from the model, and its MoE blocks by layer."""
+def _skeleton(
+    hf_config, dtype: torch.dtype, folder: Path, device: torch.device
+) -> tuple[torch.nn.Module, Architecture, dict]:
+    """transformers' model built on the meta device (no memory), with the modules it computes
+    faster with on `device`, its architecture as the generic adapter reads it from the model, and
+    its MoE blocks by layer."""
     arch = get_architecture(hf_config.model_type)
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    if device.type == "cpu":
+        use_cpu_attention(hf_model)  # decode steps as two matmuls, not the flash kernel
+    if device.type == "cuda":
+        fuse_rms_norms(hf_model)  # a fused kernel a norm, not five more (model.fused_norms)
     arch = bind(arch, hf_model)
     blocks = moe_blocks(hf_model, arch)
     if not blocks:
