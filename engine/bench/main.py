@@ -108,9 +108,9 @@ def compare_side_by_side(args, budget: str, prompt_ids, config: OffloadConfig) -
 
 
 def run(args: argparse.Namespace) -> dict:
-    from engine.bench.op_counts import count_ops
     from engine.bench.tuned import calibrated_offload
     from engine.loader import load_model
+    from engine.offload.expert_graphs import ExpertGraphs
 
     budgets = [b.strip() for b in (args.expert_budget or "all").split(",")]
     prompts = PROMPTS[: args.prompts]
@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> dict:
         offload = replace(link, expert_budget=ExpertBudget.parse(budget))
         model = load_model(model_folder(args), offload)
         try:
+            model.control.graphs = ExpertGraphs() if args.expert_graphs else None
             prompt_ids = [lengthened(ids, args.prompt_tokens) for ids in encode_prompts(model, prompts)]
             if beside and index == len(budgets) - 1:
                 ours, theirs, vs = llama_cpp.side_by_side(args, model, prompt_ids, baseline)
@@ -132,8 +133,7 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 rows.append(bench_engine(model, prompt_ids, args.new_tokens, args.repeats, baseline))
             info = model.info()
-            if args.count_ops:
-                op_counts = count_ops(model, prompt_ids[0], args.new_tokens)
+            extras = _measured_beside(args, model, prompt_ids[0])  # the last budget's are kept
         finally:
             model.close()
         print(format_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
@@ -146,8 +146,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     if calibration is not None:
         result["calibration"] = calibration
-    if args.count_ops:
-        result["op_counts"] = op_counts  # the last budget's
+    result.update(extras)
     if args.compare_transformers:
         # The largest cache asked for: with every expert cached, offloading is pure overhead.
         largest = max(zip(rows, budgets, strict=True), key=lambda pair: pair[0].cache_slots)[1]
@@ -162,6 +161,23 @@ def run(args: argparse.Namespace) -> dict:
         rows.append(llama_cpp.compare_llama_cpp(args, prompt_ids, rows[-1], result))
     result["rows"] = [asdict(r) for r in rows]
     return result
+
+
+def _measured_beside(args: argparse.Namespace, model, prompt_ids: list[int]) -> dict:
+    """--count-ops' counts, and --expert-graphs' captures (or why there were none)."""
+    from engine.bench.op_counts import count_ops
+
+    extras: dict = {}
+    if args.count_ops:
+        extras["op_counts"] = count_ops(model, prompt_ids, args.new_tokens)
+    graphs = model.control.graphs
+    if graphs is not None:
+        extras["expert_graphs"] = {"captures": graphs.captures, "off_because": graphs.off_because}
+        print(
+            f"expert CUDA graphs: {graphs.captures} layers captured, off: {graphs.off_because}",
+            file=sys.stderr,
+        )
+    return extras
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,11 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a 4-turn conversation: prefill tokens and time per turn with and without prefix reuse",
     )
-    parser.add_argument(
-        "--count-ops",
-        action="store_true",
-        help="also count, per decode token, the operators launched and the host synchronisations",
-    )
+    _add_step_arguments(parser)
     parser.add_argument(
         "--vs-llama-cpp",
         metavar="FILE.gguf",
@@ -222,6 +234,21 @@ def build_parser() -> argparse.ArgumentParser:
         "too when --model is not given",
     )
     return parser
+
+
+def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a decode step launches, and how (issue 21)."""
+    parser.add_argument(
+        "--count-ops",
+        action="store_true",
+        help="also count, per decode token, the operators launched and the host synchronisations",
+    )
+    parser.add_argument(
+        "--expert-graphs",
+        action="store_true",
+        help="CUDA, a cache holding every expert: replay each MoE layer's one-token step as a CUDA "
+        "graph (engine.offload.expert_graphs; off by default until measured)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,6 +316,10 @@ def _print_result(result: dict) -> None:
         from engine.bench.op_counts import format_op_counts
 
         print(format_op_counts(result["op_counts"]))
+    if "expert_graphs" in result:
+        graphs = result["expert_graphs"]
+        off = f", turned off: {graphs['off_because']}" if graphs["off_because"] else ""
+        print(f"expert CUDA graphs: {graphs['captures']} MoE layers captured{off}")
     if "and_model" in result:
         other = result["and_model"]
         other_rows = [BenchRow(**r) for r in other["rows"]]

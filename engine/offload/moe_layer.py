@@ -17,10 +17,9 @@ replacement runs in named stages, as vLLM's modular fused-MoE layer does:
 
 On CUDA a step whose experts serve few tokens each (decode, drafting, a verify) brings them in
 and computes them in groups instead (`pipeline.ready_together`, `engine.offload.grouped`): a few
-batched kernels a layer rather than a few an expert. Where the device cache holds every expert
-(`ExpertCache.holds_all`, filled at load), a one-token step skips route, plan and bring in: its
-experts are looked up in the layer's slot table on the device (`grouped.forward_resident`), with
-no host synchronisation and the same kernels whatever the route.
+batched kernels a layer rather than a few an expert. With every expert on the device
+(`ExpertCache.holds_all`), a one-token step skips route, plan and bring in: its experts are looked
+up in the layer's slot table on the device (`grouped.forward_resident`; `expert_graphs` replays it).
 
 `ExpertControl` is the one object every layer of a model shares (built by the loader):
 what a run installs for its duration, always through `ExpertControl.installed`, which
@@ -48,6 +47,7 @@ from engine.model.adapters.base import Architecture
 from engine.model.hf_calls import decoder_of
 from engine.offload import ggml_kernels, quant
 from engine.offload.expert_cache import ExpertCache
+from engine.offload.expert_graphs import ExpertGraphs
 from engine.offload.expert_store import ExpertStore
 from engine.offload.ggml_repack import GGML_PACKINGS
 from engine.offload.grouped import accumulate_in_groups, forward_resident, groups_asked, in_groups
@@ -79,6 +79,8 @@ class ExpertControl:
     lookahead: Callable[[int, torch.Tensor], list[tuple[int, int]]] | None = None
     # experts of a few-token step computed in groups (`engine.offload.grouped`); None: on CUDA
     grouped: bool | None = None
+    # one-token steps over a cache holding every expert, replayed as CUDA graphs (opt-in)
+    graphs: ExpertGraphs | None = None
 
     @contextmanager
     def installed(self, **changes) -> Iterator[ExpertControl]:
@@ -168,7 +170,9 @@ class OffloadedExperts(nn.Module):
         table = self._slot_table(hidden_states, draft)
         if table is not None:  # every expert on the device: the host never reads the routing
             self.cache.count_hits(top_k_index.shape[1])
-            return forward_resident(self, hidden_states, top_k_index, top_k_weights, table)
+            graphs = self.control.graphs
+            compute = forward_resident if graphs is None else graphs.forward
+            return compute(self, hidden_states, top_k_index, top_k_weights, table)
         step = self._route(hidden_states, top_k_index, top_k_weights, draft)
         plan = self._plan(step, drafting=draft is not None)
         for expert in plan.on_cpu:

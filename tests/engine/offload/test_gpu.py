@@ -7,6 +7,7 @@ enough (~0.5 s) that an ordering bug would let the other side overtake it.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -365,7 +366,8 @@ def test_a_q4_k_m_gguf_the_gpu_holds_whole_is_filled_at_load_and_decodes_without
 ) -> None:
     """Every expert fits: the cache is filled while the model loads, and a decode step reads its
     experts through the slot tables (`grouped.forward_resident`) with no host synchronisation and
-    no CUDA synchronize — transformers' own GGUF loading's logits and greedy tokens."""
+    no CUDA synchronize, its norms fused (`model.fused_norms`) — transformers' own GGUF loading's
+    logits and greedy tokens."""
     import engine.offload.moe_layer as moe_layer
     from engine.bench.op_counts import HOST_READS, _value_reads
 
@@ -381,6 +383,8 @@ def test_a_q4_k_m_gguf_the_gpu_holds_whole_is_filled_at_load_and_decodes_without
     try:
         cache = model.cache
         assert cache.holds_all and cache.stats.phases["load"].misses == model.store.total_experts
+        norms = [m for m in model.hf_model.modules() if type(m).__name__.endswith("RMSNorm")]
+        assert norms and all(isinstance(m.forward, functools.partial) for m in norms)  # fused on CUDA
         assert_matches_reference(model, reference.to(cuda).eval(), PROMPT)
         assert resident, "decode steps must read their experts through the slot tables"
         kv = model.new_kv_cache()
@@ -391,5 +395,31 @@ def test_a_q4_k_m_gguf_the_gpu_holds_whole_is_filled_at_load_and_decodes_without
         assert not sum(reads.values()) and not [e.name for e in events if e.name in HOST_READS]
         assert not [e.name for e in events if e.name.endswith("Synchronize")]
         assert cache.stats.total().misses == model.store.total_experts  # the fill's alone
+    finally:
+        model.close()
+
+
+def test_expert_cuda_graphs_replay_what_the_eager_steps_compute(tmp_path, cuda) -> None:
+    """`ExpertGraphs` on a GPU: each MoE layer captured once; decode steps give the eager slot-table
+    path's logits bit for bit (the same kernels), and transformers' greedy tokens."""
+    from engine.offload.expert_graphs import ExpertGraphs
+
+    path = write_tiny_gguf(tmp_path, expert_type=QT.Q4_K, down_type=QT.Q6_K, other_type=QT.Q8_0)
+    reference = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, config=gguf_config(path), dtype=torch.float32
+    )
+    config = OffloadConfig(device="cuda", dtype="float32", expert_budget=ExpertBudget.parse("all"))
+    model = load_model(path, config)
+    try:
+        steps = []
+        for graphs in (None, ExpertGraphs()):
+            model.control.graphs = graphs
+            kv = model.new_kv_cache()
+            model.forward(torch.tensor(PROMPT), kv, logits_to_keep=1)
+            steps.append(torch.cat([model.forward(torch.tensor([t]), kv) for t in (5, 9, 13, 2)]))
+        torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=1e-5)  # the same kernels
+        assert graphs.off_because is None and graphs.captures == len(model.store.layer_indices)
+        assert_matches_reference(model, reference.to(cuda).eval(), PROMPT)
+        assert graphs.captures == len(model.store.layer_indices)  # replayed, never captured again
     finally:
         model.close()
