@@ -361,6 +361,16 @@ def test_a_q4_k_m_gguf_on_cuda_computes_in_groups_exactly(tmp_path, cuda, monkey
         model.close()
 
 
+def _a_whole_q4_k_m_model(tmp_path, cuda):
+    """A tiny Q4_K_M GGUF loaded with every expert on the GPU, and transformers' own loading of it."""
+    path = write_tiny_gguf(tmp_path, expert_type=QT.Q4_K, down_type=QT.Q6_K, other_type=QT.Q8_0)
+    reference = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, config=gguf_config(path), dtype=torch.float32
+    )
+    config = OffloadConfig(device="cuda", dtype="float32", expert_budget=ExpertBudget.parse("all"))
+    return load_model(path, config), reference.to(cuda).eval()
+
+
 def test_a_q4_k_m_gguf_the_gpu_holds_whole_is_filled_at_load_and_decodes_without_host_syncs(
     tmp_path, cuda, monkeypatch
 ) -> None:
@@ -374,18 +384,13 @@ def test_a_q4_k_m_gguf_the_gpu_holds_whole_is_filled_at_load_and_decodes_without
     resident: list[int] = []
     real = moe_layer.forward_resident
     monkeypatch.setattr(moe_layer, "forward_resident", lambda *a: resident.append(a[0].layer) or real(*a))
-    path = write_tiny_gguf(tmp_path, expert_type=QT.Q4_K, down_type=QT.Q6_K, other_type=QT.Q8_0)
-    reference = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, config=gguf_config(path), dtype=torch.float32
-    )
-    config = OffloadConfig(device="cuda", dtype="float32", expert_budget=ExpertBudget.parse("all"))
-    model = load_model(path, config)
+    model, reference = _a_whole_q4_k_m_model(tmp_path, cuda)
     try:
         cache = model.cache
         assert cache.holds_all and cache.stats.phases["load"].misses == model.store.total_experts
         norms = [m for m in model.hf_model.modules() if type(m).__name__.endswith("RMSNorm")]
         assert norms and all(isinstance(m.forward, functools.partial) for m in norms)  # fused on CUDA
-        assert_matches_reference(model, reference.to(cuda).eval(), PROMPT)
+        assert_matches_reference(model, reference, PROMPT)
         assert resident, "decode steps must read their experts through the slot tables"
         kv = model.new_kv_cache()
         model.forward(torch.tensor(PROMPT), kv, logits_to_keep=1)
@@ -404,12 +409,7 @@ def test_expert_cuda_graphs_replay_what_the_eager_steps_compute(tmp_path, cuda) 
     path's logits bit for bit (the same kernels), and transformers' greedy tokens."""
     from engine.offload.expert_graphs import ExpertGraphs
 
-    path = write_tiny_gguf(tmp_path, expert_type=QT.Q4_K, down_type=QT.Q6_K, other_type=QT.Q8_0)
-    reference = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, config=gguf_config(path), dtype=torch.float32
-    )
-    config = OffloadConfig(device="cuda", dtype="float32", expert_budget=ExpertBudget.parse("all"))
-    model = load_model(path, config)
+    model, reference = _a_whole_q4_k_m_model(tmp_path, cuda)
     try:
         steps = []
         for graphs in (None, ExpertGraphs()):
@@ -419,7 +419,7 @@ def test_expert_cuda_graphs_replay_what_the_eager_steps_compute(tmp_path, cuda) 
             steps.append(torch.cat([model.forward(torch.tensor([t]), kv) for t in (5, 9, 13, 2)]))
         torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=1e-5)  # the same kernels
         assert graphs.off_because is None and graphs.captures == len(model.store.layer_indices)
-        assert_matches_reference(model, reference.to(cuda).eval(), PROMPT)
+        assert_matches_reference(model, reference, PROMPT)
         assert graphs.captures == len(model.store.layer_indices)  # replayed, never captured again
     finally:
         model.close()
