@@ -12,7 +12,10 @@ llama.cpp's passes follow MoE Chat's, once its model is closed (`compare_llama_c
 
 from __future__ import annotations
 
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -33,12 +36,57 @@ _INSTALL = (
 )
 
 
-def check_available() -> None:
-    """Raise `LlamaCppUnavailable` (saying how to install it) where llama-cpp-python is missing."""
+# a child process's llama.cpp: the file loaded, two tokens generated (a crash kills the child only)
+_PROBE = (
+    "import sys; from llama_cpp import Llama; "
+    "llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=int(sys.argv[2]), verbose=False); "
+    "[t for _, t in zip(range(2), llm.generate([1, 2, 3], top_k=1, temp=0.0))]"
+)
+PROBE_TIMEOUT_S = 600  # a large file's first read from disk
+
+
+def check_available(path: str | Path | None = None, threads: int = 1) -> None:
+    """Raise `LlamaCppUnavailable` where llama-cpp-python is missing (saying how to install it),
+    or where its llama.cpp crashes or hangs on the file `path` (run in a child process first: a
+    crash in-process would take the whole bench down with a bare segmentation fault)."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError as err:
         raise LlamaCppUnavailable(_INSTALL) from err
+    if path is None:
+        return
+    command = [sys.executable, "-c", _PROBE, str(path), str(threads)]
+    try:
+        probe = subprocess.run(command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as err:
+        raise LlamaCppUnavailable(
+            f"llama.cpp did not generate 2 tokens of {path} within {PROBE_TIMEOUT_S} s."
+        ) from err
+    if probe.returncode != 0:
+        raise LlamaCppUnavailable(_probe_failure(path, probe.returncode, probe.stderr))
+
+
+def _probe_failure(path: str | Path, returncode: int, stderr: str) -> str:
+    if returncode < 0:
+        what = f"llama.cpp crashed ({signal.Signals(-returncode).name}) on {path} on this machine."
+    else:
+        last = stderr.strip().splitlines()[-1:] or ["no message"]
+        what = f"llama.cpp failed on {path}: {last[0]}"
+    if _cpu_has_amx():
+        what += (
+            " This CPU has AMX, whose llama.cpp kernels crash on some hosts (seen in a VM): rebuild "
+            "llama-cpp-python without them, e.g. CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON "
+            "-DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF' "
+            "pip install --force-reinstall --no-deps llama-cpp-python."
+        )
+    return what
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux
+        return False
 
 
 def fits_beside(path: str | Path) -> bool:

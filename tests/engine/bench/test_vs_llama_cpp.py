@@ -63,7 +63,7 @@ def test_passes_alternate_where_memory_holds_both_engines(tmp_path, monkeypatch,
         return engine_pass(model, prompt_ids, new_tokens)
 
     monkeypatch.setattr(passes, "engine_pass", recorded_pass)
-    monkeypatch.setattr(llama_cpp, "check_available", lambda: None)
+    monkeypatch.setattr(llama_cpp, "check_available", lambda *_: None)
     monkeypatch.setattr(llama_cpp, "fits_beside", lambda _path: fits)
     monkeypatch.setattr(llama_cpp, "LlamaCppRunner", _Recorded)
     out = tmp_path / "bench.json"
@@ -91,3 +91,34 @@ def test_paired_ratios_cancel_a_drift_between_pairs():
     assert paired["paired_decode_ratio"] == pytest.approx(1.1)
     assert paired["paired_prefill_ratio"] == pytest.approx(1.5 * 1.1)
     assert paired["pairs"] == 3  # the passes' medians alone would have said 3.3 / 1.0
+
+
+@pytest.mark.parametrize(
+    ("probe", "says"),
+    [
+        ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", "llama.cpp crashed (SIGSEGV) on"),
+        ("raise SystemExit('ValueError: Failed to load model from file')", "Failed to load model"),
+    ],
+)
+def test_a_llama_cpp_that_crashes_or_fails_on_the_file_is_a_clear_error_before_any_pass(
+    tmp_path, monkeypatch, capsys, probe, says
+):
+    """llama.cpp first runs the file in a child process: a crash there (its AMX kernels segfault on
+    some hosts) is an error that says so, not a bare segmentation fault of the whole bench."""
+    pytest.importorskip("llama_cpp", reason="the optional extra 'llama' (llama-cpp-python) is not installed")
+    monkeypatch.setattr(llama_cpp, "_PROBE", probe)
+    monkeypatch.setattr(llama_cpp, "_cpu_has_amx", lambda: True)
+    monkeypatch.setattr(passes, "engine_pass", lambda *a: pytest.fail("no pass may start"))
+    path = write_tiny_gguf(tmp_path / "model", expert_type=QT.Q8_0, down_type=QT.Q8_0)
+    argv = ["--vs-llama-cpp", str(path), "--device", "cpu", "--prompts", "1", "--new-tokens", "4"]
+    assert bench.main([*argv, "--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and str(path) in err and "-DGGML_AMX_INT8=OFF" in err
+
+
+def test_a_llama_cpp_that_hangs_on_the_file_times_out(tmp_path, monkeypatch):
+    pytest.importorskip("llama_cpp", reason="the optional extra 'llama' (llama-cpp-python) is not installed")
+    monkeypatch.setattr(llama_cpp, "_PROBE", "import time; time.sleep(60)")
+    monkeypatch.setattr(llama_cpp, "PROBE_TIMEOUT_S", 1)
+    with pytest.raises(llama_cpp.LlamaCppUnavailable, match="did not generate 2 tokens"):
+        llama_cpp.check_available(tmp_path / "model.gguf")
