@@ -89,7 +89,7 @@ def load_model(
         expert_names = _expert_tensor_names(disk_layout, blocks, store.num_experts) if disk_layout else set()
         load_resident(hf_model, checkpoint, expert_names, dtype, device, progress, config.kernels)
         if device.type == "cuda":  # a cache with a slot for every expert is filled now (offload.unpinned)
-            cache.fill()
+            cache.fill(partial(progress, "experts to the GPU") if progress else None)
         tokenizer = (
             checkpoint.tokenizer() if isinstance(checkpoint, GgufCheckpoint) else load_tokenizer(folder)
         )

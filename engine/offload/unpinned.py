@@ -2,11 +2,11 @@
 
 Two caches never evict. In place (a CPU device with a slot for every expert), a slot is a view of
 the expert's store row (`use_in_place`). A device cache that `holds_all` (a slot for every expert:
-a 24 GB card and a Q4 30B-A3B model) is `fill`ed when the model loads — copied whole, as llama.cpp
-loads a model that fits — and from then on each layer's experts sit in fixed slots, which
-`slot_table` gives as one device tensor: a one-token step looks its experts up in it on the device
-(`engine.offload.grouped.forward_resident`), so the host never reads the routing, and every use is
-a hit (`count_hits`). A slot table lasts until an expert of its layer leaves (a failed copy,
+a 24 GB card and a Q4 30B-A3B model) is `fill`ed when the model loads, a layer at a time — copied
+whole, as llama.cpp loads a model that fits — and from then on each layer's experts sit in fixed
+slots, which `slot_table` gives as one device tensor: a one-token step looks its experts up in it on
+the device (`engine.offload.grouped.forward_resident`), so the host never reads the routing, and
+every use is a hit (`count_hits`). A slot table lasts until an expert of its layer leaves (a failed copy,
 `clear`, `resize`).
 
 `UnpinnedUses` is a mixin of `ExpertCache`, whose lock, counters, table and pool it uses.
@@ -14,7 +14,7 @@ a hit (`count_hits`). A slot table lasts until an expert of its layer leaves (a 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import torch
 
@@ -54,25 +54,36 @@ class UnpinnedUses:
         """A device slot for every expert (not in place): once in, none is ever evicted."""
         return self.pool is not None and self.n_slots >= self.store.total_experts
 
-    def fill(self) -> int:
-        """Every expert not yet cached brought in, when the cache `holds_all`: copies counted in
-        the `load` phase, all on the link at once, each slot released once its copy landed.
-        Returns how many were copied."""
+    def fill(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Every expert not yet cached brought in, when the cache `holds_all`, a layer at a time:
+        copies counted in the `load` phase, each layer's on the link at once, `progress(layers
+        landed, layers)` after each. Returns how many experts were copied."""
         if not self.holds_all:
             return 0
-        every = ((layer, e) for layer in self.store.layer_indices for e in range(self.store.num_experts))
-        keys = [key for key in every if key not in self]
+        layers, copied = self.store.layer_indices, 0
+        for done, layer in enumerate(layers, 1):
+            keys = [(layer, e) for e in range(self.store.num_experts) if (layer, e) not in self]
+            copied += len(keys)
+            self._bring_in(keys)
+            if progress is not None:
+                progress(done, len(layers))
+        return copied
+
+    def _bring_in(self, keys: list[ExpertKey]) -> None:
+        """`keys` acquired (copies issued), waited for until the last has landed, released."""
         slots: list[Slot] = []
         try:
             with self.in_phase("load"):
                 for key in keys:
                     slots.append(self.acquire(key))
+            last = slots[-1].copy if slots else None
             for slot in slots:
                 self.wait(slot)
+            if last is not None:
+                last.synchronize()  # one link, copies land in order: the layer is in
         finally:
             for slot in slots:
                 self.release(slot)
-        return len(keys)
 
     def slot_table(self, layer: int) -> torch.Tensor | None:
         """`[E]` on the device: the slot of each of `layer`'s experts, when the cache `holds_all`

@@ -11,6 +11,7 @@ from tests.engine.cache_helpers import (
     NUM_EXPERTS,
     NUM_LAYERS,
     ManualTransfer,
+    StreamWaitTransfer,
     counters,
     make_cache,
     slot_matches_store,
@@ -35,6 +36,20 @@ def test_fill_copies_each_missing_expert_once_in_the_load_phase(store) -> None:
     assert all(s.state is SlotState.READY and s.pins == 0 for s in cache.slots)
     assert all(slot_matches_store(cache, s) for s in cache.slots)
     assert cache.fill() == 0  # nothing left to bring in
+
+
+def test_fill_goes_a_layer_at_a_time_and_reports_each_once_it_landed(store) -> None:
+    """As on CUDA, a consumer's wait only orders the compute stream (`StreamWaitTransfer`): the
+    fill blocks on each layer's last copy (one link, in order) before it reports the layer."""
+    transfer = StreamWaitTransfer()
+    cache = make_cache(store, transfer, n_slots=store.total_experts)
+    reports = []
+
+    def progress(done: int, total: int) -> None:
+        reports.append((done, total, len(transfer.copies), transfer.copies[-1].landed))
+
+    assert cache.fill(progress) == store.total_experts
+    assert reports == [(i, NUM_LAYERS, i * NUM_EXPERTS, True) for i in range(1, NUM_LAYERS + 1)]
 
 
 def test_a_cache_smaller_than_the_model_is_neither_filled_nor_given_tables(store) -> None:
@@ -98,4 +113,4 @@ def test_a_failed_copy_fails_the_fill_leaves_nothing_pinned_and_no_table(store) 
         cache.fill()
     assert all(s.pins == 0 for s in cache.slots)
     assert cache.slot_table(0) is None  # the failed expert is not cached
-    assert cache.used_slots == store.total_experts - 1
+    assert cache.used_slots == NUM_EXPERTS - 1  # its layer's others; later layers were not started
