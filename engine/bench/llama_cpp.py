@@ -45,7 +45,7 @@ _PROBE = (
 PROBE_TIMEOUT_S = 600  # a large file's first read from disk
 
 
-def check_available(path: str | Path | None = None, threads: int = 1) -> None:
+def check_available(path: str | Path | None = None) -> None:
     """Raise `LlamaCppUnavailable` where llama-cpp-python is missing (saying how to install it),
     or where its llama.cpp crashes or hangs on the file `path` (run in a child process first: a
     crash in-process would take the whole bench down with a bare segmentation fault)."""
@@ -55,7 +55,7 @@ def check_available(path: str | Path | None = None, threads: int = 1) -> None:
         raise LlamaCppUnavailable(_INSTALL) from err
     if path is None:
         return
-    command = [sys.executable, "-c", _PROBE, str(path), str(threads)]
+    command = [sys.executable, "-c", _PROBE, str(path), str(_threads())]
     try:
         probe = subprocess.run(command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired as err:
@@ -142,11 +142,16 @@ def spread(passes: list[dict]) -> float:
     return (max(tpots) - min(tpots)) / statistics.median(tpots)
 
 
-def _runner(args, prompt_ids: list[list[int]]) -> LlamaCppRunner:
+def _threads() -> int:
+    """llama.cpp's threads: torch's, which MoE Chat computes with."""
     import torch
 
+    return torch.get_num_threads()
+
+
+def _runner(args, prompt_ids: list[list[int]]) -> LlamaCppRunner:
     n_ctx = max(2048, max(map(len, prompt_ids)) + args.new_tokens + 8)
-    runner = LlamaCppRunner(args.vs_llama_cpp, threads=torch.get_num_threads(), n_ctx=n_ctx)
+    runner = LlamaCppRunner(args.vs_llama_cpp, threads=_threads(), n_ctx=n_ctx)
     runner.timed_pass([prompt_ids[0][:8]], 4)  # warm-up
     return runner
 

@@ -108,8 +108,6 @@ def compare_side_by_side(args, budget: str, prompt_ids, config: OffloadConfig) -
 
 
 def run(args: argparse.Namespace) -> dict:
-    import torch
-
     from engine.bench.tuned import calibrated_offload
     from engine.loader import load_model
     from engine.offload.expert_graphs import ExpertGraphs
@@ -118,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
     prompts = PROMPTS[: args.prompts]
     rows: list[BenchRow] = []
     if args.vs_llama_cpp:
-        llama_cpp.check_available(args.vs_llama_cpp, torch.get_num_threads())
+        llama_cpp.check_available(args.vs_llama_cpp)
     # llama.cpp beside the last budget's model, their passes alternated, where memory holds both
     beside = args.vs_llama_cpp and llama_cpp.fits_beside(args.vs_llama_cpp)
     link, calibration = calibrated_offload(args, model_folder(args), offload_config(args, budgets[0]))
@@ -175,10 +173,6 @@ def _measured_beside(args: argparse.Namespace, model, prompt_ids: list[int]) -> 
     graphs = model.control.graphs
     if graphs is not None:
         extras["expert_graphs"] = {"captures": graphs.captures, "off_because": graphs.off_because}
-        print(
-            f"expert CUDA graphs: {graphs.captures} layers captured, off: {graphs.off_because}",
-            file=sys.stderr,
-        )
     return extras
 
 

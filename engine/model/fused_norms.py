@@ -14,9 +14,8 @@ forward takes the hidden states alone, which has a `weight` of the normalised wi
 parameter, and whose own forward gives the fused one's output bit for bit on a probe on the CPU,
 in float32 and in bfloat16 (once per class): families whose norm differs — Gemma's `1 + weight`,
 GPT-OSS's weight applied before the downcast, a gated or biased norm — fail the probe and keep
-their own forward. On the CPU the
-outputs are therefore unchanged; on CUDA the fused kernel sums the squares in its own order
-(float32 rounding, as the grouped experts' combine).
+their own forward. On the CPU the outputs are therefore unchanged; on CUDA the fused kernel sums
+the squares in its own order (float32 rounding, as the grouped experts' combine).
 """
 
 from __future__ import annotations
@@ -49,8 +48,8 @@ def fuse_rms_norms(model: nn.Module) -> int:
     return fused
 
 
-def _epsilon(module: nn.Module) -> float:
-    return module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+def _epsilon(module: nn.Module) -> float | None:
+    return getattr(module, "variance_epsilon", getattr(module, "eps", None))
 
 
 def _fusable(cls: type, module: nn.Module) -> bool:
@@ -61,7 +60,7 @@ def _fusable(cls: type, module: nn.Module) -> bool:
         and list(params) == ["weight"]
         and params["weight"].dim() == 1
         and not list(module.children())
-        and isinstance(getattr(module, "variance_epsilon", getattr(module, "eps", None)), float)
+        and isinstance(_epsilon(module), float)
     )
 
 

@@ -120,7 +120,7 @@ class PrefixCache:
             self._let_go(self._entries.pop(0))
 
     def clear(self) -> None:
-        """Drop every kept cache (the latest one's memory that may stays as the spare)."""
+        """Drop every kept cache; the memory of the latest one that may be the spare stays as the spare."""
         for entry in reversed(self._entries):
             if self._let_go(entry):
                 break

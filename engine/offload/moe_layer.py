@@ -190,7 +190,7 @@ class OffloadedExperts(nn.Module):
 
     def _slot_table(self, hidden: torch.Tensor, draft: DraftRouting | None) -> torch.Tensor | None:
         """The layer's `ExpertCache.slot_table`, for a one-token target step computed in groups."""
-        if hidden.shape[0] != 1 or draft is not None or not groups_asked(self):
+        if hidden.shape[0] != 1 or draft is not None or not self.cache.holds_all or not groups_asked(self):
             return None
         return self.cache.slot_table(self.layer)
 

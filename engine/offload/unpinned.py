@@ -6,8 +6,8 @@ a 24 GB card and a Q4 30B-A3B model) is `fill`ed when the model loads, a layer a
 whole, as llama.cpp loads a model that fits — and from then on each layer's experts sit in fixed
 slots, which `slot_table` gives as one device tensor: a one-token step looks its experts up in it on
 the device (`engine.offload.grouped.forward_resident`), so the host never reads the routing, and
-every use is a hit (`count_hits`). A slot table lasts until an expert of its layer leaves (a failed copy,
-`clear`, `resize`).
+every use is a hit (`count_hits`). A slot table lasts until an expert of its layer leaves (a failed
+copy, `clear`, `resize`).
 
 `UnpinnedUses` is a mixin of `ExpertCache`, whose lock, counters, table and pool it uses.
 """
