@@ -37,7 +37,7 @@ RAM_OVERHEAD = 2 * GIB  # the worker process: Python, torch, tokenizer, activati
 CONTEXT_TOKENS = 8192  # the context the fit counts a KV cache for (LM Studio's and Ollama's usual)
 RAM_USABLE = 0.85  # the share of RAM the OS and other programs leave to us
 TIGHT_RAM = 0.6  # above this share of usable RAM the fit is "tight"
-# BF16 experts the loader converts when they do not fit (engine.offload.quant, groups of 64 with a
+# BF16 experts the loader converts when they do not fit (engine.formats.int_quant, groups of 64 with a
 # bf16 scale and offset each): int8 is 1 + 4/64 bytes a weight, int4 1/2 + 4/64, of BF16's 2
 HOST_STORE_FACTORS = {"int8": 17 / 32, "int4": 9 / 32}
 # Bits a routed-expert weight takes in a GGUF of this quant, as llama.cpp's quantize writes them:
@@ -129,7 +129,7 @@ class CatalogEntry:
         bits = GGUF_EMBEDDING_BITS.get(self.quant) if self.format == "gguf" else None
         if bits is None or not self.embedding_params:
             return int(dense)
-        # a GGUF's big token embedding stays in its blocks (engine.offload.ggml_embedding)
+        # a GGUF's big token embedding stays in its blocks (engine.resident.ggml_embedding)
         return int(dense - self.embedding_params * (2 - bits / 8))
 
 

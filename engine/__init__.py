@@ -5,16 +5,24 @@ bounded cache of experts. The engine never imports Qt and is usable without the
 worker process: `loader.load_model` returns an `OffloadedModel`, and
 `generation.generate` is a generator of typed events.
 
-Rooms, bottom up (a room imports only rooms below it; `tests/test_layering.py`
-holds the order):
+Rooms, bottom up (a room imports only rooms below it; DESIGN.md describes them and
+`tests/test_layering.py` holds the order):
 
-- base modules: `errors`, `config`, `generation_config`, `resources`, `sampling`,
-  `textstream` (no torch in the first four);
-- `model/` — checkpoints and architecture adapters (DESIGN.md layers 1–2);
-- `offload/` — host store, device cache, transfer, offloaded MoE layer (3–6);
+- base modules: `errors`, `config`, `generation_config`, `resources`, `huge_pages`, then
+  `sampling`, `textstream`, `reasoning`;
+- `model/` — checkpoint readers and architecture adapters (DESIGN.md layers 1–2);
+- `tiny/` — tiny random models for the tests, the bench and `make-tiny`;
+- `ggml/` — llama.cpp's ggml C library through ctypes;
+- `formats/` — quantized weight formats and their reference numerics;
+- `store/` — the host expert store and the checkpoint-to-store builders (3);
+- `device_cache/` — the device expert cache and the link (4–5);
+- `moe/` — MoE execution: the offloaded experts module and its strategies (6);
+- `resident/` — the resident weights, GGUF matrices kept in their blocks;
+- `decode/` — the decode step builders and the ordered list of step paths;
+- `offloaded_model` — `OffloadedModel`, what the loader returns;
 - `metrics` — the DESIGN.md metrics computed from the cache's counters;
 - `speculative/` — drafters, verification, draft length, prefetch (7–8);
-- `generation`, `loader`, `prompts`, `options` — the engine's public API (10);
+- `constraints`, `generation`, `loader`, `prompts`, `options` — the engine's public API (10);
 - `tune/` — hardware auto-tune (9);
 - `worker/` — the worker process and its protocol;
 - `remote/` — a remote OpenAI-compatible engine behind the worker's interface (11);
@@ -23,13 +31,9 @@ holds the order):
 
 import os
 
-# Idle OpenMP threads spin before they sleep. libgomp's default spin (300,000 rounds) stalls a step
-# for 100s of ms whenever another process holds one of the cores; never spinning (PASSIVE) pays a
-# wake-up on each of a decode step's ~500 small operators. A short spin keeps most of both:
-# `python -m engine.bench --model Q4_K_M.gguf --kernels ggml --device cpu --expert-budget all
-# --prompts 2 --new-tokens 32 --repeats 2` (Qwen3-30B-A3B-shaped, 2 threads on this 2-core CPU),
-# tpot idle / with two busy processes on the cores: default 6.7 / 208.8 ms, PASSIVE 9.7 / 24.2 ms,
-# GOMP_SPINCOUNT=10000 6.9 / 20.9 ms. OpenMP reads it once, when torch loads: set here, before any
-# engine module imports torch. A user's own setting of either variable wins.
+# Idle OpenMP threads spin before they sleep. libgomp's default spin stalls a step whenever another
+# process holds one of the cores; never spinning pays a wake-up on each of a decode step's many small
+# operators. A short spin keeps most of both (BENCHMARKS.md). OpenMP reads it once, when torch loads:
+# set here, before any engine module imports torch. A user's own setting of either variable wins.
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")

@@ -47,7 +47,7 @@ def _generate_parser(sub) -> None:
 
 
 def _make_tiny_parser(sub) -> None:
-    # engine.model.tiny imports transformers (seconds); the registry's list is the same and light,
+    # engine.tiny.models imports transformers (seconds); the registry's list is the same and light,
     # so a mistyped option fails at once.
     from engine.model.adapters import SUPPORTED_MODEL_TYPES
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "tune":
             return run_tune(args)
-        from engine.model.tiny import make_tiny_model
+        from engine.tiny.models import make_tiny_model
 
         path = make_tiny_model(args.out, model_type=args.arch, seed=args.seed)
         print(path)

@@ -32,8 +32,8 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-CACHE_POLICIES: tuple[str, ...] = ("lru", "lfu", "mrs")  # engine.offload.eviction builds them
-# Routed experts as the checkpoint has them, or group-wise quantized (engine.offload.quant): opt-in,
+CACHE_POLICIES: tuple[str, ...] = ("lru", "lfu", "mrs")  # engine.device_cache.eviction builds them
+# Routed experts as the checkpoint has them, or group-wise quantized (engine.formats.int_quant): opt-in,
 # because quantized experts change the model's outputs.
 EXPERT_DTYPES = ("native", "int8", "int4")
 # The KV cache's storage precision, apart from the compute dtype (engine.model.kv_cache): auto keeps

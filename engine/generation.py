@@ -27,7 +27,7 @@ from engine.errors import ContextLengthError, InvalidRequestError
 from engine.generation_config import GenerationConfig, forced_tool_names, is_unicode
 from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot
 from engine.model.prefix_cache import save_point
-from engine.offload.model import OffloadedModel
+from engine.offloaded_model import OffloadedModel
 from engine.reasoning import harmony_splitter_for, one_call_per_message, splitter_for
 from engine.sampling import Sampler
 from engine.speculative.auto import refuse_speculation_that_cannot_rewind

@@ -9,7 +9,7 @@ transformers' own conversion rules (Mixtral's `block_sparse_moe` → `mlp` …).
 
 With `OffloadConfig.expert_dtype` int8 or int4 the routed experts are quantized as they are
 read (opt-in: it changes the outputs), and the converted store is cached on disk
-(`engine.offload.store_cache`) so the next load of the model skips the conversion.
+(`engine.store.disk_cache`) so the next load of the model skips the conversion.
 """
 
 from __future__ import annotations
@@ -26,38 +26,38 @@ from gguf import GGMLQuantizationType
 from transformers import AutoModelForCausalLM
 
 from engine.config import ExpertBudget, OffloadConfig
+from engine.decode.cpu_attention import use_cpu_attention
+from engine.decode.fused_norms import fuse_rms_norms
+from engine.device_cache.eviction import make_policy
+from engine.device_cache.expert_cache import ExpertCache
+from engine.device_cache.transfer import make_transfer
 from engine.errors import (
     BudgetTooSmallError,
     DeviceOutOfMemoryError,
     InvalidRequestError,
     UnsupportedArchitectureError,
 )
+from engine.formats.int_quant import QuantSpec
 from engine.model.adapters import get_architecture
 from engine.model.adapters.base import Architecture, DiskLayout
 from engine.model.adapters.generic import bind, experts_per_token
 from engine.model.checkpoint import Checkpoint
-from engine.model.cpu_attention import use_cpu_attention
 from engine.model.folder import load_tokenizer, open_checkpoint
-from engine.model.fused_norms import fuse_rms_norms
 from engine.model.gguf_file import GgufCheckpoint
 from engine.model.kv_size import KV_RESERVE_TOKENS, kv_element_bytes, kv_reserve_bytes
-from engine.offload.compressed_tensors import compressed_checkpoint
-from engine.offload.eviction import make_policy
-from engine.offload.expert_cache import ExpertCache
-from engine.offload.expert_store import ExpertLayout, ExpertStore, build_store, find_layout
-from engine.offload.fp8_store import Fp8Checkpoint, build_fp8_store, fp8_checkpoint
-from engine.offload.gguf_store import build_gguf_store
-from engine.offload.int4_store import Int4Checkpoint, build_int4_store, int4_checkpoint
-from engine.offload.model import OffloadedModel
-from engine.offload.moe_layer import ExpertControl, OffloadedExperts, moe_blocks
-from engine.offload.mxfp4_store import build_mxfp4_store, is_mxfp4
-from engine.offload.prequantized import first_experts, refuse_requantization
-from engine.offload.quant import QuantSpec
-from engine.offload.routing_trace import RoutingTrace
-from engine.offload.staging import pinned_for_copies
-from engine.offload.store_cache import StoreKey, load_or_build
-from engine.offload.transfer import make_transfer
-from engine.resident_weights import load_resident
+from engine.moe.layer import ExpertControl, OffloadedExperts, moe_blocks
+from engine.moe.routing_trace import RoutingTrace
+from engine.offloaded_model import OffloadedModel
+from engine.resident.weights import load_resident
+from engine.store.disk_cache import StoreKey, load_or_build
+from engine.store.from_compressed_tensors import compressed_checkpoint
+from engine.store.from_fp8 import Fp8Checkpoint, build_fp8_store, fp8_checkpoint
+from engine.store.from_gguf import build_gguf_store
+from engine.store.from_int4 import Int4Checkpoint, build_int4_store, int4_checkpoint
+from engine.store.from_mxfp4 import build_mxfp4_store, is_mxfp4
+from engine.store.host_store import ExpertLayout, ExpertStore, build_store, find_layout
+from engine.store.prequantized import first_experts, refuse_requantization
+from engine.store.staging import pinned_for_copies
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def _expert_store(folder, checkpoint, hf_model, arch, blocks, dtype, device, con
 
     Built in pageable memory; on CUDA a small store is then pinned whole, a bigger one pinned in place
     or, past half the RAM or when the OS refuses, left pageable with its copies staged
-    (engine.offload.staging)."""
+    (engine.store.staging)."""
     store, disk_layout = _build_store(
         folder, checkpoint, hf_model, arch, blocks, dtype, config, progress, device.type == "cpu"
     )

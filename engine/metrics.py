@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from engine.offload.cache_stats import PHASES, PhaseCounters
-from engine.offload.expert_cache import ExpertCache
+from engine.device_cache.expert_cache import ExpertCache
+from engine.device_cache.stats import PHASES, PhaseCounters
 
 Snapshot = dict[str, PhaseCounters]
 

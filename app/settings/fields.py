@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from engine.config import DEVICES, EXPERT_DTYPES, KERNELS, KV_DTYPES
 from engine.generation_config import CPU_EXPERT_MODES, PREFETCH_CHOICES, SPEC_CHOICES, SpecConfig
-from engine.offload.eviction import POLICIES
+from engine.device_cache.eviction import POLICIES
 
 MAX_DRAFT_LEN = SpecConfig().max_draft_len
 MAX_SIM_LINK_GBPS = 1000.0

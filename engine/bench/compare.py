@@ -23,7 +23,7 @@ import statistics
 from dataclasses import dataclass, replace
 
 from engine.config import ExpertBudget, OffloadConfig
-from engine.offload.cache_stats import PHASES
+from engine.device_cache.stats import PHASES
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +108,9 @@ def _generation_config(conf: Configuration, args, new_tokens: int):
 
 def bench_configuration(conf: Configuration, folder: str, offload: OffloadConfig, args, prompt_ids):
     """Median-tpot pass of one configuration, and the token ids it produced."""
+    from engine.device_cache.transfer import metered
     from engine.generation import generate_text
     from engine.loader import load_model
-    from engine.offload.transfer import metered
 
     model = load_model(folder, replace(offload, policy=conf.policy))
     try:

@@ -110,7 +110,7 @@ def compare_side_by_side(args, budget: str, prompt_ids, config: OffloadConfig) -
 def run(args: argparse.Namespace) -> dict:
     from engine.bench.tuned import calibrated_offload
     from engine.loader import load_model
-    from engine.offload.expert_graphs import ExpertGraphs
+    from engine.moe.cuda_graphs import ExpertGraphs
 
     budgets = [b.strip() for b in (args.expert_budget or "all").split(",")]
     prompts = PROMPTS[: args.prompts]
@@ -243,7 +243,7 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
         "--expert-graphs",
         action="store_true",
         help="CUDA, a cache holding every expert: replay each MoE layer's one-token step as a CUDA "
-        "graph (engine.offload.expert_graphs; off by default until measured)",
+        "graph (engine.moe.cuda_graphs; off by default until measured)",
     )
 
 

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import statistics
 
+from engine import huge_pages
 from engine.bench.memory import kv_cache_bytes, peak_rss_bytes
 from engine.bench.rows import BenchRow
-from engine.offload import huge_pages
 from engine.prompts import greedy
 
 
 def engine_pass(model, prompt_ids: list[list[int]], new_tokens: int) -> dict:
     """One pass of greedy, fixed-length generations over the prompt set."""
+    from engine.device_cache.transfer import metered
     from engine.generation import generate_text
-    from engine.offload.transfer import metered
 
     runs = []
     with metered(model.transfer) as meter:

@@ -28,7 +28,7 @@ class BenchRow:
     kv_bytes: int | None = None  # the KV cache of the longest sequence run
     in_place: bool = False  # CPU, no link simulated: the experts are used where the store holds them
     copy_hidden: float | None = None  # share of the link's copy time compute did not wait for
-    huge_page_bytes: int | None = None  # this process's memory on 2 MiB pages (engine.offload.huge_pages)
+    huge_page_bytes: int | None = None  # this process's memory on 2 MiB pages (engine.huge_pages)
 
 
 def format_table(rows: list[BenchRow]) -> str:

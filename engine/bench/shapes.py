@@ -46,7 +46,7 @@ TYPES = {  # name: (routed gate/up, routed down, every other matrix)
 
 def write_shape(folder: str | Path, type_name: str, seed: int = 0) -> Path:
     """The Qwen3-30B-A3B-shaped 2-layer model as `folder/qwen3-30b-a3b-2layers-<type>.gguf`."""
-    from engine.model.tiny_gguf import write_tiny_gguf
+    from engine.tiny.gguf_writer import write_tiny_gguf
 
     expert, down, other = TYPES[type_name]
     folder = Path(folder)

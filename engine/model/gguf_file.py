@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 SPLIT = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # architectures whose matrices transformers reads with their rows as stored (no Q/K permutation):
-# their quantized blocks can be computed on as they lie (engine.offload.ggml_resident)
+# their quantized blocks can be computed on as they lie (engine.resident.ggml_linear)
 ROWS_AS_STORED = ("qwen2moe", "qwen3moe")
 # tensor types that hold floats, not quantized blocks
 DENSE_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})

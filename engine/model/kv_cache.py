@@ -86,7 +86,7 @@ class GrowingLayer(DynamicLayer):
 
     While the cache lies in its buffers it is held as their first `_length` positions, and the
     views are made when `keys` or `values` is read: a step whose producer writes the buffers
-    itself (`room`, `written`: engine.offload.ggml_layer) makes no tensor at all, where slicing
+    itself (`room`, `written`: engine.decode.layer_graph) makes no tensor at all, where slicing
     the two views cost ~10 µs a layer of every decode step."""
 
     _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -157,7 +157,7 @@ class GrowingLayer(DynamicLayer):
     def room(self, new: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The key and value buffers (`[1, heads, capacity, D]`) with room for `new` positions after
         the cached ones, for a producer that writes them there itself and then calls `written(new)`
-        (engine.offload.ggml_layer); None before the first update or for several sequences."""
+        (engine.decode.layer_graph); None before the first update or for several sequences."""
         buffers, length = self._buffers, self._length
         if not self.is_initialized or buffers is None:
             return None

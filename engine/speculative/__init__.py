@@ -8,6 +8,7 @@ rewind both caches) with `acceptance` (greedy, rejection sampling, adaptive) and
 experts verification needs while the draft runs (SP-MoE, next-layer, HybriMoE), up to
 the `cutoff` layer.
 
-May import: the engine's base modules, `engine.model`, `engine.offload`,
+May import: the engine's base modules, `engine.model`, the experts' rooms (`store`,
+`device_cache`, `moe`), `engine.decode`, `engine.offloaded_model`,
 `engine.sampling` and `engine.metrics`. Never generation, tune, worker or bench.
 """

@@ -35,6 +35,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from engine.device_cache.expert_cache import STREAM_DEPTH
 from engine.generation_config import (  # noqa: F401  (SPEC_MODES is re-exported)
     SPEC_MODES,
     SamplingConfig,
@@ -43,8 +44,7 @@ from engine.generation_config import (  # noqa: F401  (SPEC_MODES is re-exported
 )
 from engine.metrics import SpecSummary
 from engine.model.kv_cache import RecurrentState, rewind_cache
-from engine.offload.cpu_experts import HybridExecutor
-from engine.offload.expert_cache import STREAM_DEPTH
+from engine.moe.cpu_misses import HybridExecutor
 from engine.sampling import Sampler
 from engine.speculative.acceptance import Verdict, adaptive_accept, greedy_accept, rejection_accept
 from engine.speculative.auto import resolve as resolve_auto

@@ -1,6 +1,6 @@
 """`MtpDrafter` (`--spec mtp`): drafts with the checkpoint's own multi-token-prediction layer.
 
-The MTP layer (engine.model.mtp) predicts token t+2 from the target's last hidden state at t and
+The MTP layer (engine.model.mtp_layer) predicts token t+2 from the target's last hidden state at t and
 the embedding of token t+1. The drafter keeps an MTP KV cache whose entry j is that step for target
 position `base + j`, fed with the target's own hidden states: `TargetHiddenStates` records them
 from every target forward (a forward hook on its decoder), so prefill and each verification hand
@@ -39,10 +39,10 @@ from engine.model.checkpoint import Checkpoint
 from engine.model.folder import open_checkpoint
 from engine.model.hf_calls import decoder_of
 from engine.model.kv_cache import rewind_cache
-from engine.model.mtp import MtpFormat, MtpHead, build_mtp_head, find_mtp, require_mtp
-from engine.offload.expert_store import find_layout, read_expert
+from engine.model.mtp_layer import MtpFormat, MtpHead, build_mtp_head, find_mtp, require_mtp
 from engine.sampling import Sampler
 from engine.speculative.drafters import Draft, Drafter
+from engine.store.host_store import find_layout, read_expert
 
 log = logging.getLogger(__name__)
 

@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from engine.device_cache.eviction import ExpertKey
+from engine.device_cache.expert_cache import STREAM_DEPTH, ExpertCache
 from engine.errors import InvalidRequestError
 from engine.generation_config import PREFETCH_POLICIES
 from engine.model.hf_calls import decoder_of
-from engine.offload.eviction import ExpertKey
-from engine.offload.expert_cache import STREAM_DEPTH, ExpertCache
-from engine.offload.moe_layer import moe_blocks
+from engine.moe.layer import moe_blocks
 from engine.speculative.draft_len import unique_experts
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from engine.device_cache.stats import PhaseCounters
 from engine.metrics import LiveGeneration, cache_snapshot
-from engine.offload.cache_stats import PhaseCounters
 from engine.worker.protocol import Stats
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from app.model_library import (
     folder_name,
     key_of_folder,
 )
-from engine.model.tiny import make_tiny_model
+from engine.tiny.models import make_tiny_model
 from engine.resources import demo_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.offload.eviction import EvictionPolicy, ExpertKey, LRUPolicy
-from engine.offload.expert_cache import ExpertCache, Slot
-from engine.offload.expert_store import ExpertLayout, ExpertStore
-from engine.offload.transfer import CopyHandle, TransferEngine
+from engine.device_cache.eviction import EvictionPolicy, ExpertKey, LRUPolicy
+from engine.device_cache.expert_cache import ExpertCache, Slot
+from engine.device_cache.transfer import CopyHandle, TransferEngine
+from engine.store.host_store import ExpertLayout, ExpertStore
 
 NUM_LAYERS, NUM_EXPERTS = 3, 6
 SHAPES = {"gate_up_proj": (10, 6), "down_proj": (6, 5), "down_proj_bias": (6,)}

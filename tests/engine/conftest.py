@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.tiny import make_tiny_model
-from engine.offload.expert_store import ExpertStore
-from engine.offload.transfer import SimulatedLink
+from engine.device_cache.transfer import SimulatedLink
+from engine.store.host_store import ExpertStore
+from engine.tiny.models import make_tiny_model
 from tests.engine.cache_helpers import make_store
 
 # -- shared by the error tests ----------------------------------------------------------------

@@ -11,9 +11,9 @@ TypeScript signatures, built-in tools and the date):
 import json
 from pathlib import Path
 
-from engine.model.tiny import build_tiny_model, save_tiny_model
-from engine.model.tiny_gguf import demo_tokenizer
 from engine.reasoning import HARMONY
+from engine.tiny.gguf_writer import demo_tokenizer
+from engine.tiny.models import build_tiny_model, save_tiny_model
 
 HARMONY_TEMPLATE = (
     "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}\n\n"

@@ -16,14 +16,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.config import ExpertBudget, OffloadConfig
+from engine.device_cache.stats import PHASES, PhaseCounters
 from engine.generation import FinishedEvent, GenerationConfig
 from engine.loader import load_model
 from engine.metrics import Snapshot, cache_snapshot, phase_delta
-from engine.model.tiny import build_tiny_model, save_tiny_model, tiny_config, tiny_tokenizer
-from engine.offload.cache_stats import PHASES, PhaseCounters
-from engine.offload.model import OffloadedModel
+from engine.offloaded_model import OffloadedModel
 from engine.sampling import SamplingConfig
 from engine.speculative.decoder import SpecConfig
+from engine.tiny.models import build_tiny_model, save_tiny_model, tiny_config, tiny_tokenizer
 
 NEW_TOKENS = 12
 GREEDY = SamplingConfig(greedy=True)

@@ -24,8 +24,8 @@ from engine.config import OffloadConfig
 from engine.generation import GenerationConfig, generate_text
 from engine.loader import load_model
 from engine.model.adapters import SUPPORTED_MODEL_TYPES
-from engine.model.tiny import TINY_ARCHITECTURES, make_tiny_model, tiny_config
 from engine.sampling import SamplingConfig
+from engine.tiny.models import TINY_ARCHITECTURES, make_tiny_model, tiny_config
 
 PROMPT = "Hello, who are you?"
 MAX_NEW = 8

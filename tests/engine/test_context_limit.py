@@ -14,8 +14,8 @@ from engine.errors import ContextLengthError, InvalidRequestError
 from engine.generation import GenerationConfig, generate_text
 from engine.generation_config import SamplingConfig, SpecConfig
 from engine.loader import load_model
-from engine.model.tiny import make_tiny_model
-from engine.offload.model import ModelInfo
+from engine.offloaded_model import ModelInfo
+from engine.tiny.models import make_tiny_model
 from engine.worker.protocol import ChatMessage, Generate, decode, encode
 
 WINDOW = 64

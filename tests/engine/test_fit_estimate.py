@@ -17,13 +17,13 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 
-import engine.offload.ggml_embedding as ggml_embedding
+import engine.resident.ggml_embedding as ggml_embedding
 from app.catalog import CatalogEntry, estimate_fit, kv_bytes
 from engine.config import OffloadConfig
 from engine.loader import load_model
 from engine.model.kv_size import KvShape
-from engine.model.tiny import build_tiny_model, save_tiny_model
-from engine.model.tiny_gguf import gguf_config, write_tiny_gguf
+from engine.tiny.gguf_writer import gguf_config, write_tiny_gguf
+from engine.tiny.models import build_tiny_model, save_tiny_model
 
 CONTEXT = 96  # tokens
 SIZES = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=512, num_experts=16)

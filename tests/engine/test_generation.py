@@ -11,8 +11,8 @@ from engine import generation
 from engine.config import ExpertBudget, OffloadConfig
 from engine.generation import FinishedEvent, GenerationConfig, TokenEvent, generate, generate_text
 from engine.loader import load_model
-from engine.model.tiny import make_tiny_model
 from engine.sampling import SamplingConfig
+from engine.tiny.models import make_tiny_model
 
 GREEDY = SamplingConfig(greedy=True)
 

@@ -12,8 +12,8 @@ import torch
 from engine.config import ExpertBudget, OffloadConfig
 from engine.loader import load_model
 from engine.model.checkpoint import Checkpoint
-from engine.model.tiny import build_tiny_model, make_tiny_model, save_tiny_model
-from engine.offload.moe_layer import OffloadedExperts
+from engine.moe.layer import OffloadedExperts
+from engine.tiny.models import build_tiny_model, make_tiny_model, save_tiny_model
 
 CONFIG = OffloadConfig(device="cpu", expert_budget=ExpertBudget(experts=4))
 

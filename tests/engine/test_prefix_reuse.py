@@ -12,8 +12,8 @@ from engine.generation import generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
 from engine.loader import load_model
 from engine.model.prefix_cache import PrefixCache
-from engine.model.tiny import make_tiny_model
 from engine.resources import demo_model_dir
+from engine.tiny.models import make_tiny_model
 
 GREEDY = GenerationConfig(max_new_tokens=16, sampling=SamplingConfig(greedy=True))
 SEEDED = GenerationConfig(max_new_tokens=16, sampling=SamplingConfig(temperature=0.9, seed=7))

@@ -224,7 +224,7 @@ def test_the_argmax_is_torchs_first_largest_on_every_path():
 
 
 def test_greedy_reads_a_buffer_rewritten_step_after_step_as_it_is_now():
-    """A decode step's logits are one buffer rewritten each step (engine.offload.ggml_decode): the
+    """A decode step's logits are one buffer rewritten each step (engine.decode.one_token): the
     sampler keeps its numpy view, and each draw takes the argmax of what the buffer holds then —
     of another tensor, or one numpy cannot read, that tensor's own."""
     sampler, history = Sampler(SamplingConfig(greedy=True)), torch.tensor([], dtype=torch.long)

@@ -4,8 +4,8 @@ writes an empty block), and drops earlier replies' thinking from the history."""
 
 from pathlib import Path
 
-from engine.model.tiny import build_tiny_model, save_tiny_model
-from engine.model.tiny_gguf import demo_tokenizer
+from engine.tiny.gguf_writer import demo_tokenizer
+from engine.tiny.models import build_tiny_model, save_tiny_model
 
 QWEN_THINKING_TEMPLATE = (
     "{%- for message in messages %}"

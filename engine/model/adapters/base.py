@@ -83,7 +83,7 @@ class Architecture:
     router_attr: str = ""  # attribute of the MoE block holding the router ("": found by `bind`)
     notes: str = ""
     # config keys whose presence means weights we cannot compute with yet (MXFP4 experts in fused
-    # `_blocks`/`_scales` tensors, as gpt-oss ships them, load: engine.offload.mxfp4_store; FP8
-    # checkpoints with per-expert matrices too: engine.offload.fp8_store, and GPTQ/AWQ int4 ones:
-    # engine.offload.int4_store)
+    # `_blocks`/`_scales` tensors, as gpt-oss ships them, load: engine.store.from_mxfp4; FP8
+    # checkpoints with per-expert matrices too: engine.store.from_fp8, and GPTQ/AWQ int4 ones:
+    # engine.store.from_int4)
     unsupported_quantization: tuple[str, ...] = field(default=("bitsandbytes",))

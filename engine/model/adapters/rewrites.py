@@ -8,7 +8,7 @@ SwiGLU maps to zero), and the outputs are summed unweighted. Its experts module 
 `rewrite_moe_blocks` replaces such a block, in a model built on the meta device, by one that
 computes the same thing on the interface the engine offloads: a router returning
 `(logits, top_k_weights, top_k_index)` and an experts module called `experts(hidden, top_k_index,
-top_k_weights)` that says `scales_input` (engine.offload.moe_layer then computes `f_e(w·x)`
+top_k_weights)` that says `scales_input` (engine.moe.layer then computes `f_e(w·x)`
 instead of `w·f_e(x)`). The rewritten modules keep the original parameters under the same
 names, so checkpoints load as published. Test: tests/engine/model/test_all_families.py (llama4).
 """

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine.bench import main as bench
-from engine.model.tiny import make_tiny_model
 from engine.prompts import lengthened
+from engine.tiny.models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as QT
 
 from engine.bench import llama_cpp, passes
 from engine.bench import main as bench
-from engine.model.tiny_gguf import write_tiny_gguf
+from engine.tiny.gguf_writer import write_tiny_gguf
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Every Mixture-of-Experts family transformers ships, exact through the engine (issue 20).
 
-Generated from transformers' registry (engine.model.tiny_registry.moe_model_types): for each
+Generated from transformers' registry (engine.tiny.registry.moe_model_types): for each
 family a tiny random model from its own config class (shrunk generically), saved as transformers
 saves it (a vision-language family as its published vision-language class, whose language model
 transformers' causal-LM class reads back as the reference), loaded by the engine with a quarter
@@ -29,13 +29,13 @@ from engine.loader import load_model
 from engine.model.adapters import NOT_SUPPORTED, SUPPORTED_MODEL_TYPES
 from engine.model.adapters.families import NO_SPECULATION
 from engine.model.hf_calls import with_cache
-from engine.model.tiny import TINY_ARCHITECTURES, save_tiny_model, tiny_config
-from engine.model.tiny_registry import is_multimodal, moe_model_types, shrunk_config
+from engine.tiny.models import TINY_ARCHITECTURES, save_tiny_model, tiny_config
+from engine.tiny.registry import is_multimodal, moe_model_types, shrunk_config
 from tests.engine.exactness import assert_matches_reference
 from tests.engine.speculative.mtp_checkpoints import save_with_mtp
 
 # Families whose published checkpoints carry multi-token-prediction layers in a format the engine
-# reads (engine.model.mtp: DeepSeek's nextn, Qwen's mtp.*): `--spec mtp` is checked on each, with
+# reads (engine.model.mtp_layer: DeepSeek's nextn, Qwen's mtp.*): `--spec mtp` is checked on each, with
 # the MTP layer saved as those checkpoints have it (tests/engine/speculative/mtp_checkpoints.py).
 # MiMo-V2-Flash, Mellum, MiniMax-M2, EXAONE-MoE, Hunyuan-V3, Nemotron-H and Inkling publish theirs
 # in other layouts, which are not read (`--spec mtp` says so; `self` drafts instead).
@@ -54,7 +54,7 @@ MTP_FAMILIES = (
 # engine's cache is the model's own, and recurrent state goes back by a saved copy).
 SPEC_XFAIL: dict[str, str] = {}
 
-# Families whose one-token steps go through engine.model.lean_decode (the standard pre-norm
+# Families whose one-token steps go through engine.decode.lean (the standard pre-norm
 # decoder with full attention); the others decode through transformers' forward.
 LEAN_FAMILIES = {
     "aria_text",
@@ -127,7 +127,7 @@ def test_logits_and_greedy_tokens_equal_transformers(family):
 
 
 def test_lean_steps_are_the_forward_bit_for_bit(family):
-    """Where the engine runs the decoder without transformers' wrappers (engine.model.lean_decode),
+    """Where the engine runs the decoder without transformers' wrappers (engine.decode.lean),
     a prompt's logits at every position, decode steps' and verifications' are the very ones
     transformers' forward gives on the same cache: the same operators on the same tensors. A
     prompt whose last position alone is kept runs the last layer's MLP on that row only: the same
@@ -155,7 +155,7 @@ def test_lean_steps_are_the_forward_bit_for_bit(family):
 
 
 def _lean_refusal(model) -> str:
-    from engine.model.lean_decode import _refusal
+    from engine.decode.lean import _refusal
 
     return _refusal(model.hf_model) or "taken"
 

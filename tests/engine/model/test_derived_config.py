@@ -14,7 +14,7 @@ from engine.loader import load_model
 from engine.model.check import check_model_folder, config_problems, unsupported_architecture_message
 from engine.model.derived_config import base_model_type
 from engine.model.folder import load_tokenizer, read_config
-from engine.model.tiny import build_tiny_model, save_tiny_model
+from engine.tiny.models import build_tiny_model, save_tiny_model
 from tests.engine.exactness import assert_matches_reference
 
 # A repository's remote code: running it would leave a file behind and fail the load.

@@ -16,7 +16,7 @@ from engine.errors import CorruptCheckpointError, InvalidConfigError, ModelNotFo
 from engine.generation import generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig
 from engine.loader import load_model
-from engine.model.tiny_gguf import gguf_config, write_split_gguf, write_tiny_gguf
+from engine.tiny.gguf_writer import gguf_config, write_split_gguf, write_tiny_gguf
 from tests.engine.exactness import assert_matches_reference
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 64]
@@ -57,8 +57,8 @@ def test_logits_and_greedy_tokens_equal_transformers_gguf_loading(tiny_gguf):
 def test_experts_computed_in_groups_equal_transformers_gguf_loading(tiny_gguf, monkeypatch):
     """The grouped path (CUDA's default; forced here) dequantizes a group's blocks at once: the same
     logits and greedy tokens. On the CPU Q4_K and Q6_K fields are repacked for its kernels (one
-    expert at a time), so those files are checked on CUDA (tests/engine/offload/test_gpu.py)."""
-    import engine.offload.grouped as grouped
+    expert at a time), so those files are checked on CUDA (tests/engine/gpu/test_gpu.py)."""
+    import engine.moe.batched_experts as grouped
 
     groups = []
     real = grouped.accumulate_together
@@ -176,7 +176,7 @@ def test_a_big_quantized_token_embedding_stays_in_its_blocks_and_outputs_do_not_
     """As a 150k-token Q4_K embedding would (the tiny table counts as big here): the embedding is
     a GgmlEmbedding holding the file's blocks, a quarter or half of BF16's bytes, and the logits
     and 32 greedy tokens still equal transformers' GGUF loading."""
-    import engine.offload.ggml_embedding as ggml_embedding
+    import engine.resident.ggml_embedding as ggml_embedding
 
     monkeypatch.setattr(ggml_embedding, "MIN_QUANTIZED_EMBEDDING", 0)
     path = write_tiny_gguf(tmp_path, expert_type=QT.Q4_K, down_type=QT.Q6_K, other_type=embed_type)
@@ -197,7 +197,7 @@ def test_a_bfloat16_token_embedding_stays_in_its_rows_when_the_model_computes_in
 ):
     """Upcast to float32 the table would take twice the file's bytes: its BF16 rows are kept and
     a lookup converts them (exactly); computing in bfloat16 the table is an ordinary parameter."""
-    import engine.offload.ggml_embedding as ggml_embedding
+    import engine.resident.ggml_embedding as ggml_embedding
 
     monkeypatch.setattr(ggml_embedding, "MIN_QUANTIZED_EMBEDDING", 0)
     path = write_tiny_gguf(tmp_path, expert_type=QT.Q4_K, down_type=QT.Q6_K, other_type=QT.BF16)

@@ -17,7 +17,7 @@ from engine.model.kv_cache import (
     rewind_cache,
 )
 from engine.model.prefix_cache import PrefixCache
-from engine.model.tiny import build_tiny_model
+from engine.tiny.models import build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from engine.loader import load_model
 from engine.model.hf_calls import with_cache
 from engine.model.kv_cache import new_kv_cache
 from engine.model.kv_size import KV_RESERVE_TOKENS, KvShape, kv_element_bytes, kv_reserve_bytes
-from engine.model.tiny import build_tiny_model, make_tiny_model
 from engine.options import add_offload_arguments, offload_config
+from engine.tiny.models import build_tiny_model, make_tiny_model
 
 PROMPT = list(range(3, 60))
 GREEDY = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(greedy=True), ignore_eos=True)

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from engine.model.hf_calls import with_cache
 from engine.model.kv_size import KvShape
-from engine.model.tiny import build_tiny_model
+from engine.tiny.models import build_tiny_model
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,8 @@ from safetensors.numpy import save_file
 from engine.errors import UnsupportedArchitectureError
 from engine.model.adapters import get_architecture
 from engine.model.check import INDEX_NAME, check_model_folder
-from engine.model.tiny import TINY_ARCHITECTURES, build_tiny_model, make_tiny_model, save_tiny_model
 from engine.resources import demo_model_dir
+from engine.tiny.models import TINY_ARCHITECTURES, build_tiny_model, make_tiny_model, save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[3]
 

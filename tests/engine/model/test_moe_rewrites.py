@@ -15,8 +15,8 @@ from engine.generation import generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig
 from engine.loader import load_model
 from engine.model.adapters.rewrites import InputScaledMoe, rewrite_moe_blocks
-from engine.model.tiny import save_tiny_model
-from engine.model.tiny_registry import shrunk_config
+from engine.tiny.models import save_tiny_model
+from engine.tiny.registry import shrunk_config
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ from transformers import AutoModelForImageTextToText
 from engine.config import ExpertBudget, OffloadConfig
 from engine.loader import load_model
 from engine.model.checkpoint import Checkpoint
-from engine.model.tiny import save_tiny_model
-from engine.model.tiny_registry import shrunk_config
+from engine.tiny.models import save_tiny_model
+from engine.tiny.registry import shrunk_config
 
 
 def test_the_vision_tower_is_never_read(tmp_path, monkeypatch):

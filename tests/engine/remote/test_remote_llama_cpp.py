@@ -48,7 +48,7 @@ def _wait_until_up(url: str, process: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def gguf(tmp_path_factory) -> str:
-    from engine.model.tiny_gguf import write_tiny_gguf
+    from engine.tiny.gguf_writer import write_tiny_gguf
 
     return str(write_tiny_gguf(tmp_path_factory.mktemp("gguf"), "qwen3_moe"))
 

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from engine.model.tiny import TINY_ARCHITECTURES, save_tiny_model, tiny_config
-from engine.model.tiny_registry import is_multimodal, shrunk_config
+from engine.tiny.models import TINY_ARCHITECTURES, save_tiny_model, tiny_config
+from engine.tiny.registry import is_multimodal, shrunk_config
 
 ZEROED = ("o_proj", "out_proj", "down_proj")  # what writes into the residual stream
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.device_cache.expert_cache import STREAM_DEPTH
 from engine.errors import InvalidRequestError
 from engine.generation import generate_text
 from engine.metrics import cache_snapshot, phase_delta
-from engine.offload.expert_cache import STREAM_DEPTH
 from engine.speculative.decoder import SpecConfig
 from engine.speculative.prefetch import (
     HYBRIMOE_DEPTH,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engine.offload.transfer import SimulatedLink
+from engine.device_cache.transfer import SimulatedLink
 from engine.speculative.prefetch import PrefetchWorker
 from tests.engine.cache_helpers import make_cache, make_store
 from tests.engine.conftest import prefetch_threads

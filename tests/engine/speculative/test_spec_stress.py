@@ -16,17 +16,17 @@ import random
 import pytest
 import torch
 
+from engine.device_cache.expert_cache import Slot, SlotState
+from engine.device_cache.stats import PHASES
 from engine.generation import generate_text
 from engine.metrics import cache_snapshot, phase_delta
-from engine.offload.cache_stats import PHASES
-from engine.offload.expert_cache import Slot, SlotState
-from engine.offload.moe_layer import OffloadedExperts
+from engine.moe.layer import OffloadedExperts
 from engine.speculative.decoder import SpecConfig
 from tests.engine.spec_helpers import ExpertUses, TinyModels, greedy, load, prompt_for
 
 MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")  # routers, shared experts, biases
 DRAFTERS = ("self", "self-cached", "draft") + (
-    ("substitute",) if importlib.util.find_spec("engine.offload.quant") else ()
+    ("substitute",) if importlib.util.find_spec("engine.formats.int_quant") else ()
 )
 POLICIES = ("lru", "lfu", "mrs")
 COPY_MS, LATENCY_US = 1.0, 200.0

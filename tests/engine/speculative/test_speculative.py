@@ -16,14 +16,14 @@ import threading
 import pytest
 import torch
 
+from engine.device_cache.expert_cache import STREAM_DEPTH
 from engine.errors import EngineError
 from engine.generation import FinishedEvent, GenerationConfig, TokenEvent, generate, generate_text
 from engine.metrics import cache_snapshot
-from engine.model.tiny import TINY_ARCHITECTURES
-from engine.offload.expert_cache import STREAM_DEPTH
 from engine.sampling import Sampler, SamplingConfig
 from engine.speculative.decoder import SpecConfig, open_decoder
 from engine.speculative.prefetch import PREFETCH_POLICIES
+from engine.tiny.models import TINY_ARCHITECTURES
 from tests.engine.spec_helpers import (
     GREEDY,
     NEW_TOKENS,
@@ -50,7 +50,9 @@ def spec_for(drafter: str, models: TinyModels, model_type: str, **settings) -> S
     """
     settings.setdefault("confidence_tau", 0.0)
     if drafter == "substitute":
-        pytest.importorskip("engine.offload.quant", reason="substitute experts need engine.offload.quant")
+        pytest.importorskip(
+            "engine.formats.int_quant", reason="substitute experts need engine.formats.int_quant"
+        )
         return SpecConfig(mode="substitute", **settings)
     if drafter == "draft":
         return SpecConfig(mode="draft", draft_model=str(models.near(model_type)), **settings)

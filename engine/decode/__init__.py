@@ -1,0 +1,16 @@
+"""The decode step: its builders and the one place that chooses a step's path.
+
+- `paths`: the ordered list of decode-step paths (`takes`/`run`), the first that takes a step
+  runs it, and the name of the path each step took (`stats.step_path`);
+- `lean`: `LeanDecode`, the standard pre-norm decoder without transformers' per-call machinery;
+- `cpu_attention`: decode attention on the CPU, query heads folded per key head;
+- `fused_norms`: RMS norms as torch's one operator where a probe shows the same values;
+- `row_views`: `Row`, a graph input given by its address in a long-lived table;
+- `layer_graph`: a standard layer's work before and after attention (and its attention) as
+  ggml graphs; `moe_graph`: a MoE block's routing and experts as ggml nodes;
+- `graph_chain`: a step's layers chained into one ggml graph; `whole_step`: a step's layers and
+  head in that one graph; `one_token`: the one-token step's graph run again on the next token.
+
+May import: every room below it (model, ggml, formats, store, device_cache, moe, resident).
+Never `engine.offloaded_model` (which owns the paths), speculation or anything above.
+"""

@@ -1,0 +1,15 @@
+"""MoE execution (DESIGN.md layer 6): a layer's routed experts computed from the cache.
+
+- `layer`: `OffloadedExperts`, transformers' experts module replaced by one that reads the cache
+  in named stages, its strategy chosen once when it is installed; `ExpertControl`, what a run
+  installs on every layer (speculation's top-r, prefetch, phase);
+- `batched_experts`: a step's device experts gathered and computed as groups;
+- `cuda_graphs`: a one-token step's experts captured and replayed as a CUDA graph a layer;
+- `cpu_misses` and `hybrid_schedule`: misses computed on the CPU where that is sooner
+  (HybriMoE's measured cost model and simulation);
+- `routing_trace`: each MoE layer's latest router logits, for cache policies and the tuner.
+
+May import: the engine's base modules, `engine.model`, `engine.ggml`, `engine.formats`,
+`engine.store`, `engine.device_cache`. Never decoding, speculation or anything above:
+speculation plugs in through `ExpertControl`.
+"""
