@@ -145,6 +145,7 @@ def generate(
     committed = _History(prompt_ids, model.device)
     reply = _ReplyText(model.tokenizer, config.stop_strings, prompt_ids)
     live.before = cache_snapshot(model.cache)
+    live.steps, live.steps_before = model.paths.log, model.paths.log.snapshot()
     live.prompt_tokens = len(prompt_ids)
     rewindable = config.spec.mode != "none"
     kv_cache, reused = _kv_cache(model, prompt_ids, rewindable)

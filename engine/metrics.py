@@ -14,9 +14,10 @@ simulated, and so is anything timed over it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from engine.decode.paths import StepLog
 from engine.device_cache.expert_cache import ExpertCache
 from engine.device_cache.stats import PHASES, PhaseCounters
 
@@ -103,6 +104,11 @@ class GenerationStats:
     draft: PhaseStats
     verify: PhaseStats
     cached_prompt_tokens: int = 0  # prompt tokens a kept KV cache held: not prefilled again
+    # the decode-step path most of the run's steps took (engine.decode.paths), the steps each path
+    # ran, and why each faster path left steps to a slower one
+    step_path: str | None = None
+    step_paths: dict[str, int] = field(default_factory=dict)
+    step_path_declined: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -116,6 +122,7 @@ class GenerationStats:
         simulated_link: bool,
         speculation: SpecSummary | None = None,
         cached_prompt_tokens: int = 0,
+        step_paths: dict | None = None,
     ) -> GenerationStats:
         spec = speculation or SpecSummary()
         phase = {name: phases.get(name, PhaseCounters()) for name in PHASES}
@@ -159,6 +166,7 @@ class GenerationStats:
             draft=PhaseStats.of(phase["draft"]),
             verify=PhaseStats.of(phase["verify"]),
             cached_prompt_tokens=cached_prompt_tokens,
+            **(step_paths or {}),
         )
 
     def to_dict(self) -> dict:
@@ -180,6 +188,8 @@ class LiveGeneration:
     finished: float | None = None
     before: Snapshot | None = None  # the cache's counters when the run began
     decoder: Any = None  # PlainDecoder | SpeculativeDecoder once built
+    steps: StepLog | None = None  # the model's decode-step paths' log
+    steps_before: Any = None  # its snapshot when the run began
 
     def stats(self, cache: ExpertCache, now: float, simulated_link: bool) -> GenerationStats:
         end = self.finished or now
@@ -195,4 +205,5 @@ class LiveGeneration:
             simulated_link=simulated_link,
             speculation=self.decoder.summary() if self.decoder is not None else None,
             cached_prompt_tokens=self.cached_prompt_tokens,
+            step_paths=self.steps.since(self.steps_before) if self.steps is not None else None,
         )

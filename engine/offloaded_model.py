@@ -17,13 +17,13 @@ import torch
 from transformers import DynamicCache
 
 from engine.config import OffloadConfig
-from engine.decode import whole_step as ggml_step
+from engine.decode import whole_step
 from engine.decode.lean import LeanDecode
+from engine.decode.paths import Step, StepPaths
 from engine.device_cache.expert_cache import ExpertCache
 from engine.device_cache.transfer import TransferEngine
 from engine.errors import DeviceOutOfMemoryError, InvalidRequestError
 from engine.model.adapters.base import Architecture
-from engine.model.hf_calls import with_cache
 from engine.model.kv_cache import new_kv_cache
 from engine.model.prefix_cache import PrefixCache
 from engine.moe.layer import ExpertControl, OffloadedExperts
@@ -102,8 +102,10 @@ class OffloadedModel:
             if isinstance(module, OffloadedExperts):
                 self.experts[module.layer] = module
         self.lean = LeanDecode.of(hf_model)  # decode steps without transformers' wrappers, or None
-        if config.kernels == "ggml":  # and its layers and head as ggml graphs
-            ggml_step.attach(self.lean)
+        # with ggml's kernels, its layers' ends and head as ggml graphs, and a step in one graph
+        whole = whole_step.attach(self.lean) if config.kernels == "ggml" else None
+        self.paths = StepPaths.of(hf_model, self.lean, whole)  # the one place a step's path is chosen
+        log.debug("Decode-step paths: %s", ", ".join(self.paths.names))
 
     @property
     def hf_config(self):
@@ -209,34 +211,26 @@ class OffloadedModel:
 
     def decode(self, token: int, kv_cache: DynamicCache) -> torch.Tensor:
         """The logits `[V]` of one token id after `kv_cache`'s positions: `forward`'s of `[token]`,
-        valid until the next `decode` (read them before it). Where the step's one ggml graph takes
-        it (engine.decode.lean), the id goes to the graph as it is, outside inference mode
-        (that step runs no torch operator autograd would record), and the logits are written into
-        the same buffer each step: a decode step on the CPU spent ~60 µs making a tensor of the id
-        and entering the mode, and a fresh tensor of logits costs ~25 µs there."""
-        if self.lean is not None and self.lean.takes(kv_cache):
-            logits = self.lean.decode(token, kv_cache)
-            if logits is not None:
-                return logits
-        return self.forward(torch.tensor([token]), kv_cache)[-1]
+        valid until the next `decode` (read them before it). The id goes to the step's path as it
+        is: the ggml graph paths take it outside inference mode (they run no torch operator
+        autograd would record) and write the logits into the same buffer each step."""
+        return self._run(Step(kv_cache, 1, token=token, device=self.device))
 
-    @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, kv_cache: DynamicCache, logits_to_keep: int = 1
     ) -> torch.Tensor:
         """Logits `[n, V]` of the last `logits_to_keep` positions of `input_ids [T]` (0 keeps all)."""
+        return self._run(Step(kv_cache, logits_to_keep, tokens=input_ids.view(1, -1).to(self.device)))
+
+    def _run(self, step: Step) -> torch.Tensor:
+        """`step` on the first of the model's paths that takes it (engine.decode.paths)."""
         try:
-            inputs = input_ids.view(1, -1).to(self.device)
-            if self.lean is not None and self.lean.takes(kv_cache):
-                return self.lean.step(inputs, kv_cache, logits_to_keep)
-            kwargs = with_cache(self.hf_model, kv_cache, use_cache=True, logits_to_keep=logits_to_keep)
-            output = self.hf_model(input_ids=inputs, **kwargs)
+            return self.paths.run(step)
         except torch.OutOfMemoryError as err:
             self.cache.clear()
             raise DeviceOutOfMemoryError(
                 "Out of device memory while running the model. Lower --expert-budget or the context length."
             ) from err
-        return output.logits[0]
 
     def close(self) -> None:
         self.prefix_cache.close()

@@ -25,7 +25,7 @@ from pathlib import Path
 from engine.bench import llama_cpp
 from engine.bench.memory import current_rss_bytes, memory_line
 from engine.bench.passes import bench_engine, engine_pass, engine_row
-from engine.bench.rows import BenchRow, format_table
+from engine.bench.rows import BenchRow, format_table, step_path_line
 from engine.bench.side_by_side import bench_other, ratio_line, ratios
 from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import EngineError
@@ -307,6 +307,8 @@ def _print_result(result: dict) -> None:
     print(f"{info['path']} ({info['model_type']}, {info['dtype']}, device {info['device']}{kernels})")
     print(format_table(rows))
     for line in filter(None, map(memory_line, rows)):
+        print(line)
+    for line in filter(None, map(step_path_line, rows)):
         print(line)
     if "op_counts" in result:
         from engine.bench.op_counts import format_op_counts

@@ -9,6 +9,7 @@ burst of the host's noise can halve), with the memory figures; `bench_engine` a 
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 
 from engine import huge_pages
 from engine.bench.memory import kv_cache_bytes, peak_rss_bytes
@@ -32,6 +33,9 @@ def engine_pass(model, prompt_ids: list[list[int]], new_tokens: int) -> dict:
     decode_s = sum(s.decode_ms for s in runs) / 1e3
     prefill_s = sum(s.prefill_ms for s in runs) / 1e3
     hits, misses = sum(s.decode.hits for s in runs), sum(s.decode.misses for s in runs)
+    paths = Counter()
+    for s in runs:
+        paths.update(s.step_paths)
     return {
         "tpot_ms": decode_s * 1e3 / decode_tokens,
         "prefill_tps": sum(s.prompt_tokens for s in runs) / prefill_s,
@@ -40,6 +44,8 @@ def engine_pass(model, prompt_ids: list[list[int]], new_tokens: int) -> dict:
         "bytes_per_token": sum(s.decode.h2d_bytes for s in runs) / decode_tokens,
         "decode_tokens": decode_tokens,
         "copy_hidden": meter.hidden,
+        "step_paths": dict(paths),
+        "step_path_declined": {k: v for s in runs for k, v in s.step_path_declined.items()},
     }
 
 
@@ -70,6 +76,9 @@ def engine_row(
         in_place=model.cache.in_place,
         copy_hidden=median["copy_hidden"],
         huge_page_bytes=huge_pages.backed_bytes(),
+        step_path=max(median["step_paths"], key=median["step_paths"].get, default=None),
+        step_paths=median["step_paths"],
+        step_path_declined=median["step_path_declined"],
     )
 
 

@@ -29,6 +29,9 @@ class BenchRow:
     in_place: bool = False  # CPU, no link simulated: the experts are used where the store holds them
     copy_hidden: float | None = None  # share of the link's copy time compute did not wait for
     huge_page_bytes: int | None = None  # this process's memory on 2 MiB pages (engine.huge_pages)
+    step_path: str | None = None  # the decode-step path most steps took (engine.decode.paths)
+    step_paths: dict[str, int] | None = None  # steps per path
+    step_path_declined: dict[str, str] | None = None  # why faster paths left steps to slower ones
 
 
 def format_table(rows: list[BenchRow]) -> str:
@@ -37,7 +40,7 @@ def format_table(rows: list[BenchRow]) -> str:
 
     header = f"{'engine':<13}{'budget':<16}{'slots':>6}{'tpot_ms':>10}{'tok/s':>9}{'prefill/s':>11}"
     header += f"{'hit_rate':>10}{'h2d_GB/s':>10}{'bytes/tok':>12}{'hidden':>8}{'peak RSS':>11}{'pinned':>10}"
-    header += "  link"
+    header += "  link             step path"
     lines = [header]
     for r in rows:
         link = "simulated" if r.simulated_link else ("real" if r.engine == "moe-chat" else "none")
@@ -48,9 +51,19 @@ def format_table(rows: list[BenchRow]) -> str:
             f"{num(r.h2d_gbps, '.3f'):>10}"
             f"{(format_bytes(r.bytes_per_token) if r.bytes_per_token is not None else '-'):>12}"
             f"{num(r.copy_hidden, '.0%'):>8}"
-            f"{size(r.peak_rss_bytes):>11}{size(r.pinned_bytes):>10}  {link}"
+            f"{size(r.peak_rss_bytes):>11}{size(r.pinned_bytes):>10}  {link:<17}{r.step_path or '-'}"
         )
     return "\n".join(lines)
+
+
+def step_path_line(row: BenchRow) -> str:
+    """The steps each decode-step path ran, and why the faster ones left steps to slower ones."""
+    if not row.step_paths:
+        return ""
+    by_count = sorted(row.step_paths.items(), key=lambda item: -item[1])
+    ran = ", ".join(f"{name} {count}" for name, count in by_count)
+    declined = "; ".join(f"{name} declined: {why}" for name, why in (row.step_path_declined or {}).items())
+    return f"{row.engine} {row.budget} step paths: {ran}" + (f" ({declined})" if declined else "")
 
 
 def size(nbytes: int | None) -> str:

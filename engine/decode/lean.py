@@ -81,12 +81,11 @@ class LeanDecode:
         self.apply_rotary = rotary
         self.rotary = _Rotary(decoder.rotary_emb)
         self.norm = _fused(decoder.norm)
-        # the final norm and lm_head on float32 rows elsewhere (engine.decode.whole_step): their
-        # logits `[n, V]`, or None where it does not take them
+        # the final norm and lm_head on float32 rows in a ggml graph (engine.decode.whole_step):
+        # their logits `[n, V]`, or None where it does not take them
         self.head: Callable[[torch.Tensor], torch.Tensor | None] | None = None
-        # a step's layers and head at once (engine.decode.whole_step): (hidden, cos, sin, cache,
-        # kept rows) -> their logits, or None where it does not take the step
-        self.whole: Callable[..., torch.Tensor | None] | None = None
+        # the token lookup in a ggml graph (engine.decode.whole_step's `Embedding`), or None
+        self.embedding = None
 
     @classmethod
     def of(cls, hf_model: nn.Module) -> LeanDecode | None:
@@ -98,47 +97,32 @@ class LeanDecode:
         attention = decoder.layers[0].self_attn
         return cls(hf_model, decoder, sys.modules[type(attention).__module__].apply_rotary_pos_emb)
 
-    def takes(self, kv_cache) -> bool:
-        """Whether a step with `kv_cache` may go this way: nothing hooked on the decoder or the
-        model (their hooks would not see it) and every layer cache an attention cache."""
+    def refusal(self, kv_cache) -> str:
+        """Why a step with `kv_cache` may not go this way ('' when it may): something hooked on
+        the decoder or the model (their hooks would not see it), or a layer cache that is not an
+        attention cache."""
         model, decoder = self.hf_model, self.decoder  # written out: asked every decode step
         if model._forward_hooks or model._forward_pre_hooks:
-            return False
+            return "a hook on the model"
         if decoder._forward_hooks or decoder._forward_pre_hooks:
-            return False
+            return "a hook on the decoder (an MTP drafter records its output)"
         layers = getattr(kv_cache, "layers", ())
-        return len(layers) == len(self.layers) and all(_attention_cache(type(layer)) for layer in layers)
+        if len(layers) != len(self.layers) or not all(_attention_cache(type(layer)) for layer in layers):
+            return "a layer cache that is not an attention cache"
+        return ""
 
-    def decode(self, token: int, kv_cache) -> torch.Tensor | None:
-        """`step`'s logits `[V]` of one token id, in the step's one graph (`whole`) from the id
-        as it is, in a buffer the next decode rewrites; None where that graph does not take the
-        step (`step` then goes its other ways)."""
-        whole = self.whole
-        if whole is None or not whole.embeds():
-            return None
-        return whole.decode(token, self.rotary, kv_cache)
+    def takes(self, kv_cache) -> bool:
+        """Whether a step with `kv_cache` may go this way now (`refusal` says why not)."""
+        return not self.refusal(kv_cache)
 
-    def step(self, tokens: torch.Tensor, kv_cache, logits_to_keep: int = 1) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, kv_cache, logits_to_keep: int = 1, embedded=None) -> torch.Tensor:
         """Logits `[n, V]` of the last `logits_to_keep` (0: all) of `tokens` (`[1, T]` ids) after
-        `kv_cache`'s positions. The last layer's MLP runs on those positions only (llama.cpp's
-        output rows): nothing else reads the others' outputs."""
+        `kv_cache`'s positions; `embedded`: their rows and angles where a caller has them
+        (`embed`'s). The last layer's MLP runs on those positions only (llama.cpp's output
+        rows): nothing else reads the others' outputs."""
         past, count = kv_cache.get_seq_length(), tokens.shape[1]
         keep = count if logits_to_keep == 0 else min(logits_to_keep, count)
-        whole = self.whole if count <= MAX_FOLDED_QUERIES else None
-        ids = whole.ids(tokens) if whole is not None and whole.embeds() else None
-        if ids is not None:  # ggml looks the tokens up: in the step's graph, else in one of their own
-            logits = whole.of_ids(ids, *self.rotary.at(past, count), kv_cache, keep)
-            if logits is not None:
-                return logits
-            hidden, whole = whole.embedding(ids), None  # the step would decline these rows too
-            cos, sin = self.rotary(_FLOAT32, past, count)
-        else:
-            hidden = self.decoder.embed_tokens(tokens)  # [1, T, H]
-            cos, sin = self.rotary(hidden, past, count)
-        if whole is not None and hidden.dtype == torch.float32:
-            logits = whole(hidden, cos, sin, kv_cache, keep)
-            if logits is not None:
-                return logits
+        hidden, cos, sin = embedded if embedded is not None else self.embed(tokens, past)
         # transformers' sdpa mask: none where every query may see every key before it (one query,
         # or no cache: the attention is causal), else a query sees the cache and the new positions
         # up to its own
@@ -154,6 +138,19 @@ class LeanDecode:
         if self.head is not None and last.dtype == torch.float32 and keep <= MAX_FOLDED_QUERIES:
             logits = self.head(last)
         return self.hf_model.lm_head(self.norm(last))[0] if logits is None else logits
+
+    def embed(self, tokens: torch.Tensor, past: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows `[1, T, H]` of `tokens` and their angles after `past` positions: looked up in
+        a ggml graph where the model has one for its table (`embedding`: the module's rows bit
+        for bit) and nothing hooks it, for as many tokens as a graph is kept for; else the
+        module's."""
+        count, embedding = tokens.shape[1], self.embedding
+        if embedding is not None and count <= MAX_FOLDED_QUERIES and not embedding.hooked():
+            ids = embedding.ids(tokens)
+            if ids is not None:
+                return embedding(ids), *self.rotary(_FLOAT32, past, count)
+        hidden = self.decoder.embed_tokens(tokens)  # [1, T, H]
+        return hidden, *self.rotary(hidden, past, count)
 
 
 class _Layer:

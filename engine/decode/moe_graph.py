@@ -87,6 +87,27 @@ class RoutedMlp:
                 return False
         return True
 
+    def refusal(self) -> str:
+        """Why `takes` refuses now ('' when it takes): asked once a step has left the graph."""
+        block, router, experts = self.block, self.router, self.experts
+        if (
+            block._forward_pre_hooks
+            or block._forward_hooks
+            or experts._forward_pre_hooks
+            or experts._forward_hooks
+        ):
+            return "a hook on the MoE block or its experts"
+        control = experts.control
+        if control.observers:
+            return "a prefetch predictor watches the layer's inputs"
+        if control.draft is not None:
+            return "a draft's routing (top-r or substitutes)"
+        if experts.cache.policy.uses_scores:
+            return "the cache policy reads the router's scores"
+        if router._forward_pre_hooks or not self.takes():
+            return "a hook on the router other than the routing trace"
+        return ""
+
     def nodes(self, ggml, context, bind, x: int, tokens: int) -> tuple[int, int, int]:
         experts, hidden = self.weight.shape
         top_k = self.top_k

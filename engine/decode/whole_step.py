@@ -49,14 +49,17 @@ _F32, _I32 = (int(GGMLQuantizationType[name]) for name in ("F32", "I32"))
 _ONE_TOKEN = "one token"  # this thread's `OneTokenStep` in the graphs' buffers
 
 
-def attach(lean) -> int:
-    """Give `lean` its layers' ends, a `Head` and a `WholeStep` where they apply; how many layers
-    got ends."""
-    count = ggml_layer.attach(lean)
-    if lean is not None and count:
-        lean.head = Head.of(lean)
-        lean.whole = WholeStep.of(lean)
-    return count
+def attach(lean) -> WholeStep | None:
+    """Give `lean`'s layers their ggml ends and `lean` a `Head` where they apply; the model's
+    `WholeStep` where every layer's ends hold its MoE block and there is a head (`lean` then
+    looks its tokens up in ggml too), else None."""
+    if lean is None or not ggml_layer.attach(lean):
+        return None
+    lean.head = Head.of(lean)
+    whole = WholeStep.of(lean)
+    if whole is not None:
+        lean.embedding = whole.embedding
+    return whole
 
 
 class Head:
@@ -126,6 +129,19 @@ class Embedding:
     def hooked(self) -> bool:
         return bool(self.module._forward_hooks or self.module._forward_pre_hooks)
 
+    def ids(self, tokens: torch.Tensor) -> torch.Tensor | Row | None:
+        """`tokens [1, T]` as the int32 ids the graph nodes look up: one token's its place in
+        `index`; None where an id lies outside the table (ggml's get_rows would abort the
+        process: the module's lookup raises)."""
+        if tokens.numel() == 1:
+            return self.token(int(tokens))
+        inside = bool(((tokens >= 0) & (tokens < self.rows)).all())
+        return tokens.to(torch.int32) if inside else None
+
+    def token(self, token: int) -> Row | None:
+        """One token id as `ids` gives it: its place in `index`, or None outside the table."""
+        return Row.of(self.index, token, (1, 1)) if 0 <= token < self.rows else None
+
     def nodes(self, ggml, context, bind, ids: torch.Tensor) -> int:
         """The rows `[width, T]` of the int32 token ids `ids [T]`."""
         table = ggml.new_tensor_2d(context, self.ggml_type, self.width, self.rows)
@@ -177,40 +193,26 @@ class WholeStep:
     def __call__(self, hidden: torch.Tensor, cos, sin, kv_cache, keep: int) -> torch.Tensor | None:
         return self._run(hidden, cos, sin, kv_cache, keep, None)
 
-    def ids(self, tokens: torch.Tensor) -> torch.Tensor | Row | None:
-        """`tokens [1, T]` as the int32 ids the embedding's graph nodes look up (`embeds()` first):
-        one token's its place in the embedding's `index`; None where an id lies outside the table
-        (ggml's get_rows would abort the process: the module's lookup raises)."""
-        if tokens.numel() == 1:
-            return self.token(int(tokens))
-        rows = self.embedding.rows
-        inside = bool(((tokens >= 0) & (tokens < rows)).all())
-        return tokens.to(torch.int32) if inside else None
-
     def token(self, token: int) -> Row | None:
-        """One token id as `ids` gives it: its place in the embedding's `index`, or None outside
-        the table."""
-        return Row.of(self.embedding.index, token, (1, 1)) if 0 <= token < self.embedding.rows else None
+        """One token id as the embedding's graph nodes look it up (`embeds()` first)."""
+        return self.embedding.token(token)
+
+    def prepared(self) -> OneTokenStep | None:
+        """The one-token step `decode` prepared on this thread's last one, or None."""
+        return self._cached.buffers.get(_ONE_TOKEN)
 
     def decode(self, token: int, rotary, kv_cache) -> torch.Tensor | None:
         """The logits `[V]` of one token id after `kv_cache`'s positions (`embeds()` first): `of_ids`'
-        with `reuse`, through the step prepared on the last one (engine.decode.one_token) where
-        it runs this one; None where `of_ids` declines (at once past the graph's attention limit:
-        a long chat's steps go layer by layer without asking the graph each token)."""
-        if not ggml_layer.attends_in_graph(kv_cache.get_seq_length(), 1):
-            return None
-        buffers, key = self._cached.buffers, (self._key, True)
-        prepared = buffers.get(_ONE_TOKEN)
-        logits = None if prepared is None else prepared.step(token, rotary, kv_cache)
-        if logits is not None:
-            return logits
+        with `reuse`; the step prepared on it (engine.decode.one_token) runs the next token's
+        (`prepared`). None where `of_ids` declines."""
         ids = self.token(token)
         if ids is None:
             return None
         logits = self.of_ids(ids, *rotary.at(kv_cache.get_seq_length(), 1), kv_cache, 1, reuse=True)
         if logits is None:
             return None
-        buffers[_ONE_TOKEN] = OneTokenStep.of(self, rotary, last_ran(self._cached, key))
+        ran = last_ran(self._cached, (self._key, True))
+        self._cached.buffers[_ONE_TOKEN] = OneTokenStep.of(self, rotary, ran)
         return logits[0]
 
     def of_ids(self, ids, cos, sin, kv_cache, keep: int, reuse: bool = False) -> torch.Tensor | None:

@@ -15,6 +15,8 @@ replacement runs in named stages, as vLLM's modular fused-MoE layer does:
                 (`_apply_gate`, `act_fn`, transposed or biased weights as the family has them)
     combine     weighted and added into the output, row by row
 
+The layer's strategy is chosen once, when it is installed (`execute`): its experts through ggml
+where they lie in the store (in place, `--kernels ggml`), else through the device cache, as below.
 On CUDA a step whose experts serve few tokens each (decode, drafting, a verify) brings them in
 and computes them in groups instead (`pipeline.ready_together`, `engine.moe.batched_experts`): a few
 batched kernels a layer rather than a few an expert. With every expert on the device
@@ -155,6 +157,10 @@ class OffloadedExperts(nn.Module):
             raise UnsupportedArchitectureError(
                 f"{type(original).__name__}: a norm after each expert is not supported."
             )
+        # the layer's execution strategy, chosen once here: its experts through ggml where they lie
+        # in the store (in place, `--kernels ggml`: the store never changes), else through the
+        # device cache; a SubSpec draft's substitutes stand in for either while it drafts
+        self.execute = self._in_place_ggml if self.grouped_in_ggml else self._through_cache
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -164,17 +170,29 @@ class OffloadedExperts(nn.Module):
         draft = self.control.draft
         if draft is not None and draft.substitute is not None:
             return self._forward_substitute(hidden_states, top_k_index, top_k_weights, draft.substitute)
-        if self.grouped_in_ggml:  # every expert lies in the store: nothing to plan or bring in
-            index, weights = self._routes(top_k_index, top_k_weights, draft)
-            self.cache.use_in_place([(self.layer, {e for token in index for e in token})])
-            return self._routed_in_ggml(hidden_states, weights, index)
-        table = self._slot_table(hidden_states, draft)
+        return self.execute(hidden_states, top_k_index, top_k_weights, draft)
+
+    def _in_place_ggml(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, draft
+    ) -> torch.Tensor:
+        """Every expert lies in the store: nothing to plan or bring in; ggml computes the routes."""
+        index, weights = self._routes(top_k_index, top_k_weights, draft)
+        self.cache.use_in_place([(self.layer, {e for token in index for e in token})])
+        return self._routed_in_ggml(hidden, weights, index)
+
+    def _through_cache(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, draft
+    ) -> torch.Tensor:
+        """The experts from the device cache: a one-token target step over a cache holding every
+        expert looks them up in the layer's slot table on the device; any other routes, plans,
+        brings its experts in and computes them (in groups where the step allows)."""
+        table = self._slot_table(hidden, draft)
         if table is not None:  # every expert on the device: the host never reads the routing
             self.cache.count_hits(top_k_index.shape[1])
             graphs = self.control.graphs
             compute = forward_resident if graphs is None else graphs.forward
-            return compute(self, hidden_states, top_k_index, top_k_weights, table)
-        step = self._route(hidden_states, top_k_index, top_k_weights, draft)
+            return compute(self, hidden, top_k_index, top_k_weights, table)
+        step = self._route(hidden, top_k_index, top_k_weights, draft)
         plan = self._plan(step, drafting=draft is not None)
         for expert in plan.on_cpu:
             self._compute_on_cpu(step.routes[expert], expert, step)

@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as QT
 from engine.config import ExpertBudget, OffloadConfig
 from engine.decode import graph_chain as ggml_chain
 from engine.decode import layer_graph as ggml_layer
+from engine.decode.paths import GRAPH_PATHS
 from engine.generation import generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig
 from engine.ggml import graphs as ggml_graphs
@@ -41,16 +42,16 @@ def _ends(model) -> list:
 
 
 def _without_ends(model, call):
-    ends, head, whole = _ends(model), model.lean.head, model.lean.whole
+    ends, head, paths = _ends(model), model.lean.head, model.paths
     for layer in model.lean.layers:
         layer.ends = None
-    model.lean.head = model.lean.whole = None
+    model.lean.head, model.paths = None, paths.without(*GRAPH_PATHS)
     try:
         return call()
     finally:
         for layer, end in zip(model.lean.layers, ends, strict=True):
             layer.ends = end
-        model.lean.head, model.lean.whole = head, whole
+        model.lean.head, model.paths = head, paths
 
 
 def _steps(model, tokens=(5, 9, 2, 7)) -> torch.Tensor:
@@ -216,7 +217,7 @@ def test_a_whole_layer_graph_follows_a_growing_cache_and_steps_aside_before_it(q
         q8_model.forward(torch.tensor([token]), in_graph)
     assert layer.keys.data_ptr() != first  # moved to bigger buffers on the way
     monkeypatch.setattr(ggml_layer.AttentionEnds, "whole", lambda *args: None)
-    monkeypatch.setattr(q8_model.lean, "whole", None)  # nor the step's one graph
+    monkeypatch.setattr(q8_model, "paths", q8_model.paths.without(*GRAPH_PATHS))  # nor the step's one graph
     for token in tokens:
         q8_model.forward(torch.tensor([token]), in_parts)
     for a, b in zip(_kv(layer), _kv(in_parts.layers[0]), strict=True):
@@ -230,7 +231,7 @@ def test_a_whole_layer_graph_follows_a_growing_cache_and_steps_aside_before_it(q
         assert ends.whole(hidden, cos, sin, empty, 1) is None
         assert layer.get_seq_length() > ggml_layer.GRAPH_ATTENTION_POSITIONS
         assert ends.whole(hidden, cos, sin, layer, 1) is None  # torch's attention is faster there
-        assert q8_model.lean.whole(hidden, cos, sin, in_graph, 1) is None
+        assert q8_model.paths.whole(hidden, cos, sin, in_graph, 1) is None
 
 
 @needs_ggml
@@ -239,20 +240,20 @@ def test_one_graph_a_step_computes_the_layer_graphs_bit_for_bit(q8_model, tokens
     """Every layer's `whole` nodes and the head in one graph give the logits, the cache and the
     routes of the graphs a layer, bit for bit: the same nodes. The experts the step counts in the
     cache are its routers' top-k."""
-    lean = q8_model.lean
-    assert lean.whole is not None
+    lean, paths = q8_model.lean, q8_model.paths
+    assert paths.whole is not None
     one_graph, per_layer = _prompted_caches(q8_model)
     ids = torch.tensor([5, 9, 2, 7][:tokens])
     q8_model.trace.clear()
     q8_model.cache.clear()
     got = q8_model.forward(ids, one_graph, logits_to_keep=keep)
     traced, used = dict(q8_model.trace.logits), sorted(q8_model.cache.resident())
-    whole, lean.whole = lean.whole, None
+    q8_model.paths = paths.without(*GRAPH_PATHS)
     q8_model.cache.clear()
     try:
         wanted = q8_model.forward(ids, per_layer, logits_to_keep=keep)
     finally:
-        lean.whole = whole
+        q8_model.paths = paths
     assert got.shape == (keep, q8_model.hf_config.vocab_size) and torch.equal(got, wanted)
     assert used == sorted(q8_model.cache.resident())
     top_k = lean.layers[0].ends.moe.top_k
@@ -267,18 +268,18 @@ def test_one_graph_a_step_computes_the_layer_graphs_bit_for_bit(q8_model, tokens
 
 @needs_ggml
 def test_one_graph_a_step_steps_aside_for_a_hooked_head_or_uneven_caches(q8_model):
-    lean = q8_model.lean
+    lean, whole = q8_model.lean, q8_model.paths.whole
     hidden = torch.randn(1, 1, q8_model.hf_config.hidden_size)
     cos, sin = lean.rotary(hidden, len(PROMPT), 1)
     (cache,) = _prompted_caches(q8_model, 1)
     with torch.inference_mode():
         handle = q8_model.hf_model.lm_head.register_forward_hook(lambda *args: None)
         try:
-            assert lean.whole(hidden, cos, sin, cache, 1) is None
+            assert whole(hidden, cos, sin, cache, 1) is None
         finally:
             handle.remove()
         cache.layers[0].crop(-1)  # one layer a position short of the others
-        assert lean.whole(hidden, cos, sin, cache, 1) is None
+        assert whole(hidden, cos, sin, cache, 1) is None
 
 
 def test_new_positions_say_where_each_head_writes_and_what_each_token_sees():

@@ -94,8 +94,9 @@ def test_past_the_graphs_attention_limit_the_step_goes_the_other_way(model, prep
     assert torch.equal(got, wanted) and _same_caches(cache, by_steps)
 
 
-def _hooked_on_the_third_step(model, module, prepare: bool) -> tuple[torch.Tensor, int]:
-    """`_decoded`'s logits with a hook on `module` for the third step only, and its calls."""
+def _hooked_on_the_third_step(model, module, prepare: bool) -> tuple[torch.Tensor, int, dict]:
+    """`_decoded`'s logits with a hook on `module` for the third step only, its calls and the
+    paths the third step took (`StepLog.since`)."""
     seen = []
     with pytest.MonkeyPatch.context() as monkeypatch:
         if not prepare:
@@ -104,30 +105,34 @@ def _hooked_on_the_third_step(model, module, prepare: bool) -> tuple[torch.Tenso
         model.forward(PROMPT, cache)
         got = [model.decode(t, cache).clone() for t in TOKENS[:2]]
         handle = module.register_forward_hook(lambda *args: seen.append(1))
+        before = model.paths.log.snapshot()
         try:
             got.append(model.decode(TOKENS[2], cache).clone())
         finally:
             handle.remove()
+        third = model.paths.log.since(before)
         got += [model.decode(t, cache).clone() for t in TOKENS[3:]]
-    return torch.stack(got), len(seen)
+    return torch.stack(got), len(seen), third
 
 
 @needs_ggml
 @pytest.mark.parametrize("hooked", ["lm_head", "rotary", "experts"])
 def test_a_hook_put_on_between_steps_is_called(model, prepared_steps, hooked):
     """A hook put on the lm_head, the rotary module or a MoE block's experts after the step was
-    prepared: the prepared step declines that step, the hook sees it, and the logits are those of
-    steps never prepared (with the hook, the step goes another way: the experts' module computes
-    its rows)."""
+    prepared: the replay path declines that step (before it runs, or when its prepared graph
+    refuses) and says why, the hook sees it, the next step replays again, and the logits are those
+    of steps never prepared (with the hook, the step goes another way: the experts' module
+    computes its rows)."""
     module = {
         "lm_head": model.hf_model.lm_head,
         "rotary": model.lean.decoder.rotary_emb,
         "experts": model.lean.decoder.layers[1].mlp.experts,
     }[hooked]
-    wanted, wanted_calls = _hooked_on_the_third_step(model, module, prepare=False)
+    wanted, wanted_calls, _ = _hooked_on_the_third_step(model, module, prepare=False)
     prepared_steps.clear()
-    got, calls = _hooked_on_the_third_step(model, module, prepare=True)
-    assert prepared_steps[:2] == [True, False] and calls == wanted_calls > 0
+    got, calls, third = _hooked_on_the_third_step(model, module, prepare=True)
+    assert third["step_path"] not in ("ggml-replay", None) and "ggml-replay" in third["step_path_declined"]
+    assert prepared_steps[0] and prepared_steps[-1] and calls == wanted_calls > 0
     assert torch.equal(got, wanted)
 
 
@@ -165,7 +170,7 @@ def test_a_step_whose_memories_lie_off_the_lines_is_not_prepared(model):
     cache = model.new_kv_cache()
     model.forward(PROMPT, cache)
     model.decode(TOKENS[0], cache)
-    whole, rotary = model.lean.whole, model.lean.rotary
+    whole, rotary = model.paths.whole, model.lean.rotary
     ran = ggml_chain.last_ran(whole._cached, (whole._key, True))
     assert OneTokenStep.of(whole, rotary, ran) is not None
     memories = list(ran.memories)

@@ -39,7 +39,7 @@ def _decoded(model, tokens=(5, 9, 2, 7)) -> tuple[torch.Tensor, object]:
 
 def _decoded_by_module(model) -> tuple[torch.Tensor, object]:
     """`_decoded` with the embedding module looking the tokens up."""
-    whole = model.lean.whole
+    whole = model.paths.whole
     embedding, whole.embedding = whole.embedding, None
     try:
         return _decoded(model)
@@ -65,7 +65,7 @@ def test_the_step_looks_its_tokens_up_in_the_graph_as_the_module_does(
     rows."""
     model = _model(tmp_path, table, monkeypatch, quantized)
     try:
-        whole = model.lean.whole
+        whole = model.paths.whole
         assert type(model.lean.decoder.embed_tokens) is module
         assert whole is not None and whole.embedding is not None and whole.embeds()
         looked_up = []
@@ -152,7 +152,7 @@ def test_past_the_graphs_attention_limit_the_lookup_is_a_graph_of_its_own(q4_mod
     """A long chat's steps go layer by layer (torch's attention): their tokens are still looked up
     by ggml (one small graph, not the module's Python dequantization), to the same logits."""
     monkeypatch.setattr(ggml_layer, "GRAPH_ATTENTION_POSITIONS", len(PROMPT))
-    whole = q4_model.lean.whole
+    whole = q4_model.paths.whole
     looked_up = []
     lookup = type(whole.embedding).__call__
     monkeypatch.setattr(type(whole.embedding), "__call__", lambda *a: looked_up.append(1) or lookup(*a))

@@ -247,9 +247,13 @@ def test_with_ggml_kernels_speculation_streaming_and_cpu_misses_keep_plain_greed
             )
             misses_on_cpu = GenerationConfig(**greedy, cpu_experts="always")
             assert list(generate_text(model, PROMPT, misses_on_cpu).token_ids) == plain
-            # in place a layer's experts go through ggml together; from cache slots one by one
+            # in place a layer's experts go through ggml together; from cache slots one by one: the
+            # strategy each layer was given when it was installed
             layers = [m for m in model.hf_model.modules() if isinstance(m, OffloadedExperts)]
             assert [m.grouped_in_ggml for m in layers] == [link is None] * len(layers)
+            chosen = [m.execute.__func__ for m in layers]
+            wanted = OffloadedExperts._in_place_ggml if link is None else OffloadedExperts._through_cache
+            assert chosen == [wanted] * len(layers)
             # rows are interleaved only where ggml reads them in place, never in copies into slots
             gate_up = model.store.layout_of(0).fields[0]
             interleaved = link is None and interleaves(QT.Q4_K, gate_up.weight_shape[0])
