@@ -3,7 +3,7 @@
 OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema":
 {"schema": …}}) becomes an llguidance grammar over the model's own tokenizer. Before each token
 is drawn, the tokens the grammar cannot take next are masked out of the scores (llguidance's
-bitmask, computed from the grammar's state in well under a millisecond), and the drawn token is
+bitmask, computed from the grammar's state), and the drawn token is
 fed to the grammar; once the JSON is complete only an end-of-turn token is allowed. The reply
 therefore always parses and validates.
 
@@ -13,10 +13,9 @@ the model's own call format, of one of the functions, its arguments held to the 
 for a harmony model (gpt-oss) a commentary message to `functions.NAME` ended by `<|call|>`. A
 prompt that left a `<think>` block open has it closed first: the call is the answer, not a thought.
 
-llguidance rather than xgrammar, by `python -m engine.bench.constrained` on the demo model (2 CPU
-cores, vocabulary 1350): mask, apply and advance 59-89 us a token for llguidance against 45 us
-for xgrammar 0.2.8, both under 1% of a 13-60 ms token, while a schema compiles in about 1 ms
-with llguidance against 120-150 ms with xgrammar, paid by every request with a new schema.
+llguidance rather than xgrammar (`python -m engine.bench.constrained` compares them): a token's
+mask costs both a small share of a token, but llguidance compiles a schema far faster, a cost
+every request with a new schema pays.
 
 Constrained replies decode plainly: a speculative step would have to roll the grammar back
 for rejected drafts, which this does not do yet (the request is refused, not silently changed).

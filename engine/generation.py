@@ -131,8 +131,7 @@ def generate(
     cancel: threading.Event | None = None,
     live: LiveGeneration | None = None,
 ) -> Iterator[TokenEvent | FinishedEvent]:
-    """Stream the reply to `prompt`; `cancel` stops it between steps; `live`, when given, is kept
-    up to date for a telemetry thread."""
+    """Stream the reply to `prompt`; `cancel` stops it between steps; `live` keeps telemetry current."""
     config.validate()
     refuse_speculation_that_cannot_rewind(model, config.spec.mode)
     started = time.perf_counter()
@@ -260,8 +259,8 @@ def _end_reason(stopped: bool, is_eos: bool, generated: int, limit: int, cancel)
 
 class _History:
     """Every committed token id, `tokens [L]` on the model's device, appended to in place: one
-    element written into a buffer that doubles when full (a `torch.cat` a token took ~35 µs of a
-    2.8 ms CPU decode step), the view made when read. A view handed out never changes: later
+    element written into a buffer that doubles when full (a `torch.cat` a token costs a CPU decode
+    step more), the view made when read. A view handed out never changes: later
     tokens lie past its end."""
 
     def __init__(self, ids: Sequence[int], device: torch.device):

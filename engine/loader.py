@@ -45,7 +45,8 @@ from engine.model.checkpoint import Checkpoint
 from engine.model.folder import load_tokenizer, open_checkpoint
 from engine.model.gguf_file import GgufCheckpoint
 from engine.model.kv_size import KV_RESERVE_TOKENS, kv_element_bytes, kv_reserve_bytes
-from engine.moe.layer import ExpertControl, OffloadedExperts, moe_blocks
+from engine.moe.control import ExpertControl
+from engine.moe.layer import OffloadedExperts, moe_blocks
 from engine.moe.routing_trace import RoutingTrace
 from engine.offloaded_model import OffloadedModel
 from engine.resident.weights import load_resident
@@ -88,7 +89,7 @@ def load_model(
         trace, control = _offload_experts(blocks, arch, cache)
         expert_names = _expert_tensor_names(disk_layout, blocks, store.num_experts) if disk_layout else set()
         load_resident(hf_model, checkpoint, expert_names, dtype, device, progress, config.kernels)
-        if device.type == "cuda":  # a cache with a slot for every expert is filled now (offload.unpinned)
+        if device.type == "cuda":  # a cache with a slot for every expert is filled now (fixed_slots)
             cache.fill(partial(progress, "experts to the GPU") if progress else None)
         tokenizer = (
             checkpoint.tokenizer() if isinstance(checkpoint, GgufCheckpoint) else load_tokenizer(folder)
@@ -149,7 +150,7 @@ def _build_store(folder, checkpoint, hf_model, arch, blocks, dtype, config, prog
     checkpoint.bind(hf_model)
     _, shapes, num_experts = first_experts(blocks)
     report = (lambda done, total: progress("experts", done, total)) if progress else None
-    repack_for = dtype if on_cpu else None  # CPU: repacked where faster there (offload.ggml_repack)
+    repack_for = dtype if on_cpu else None  # CPU: repacked where faster there (engine.formats.gguf_repack)
     args = (sorted(blocks), num_experts, shapes, False, report, repack_for, config.kernels)
     return build_gguf_store(checkpoint, *args, interleave=on_cpu and _in_place(config)), None
 
@@ -330,11 +331,11 @@ def resolve_dtype(
         return getattr(torch, name)
     if kernels == "ggml" and device.type == "cpu" and isinstance(checkpoint, GgufCheckpoint):
         # llama.cpp's numerics: float32 activations, the matrices in their blocks (never upcast);
-        # without bfloat16 instructions torch's bfloat16 attention is ~5x slower than float32's
+        # without bfloat16 instructions torch's bfloat16 attention is much slower than float32's
         return torch.float32
     stored = checkpoint.storage_dtype()
     if device.type == "cuda" or stored != torch.float16:
-        return stored  # bf16 and GGUF on the CPU too: fp32 took 2x the RAM and ran slower (issue 21)
+        return stored  # bf16 and GGUF on the CPU too: fp32 takes twice the RAM and runs slower
     # CPU, float16 weights: torch's float16 CPU matmuls are slow; float32 when the host has room.
     fp32_bytes = sum(_numel(checkpoint, n) for n in checkpoint) * 4
     return torch.float32 if fp32_bytes < 0.5 * psutil.virtual_memory().available else stored

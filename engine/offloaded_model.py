@@ -1,9 +1,10 @@
 """`OffloadedModel`: a loaded model whose routed experts are served by the expert cache.
 
 It wraps transformers' causal-LM module (built without its routed experts) and
-owns the expert store, the cache, the transfer engine and the routing trace.
-`forward` runs one chunk of tokens against a KV cache and returns the logits
-of the positions asked for.
+owns the expert store, the cache, the transfer engine, the routing trace and the
+ordered list of decode-step paths (engine.decode.paths). `forward` runs one chunk
+of tokens against a KV cache and `decode` one token id, each on the first path that
+takes it, and returns the logits of the positions asked for.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from engine.errors import DeviceOutOfMemoryError, InvalidRequestError
 from engine.model.adapters.base import Architecture
 from engine.model.kv_cache import new_kv_cache
 from engine.model.prefix_cache import PrefixCache
-from engine.moe.layer import ExpertControl, OffloadedExperts
+from engine.moe.control import ExpertControl
+from engine.moe.layer import OffloadedExperts
 from engine.moe.routing_trace import RoutingTrace
 from engine.store.host_store import ExpertStore
 

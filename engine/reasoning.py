@@ -88,7 +88,7 @@ _VOCABULARIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def vocabulary(tokenizer: Any) -> Mapping[str, int]:
     """The tokenizer's vocabulary, added tokens included: asked of the tokenizer once (a 151k
-    vocabulary's `get_vocab()` takes ~80 ms, and every request looks a few tokens up in it)."""
+    vocabulary's `get_vocab()` is slow, and every request looks a few tokens up in it)."""
     if tokenizer is None:
         return {}
     vocab = _VOCABULARIES.get(tokenizer)

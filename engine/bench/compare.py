@@ -9,8 +9,8 @@ on-demand LRU baseline's (they must: greedy speculation is lossless).
 
 `--sim-link calibrated` (no GPU) first times one decoder layer with every expert
 resident, then simulates a link on which one expert's copy takes `LINK_RATIO` ×
-that time: Qwen3-30B-A3B in bf16 on an RTX 4090 over PCIe 4.0 x16 copies a 9.4 MB
-expert in ≈0.38 ms against ≈0.125 ms of compute per layer. Hybrid CPU execution
+that time, about the ratio of Qwen3-30B-A3B in bf16 on an RTX 4090 over PCIe 4.0 x16, where
+an expert's copy takes longer than a layer's compute. Hybrid CPU execution
 is left out of simulated comparisons: there the "device" is the CPU, so computing
 on the CPU would be free. Everything measured over a simulated link says so.
 """
@@ -177,7 +177,7 @@ def _row(conf: Configuration, runs, drafter_bytes: int) -> CompareRow:
 
 
 def run_compare(args) -> dict:
-    """Every configuration on one model, budget and link; the JSON the issue specifies."""
+    """Every configuration on one model, budget and link, as one JSON result."""
     from engine.loader import load_model
     from engine.options import model_folder, offload_config
     from engine.prompts import PROMPTS, encode_prompts

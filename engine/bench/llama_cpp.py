@@ -1,12 +1,12 @@
 """llama.cpp on the very same GGUF file, timed the way the engine reports it (`--vs-llama-cpp`).
 
 Needs the optional extra `llama` (`pip install -e ".[llama]"`: llama-cpp-python, which
-builds llama.cpp from source, about 10–20 minutes on 2 cores). Both engines get the same
+builds llama.cpp from source, which takes minutes). Both engines get the same
 prompt token ids, greedy decoding, the same number of new tokens and the same number of
 CPU threads; time to the first token is prefill, the rest is decode, as in
 `GenerationStats` (tpot_ms = decode wall time / decoded tokens). Where the host's memory holds
-both engines' weights, their passes alternate (`side_by_side`), so a drift of the machine (this
-kind of host's memory bandwidth moves by up to 30% between minutes) hits both alike; else
+both engines' weights, their passes alternate (`side_by_side`), so a drift of the machine (a
+virtual machine's memory bandwidth can move between minutes) hits both alike; else
 llama.cpp's passes follow MoE Chat's, once its model is closed (`compare_llama_cpp`).
 """
 
@@ -193,7 +193,7 @@ def side_by_side(
 
 def paired_ratios(ours: list[dict], theirs: list[dict]) -> dict:
     """The median over alternated pass pairs of each pair's decode and prefill ratio: a drift of
-    the host between pairs (this one's memory bandwidth moves by up to 30% in minutes) cancels."""
+    the host between pairs (its memory bandwidth may move between minutes) cancels."""
     pairs = list(zip(ours, theirs, strict=True))
     return {
         "paired_decode_ratio": statistics.median(t["tpot_ms"] / o["tpot_ms"] for o, t in pairs),

@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
-    """What a decode step launches, and how (issue 21)."""
+    """What a decode step launches, and how."""
     parser.add_argument(
         "--count-ops",
         action="store_true",

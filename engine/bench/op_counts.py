@@ -6,8 +6,8 @@ and returns the difference per further token: `ops` (leaf aten operators dispatc
 kernel launch on a GPU and one call through the dispatcher on the CPU), `host_syncs` (the host
 reading a tensor's values — `.item()`, `.tolist()`, `nonzero` — each a wait for the device on a
 GPU; on the CPU it counts where those waits would be) and, on CUDA, the runtime's own
-`cuda_launches` and `cuda_syncs` (None on the CPU; not yet measured on a GPU by this project).
-These are what CUDA graphs and a static cache would remove (issue 21, item 2).
+`cuda_launches` and `cuda_syncs` (None on the CPU). These are what CUDA graphs and a static cache
+would remove.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """RMS norms computed by torch's `F.rms_norm`: two to four kernels where transformers' eager
 forward launches six to eight.
 
-A decode step on a GPU with every expert resident is bound by kernel launches, not by the GPU
-(issue 21): a 48-layer Qwen3-MoE step runs 193 norms (four a layer: before attention and the MoE,
+A decode step on a GPU with every expert resident is bound by kernel launches, not by the GPU:
+a 48-layer Qwen3-MoE step runs 193 norms (four a layer: before attention and the MoE,
 and the query and key norms, and the final one). Transformers' Llama-style `*RMSNorm.forward`
 upcasts, squares, averages, adds epsilon, takes the root, scales, downcasts and multiplies by the
 weight, one kernel each; `F.rms_norm` does the middle five as one fused kernel on CUDA. (On the

@@ -114,7 +114,7 @@ def last_ran(graphs, key) -> Ran | None:
 def _output(graphs, shape: tuple[int, int], reuse: bool) -> torch.Tensor:
     """A step's output rows or logits `shape`: fresh, or with `reuse` this thread's one buffer of
     that shape in `graphs` (a decode step's logits, sampled before the next step: a fresh tensor
-    costs ~25 µs with the caches cold from the step's weights)."""
+    costs more than reusing the buffer, with the caches cold from the step's weights)."""
     out = graphs.buffers.get(("out", shape)) if reuse else None
     if out is None:
         out = torch.empty(shape)
@@ -128,9 +128,9 @@ def _routes(graphs, layers: int, tokens: int, top_k: int, experts: int) -> tuple
     (`[L][T][K]` lists), and its router logits `[L, T, E]`. A one-token step's are the same buffers
     step after step (`graphs.buffers`: this thread's, of this layer or step), the experts read
     through an `array` without torch: they are read before the next step, the trace holds the
-    latest step's logits (the next one-token step rewrites them), and a fresh tensor (~25 µs) or
-    torch's `tolist` (~10) cost more than the rest of the step's bookkeeping with the caches cold
-    from the step's weights. The reading of a buffer is made with it, once."""
+    latest step's logits (the next one-token step rewrites them), and a fresh tensor or torch's
+    `tolist` cost more than the rest of the step's bookkeeping with the caches cold from the step's
+    weights. The reading of a buffer is made with it, once."""
     if tokens != 1:
         chosen = torch.empty((layers, tokens, top_k), dtype=torch.int32)
         return chosen, chosen.tolist, torch.empty((layers, tokens, experts))

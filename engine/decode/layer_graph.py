@@ -28,7 +28,7 @@ host round trip for the routes, ~12 for the attention and the cache's update. Va
 its products quantize their activations to 8 bits as every `--kernels ggml` product does,
 and its norms and rotation round in float32 in another order than torch's (~1e-7 relative, which
 the 8-bit rounding of the next product can carry to ~1% of a value: llama.cpp's own numerics).
-`inputs` and `outputs` (and ggml_step's head) compute row by row whatever the token count where the
+`inputs` and `outputs` (and whole_step's head) compute row by row whatever the token count where the
 matrices keep the file's rows; interleaved matrices (engine.ggml.interleave) from 4 rows on,
 and `finish`'s experts and router, round a batch of rows as llama.cpp's batch does (~1e-6
 relative); `whole`'s attention sums in flash attention's order, not torch's (~1e-7 relative).
@@ -51,8 +51,7 @@ from engine.resident.ggml_linear import GgmlLinear
 
 # ggml's flash attention over float32 keys and values walks each query head over each position;
 # torch's two matmuls fold a key head's query heads together: past this many positions they are
-# faster (a 2-layer Qwen3-30B-A3B-shaped Q4_K_M decode step: 2.80 against 3.03 ms at 64
-# positions, 3.13 against 3.12 at 256, 3.94 against 3.73 at 1000, 7.84 against 5.67 at 4000)
+# faster, and the gap grows with the cache's length
 GRAPH_ATTENTION_POSITIONS = 256
 KV_GRAPHS = 4  # graphs over a cache's buffers kept at a time: a new or grown cache makes new ones
 
@@ -215,7 +214,7 @@ class AttentionEnds:
         return room
 
     def layer_nodes(self, context, bind, hidden: int, shared: tuple, room, rows: int):
-        """`whole`'s nodes on the rows `hidden [H, T]`, with a step's `shared` inputs (ggml_chain's
+        """`whole`'s nodes on the rows `hidden [H, T]`, with a step's `shared` inputs (graph_chain's
         `step_inputs`) and the cache's buffers `room`: the output rows, the experts chosen, the
         router's logits."""
         ggml, dim, tokens = loaded(), self.layer.head_dim, Tensor.from_address(hidden).ne[1]

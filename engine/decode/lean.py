@@ -31,10 +31,9 @@ hook put on those later is not seen (but one on the MoE block, router or experts
 it the block; on the lm_head: the head leaves it the module; on the embedding: its module looks
 the tokens up).
 
-Why: on a 2-core CPU, a decode step of a Qwen3-30B-A3B-shaped model spent ~0.5 ms a token in
-transformers' wrappers (decorators, output records, mask and position bookkeeping) on top of the
-same operators — a tenth of the step when llama.cpp's whole step takes 2.7 ms; and a 2-layer
-model's prefill computed the last layer's experts for every prompt token.
+Why: on a CPU, transformers' wrappers (decorators, output records, mask and position bookkeeping)
+cost a decode step a noticeable share of its time on top of the same operators; and a prefill
+computed the last layer's experts for every prompt token.
 """
 
 from __future__ import annotations
@@ -300,8 +299,8 @@ class _Norm:
 
 def _fused(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """`norm` as torch's one-operator RMS norm where that gives its outputs bit for bit on a probe
-    (and nothing hooks it), else the module itself: ~12 µs a call instead of ~25 for the seven
-    operators of transformers' RMSNorm."""
+    (and nothing hooks it), else the module itself: one operator costs less than the seven of
+    transformers' RMSNorm."""
     weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
     if not isinstance(weight, torch.Tensor) or not isinstance(eps, float) or weight.dim() != 1:
         return norm
@@ -319,7 +318,7 @@ def _fused(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 @functools.cache
 def _attention_cache(kind: type) -> bool:
     """Whether a layer cache of this type is an attention cache (`DynamicLayer`'s isinstance goes
-    through its ABC's check: ~1 µs a layer of every step)."""
+    through its ABC's check, slow enough to matter on every layer of every step)."""
     return issubclass(kind, DynamicLayer)
 
 

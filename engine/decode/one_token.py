@@ -1,11 +1,11 @@
 """A decode step's one graph run again without working its inputs out again (`--kernels ggml`).
 
 Contract: `OneTokenStep.of(whole, rotary, ran)`, where `ran` is the one-token step that
-`WholeStep.of_ids` (engine.decode.whole_step) last ran with `reuse` (`ggml_chain.Ran`), holds
+`WholeStep.of_ids` (engine.decode.whole_step) last ran with `reuse` (`graph_chain.Ran`), holds
 that step's kept graph and cache buffers, and where each of its moving memories lies as a line in
 one value: the token id's index row in the token id, the rotary angles, the cache row the new
 keys go to and the mask in the position, the outputs nowhere. Each line is taken from the inputs
-as the slow step makes them (`WholeStep.token`, `rotary.at`, `ggml_chain.new_positions`) at two
+as the slow step makes them (`WholeStep.token`, `rotary.at`, `graph_chain.new_positions`) at two
 values and checked against the memories `ran` read; None where one is not such a line.
 
 `step(token, rotary, kv_cache)` is then the logits `[V]` of the next one-token step, in the buffer
@@ -16,9 +16,9 @@ hooked, the cache offloading or another one, or any layer's `AttentionEnds.room`
 of the step prepared on (another cache, one past its room or the graph's attention limit, a MoE
 block `RoutedMlp.takes` refuses now). The caller then goes `of_ids`' way.
 
-Why: on a 2-core CPU a 2-layer Qwen3-30B-A3B-shaped decode step spent ~0.1 ms of its ~0.25 ms of
-Python working out again what was the same step after step (the graph's key and lookup, its
-inputs' rows, its outputs' buffers), with the caches cold from the step's weights.
+Why: a small model's decode step spent a large share of its Python working out again what was the
+same step after step (the graph's key and lookup, its inputs' rows, its outputs' buffers), with the
+caches cold from the step's weights.
 """
 
 from __future__ import annotations

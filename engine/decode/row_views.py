@@ -8,8 +8,8 @@ the step.
 
 Why: a decode step's token id, rotary angles, cache position and mask are rows of tables that
 live as long as the model (a vocabulary's ids, the rotary table, a cache's positions); a view of
-a table cost ~10 µs of a 3 ms step where the weights streamed through the caches leave the
-interpreter's cold, and a step made six.
+a table is costly where the weights streamed through the caches leave the interpreter's cold, and
+a step made six.
 """
 
 from __future__ import annotations

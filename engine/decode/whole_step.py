@@ -21,11 +21,10 @@ T ≤ MAX_FOLDED_QUERIES tokens:
         then `embedding(ids)` gives their rows `[1, T, H]` from a small graph of their own
 
 Values: each layer's `whole`, then the head's, bit for bit (the same nodes, in one graph).
-Why: a layer's graph costs ~30 µs of Python and a start of ggml's threads on top of its work;
-one graph a step pays them once. The embedding's module call cost ~45 µs of a 2.7 ms step, a
-large vocabulary's `GgmlEmbedding` ~190 (it dequantizes its row in Python); in the graph it is
-one node. Graphs taking ids and graphs taking rows are kept apart: either one's inputs are
-garbage to the other.
+Why: a layer's graph costs Python and a start of ggml's threads on top of its work; one graph a
+step pays them once. The embedding's module call costs more than a node, a large vocabulary's
+`GgmlEmbedding` most (it dequantizes its row in Python); in the graph it is one node. Graphs
+taking ids and graphs taking rows are kept apart: either one's inputs are garbage to the other.
 """
 
 from __future__ import annotations
@@ -153,7 +152,7 @@ class Embedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows `[1, T, width]` of the int32 token ids `ids [1, T]` (inside the table), in a
         graph of their own kept per token count: a step going layer by layer (past the one-graph
-        step's attention limit), where the module's call took ~40 µs, a `GgmlEmbedding`'s ~190."""
+        step's attention limit), cheaper than the module's call, a `GgmlEmbedding`'s most of all."""
         rows = torch.empty((1, ids.numel(), self.width))
         ggml_kernels.compute_kept(
             (self, ids.numel()),

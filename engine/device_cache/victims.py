@@ -7,7 +7,7 @@ the `crowded` layers, those keeping more than their share. `oldest_preferred` gi
 for a policy whose victim is the oldest candidate (LRU) without building those sets: the transient
 slots are few and kept apart, and walking the policy's keys oldest first, the first that qualifies
 is the choice. With thousands of slots (an 8 GiB cache of Q4_K experts holds ~2800) building the
-sets cost milliseconds an eviction; the walk stops after a few dozen keys.
+sets costs far more an eviction than the walk, which stops after a few dozen keys.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ thread's graphs by key (at most `LIMIT`, the oldest dropped first; `ThreadsKeptG
 set of each thread's); a graph's context is freed with the graph.
 
 Why: a decode step calls ggml about eleven times on a two-layer model and ~240 times on a 48-layer
-one; building a call's graph (tensors, binds, nodes) cost ~12 µs of Python and ctypes, three
-times a small product's own compute.
+one; building a call's graph (tensors, binds, nodes) costs more Python and ctypes than a small
+product's own compute.
 """
 
 from __future__ import annotations

@@ -5,17 +5,17 @@ a `rows`-row weight of that type with 8 rows interleaved block by block (on AVX2
 IQ4_NL, MXFP4; ggml's own rule, asked of ggml); `allocate(nbytes)` is uint8 host memory in such a
 buffer (ggml's, freed when the last tensor over it goes); `interleave_into(target, blocks,
 ggml_type, out, in)` writes one `[out, in]` weight, given in the file's row layout, into `target`
-inside that memory in the interleaved form. `ggml_kernels` binds a weight lying there to its
+inside that memory in the interleaved form. `engine.ggml.kernels` binds a weight lying there to its
 buffer, so ggml multiplies it with the kernels llama.cpp itself uses for the same file on this
-CPU: one pass over an activation block serves 8 rows. Measured on the Qwen3-30B-A3B-shaped Q4_K
-layer (2 cores, AVX2): a decode step's routed products 1.09 → 0.78 ms a layer.
+CPU: one pass over an activation block serves 8 rows, which makes a decode step's routed products
+faster.
 
 Values: the same integer dot products, scaled and summed in another order than the row-by-row
 kernel's, so products agree to float32 rounding (~1e-6 relative), not bit for bit. `ggml_mul_mat_id`
 computes every route on its own row whatever the number of tokens, so a batch's products equal
 one-token products. A plain `ggml_mul_mat` on such memory takes 4-row kernels from 4 tokens on; a
 model's resident matrices of these types are interleaved too (engine.resident.ggml_linear, as
-llama.cpp's CPU_REPACK buffers hold them: the 2-layer Q4_K_M file's decode step 3.03 → 2.87 ms), so
+llama.cpp's CPU_REPACK buffers hold them), so
 a batch of 4 or more rows through them rounds differently from one-token rows (~1e-6 relative),
 as llama.cpp's batches do.
 """

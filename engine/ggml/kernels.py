@@ -9,9 +9,9 @@ they lie in a packed layer buffer, in one node (`ggml_mul_mat_id`, as llama.cpp 
 This is the path llama.cpp computes on: the activations are quantized to 8 bits per block
 (Q8_K for the K-quants, Q8_0 for the others) and multiplied with integer dot products, so the
 result differs from `x @ dequantize(W).T` by about a percent of its scale, as llama.cpp's own
-outputs do; the engine's default kernels (engine.formats.gguf_repack, ggml_linear) stay exact and
-this one is chosen by name only. A call makes one graph (a one-token call's is kept and only
-pointed at the call's memory: engine.ggml.graphs): ggml tensors are described in
+outputs do; the engine's default kernels (engine.formats.gguf_repack, engine.resident.ggml_linear)
+stay exact and this one is chosen by name only. A call makes one graph (a one-token call's is kept
+and only pointed at the call's memory: engine.ggml.graphs): ggml tensors are described in
 a per-thread metadata context (no allocation), bound to the caller's memory through one CPU
 buffer made over the whole address space (`ggml_backend_cpu_buffer_from_ptr`: it owns nothing and
 only bounds where tensors may lie; a buffer a call cost 6 of a matmul call's 16 foreign calls) or,
@@ -328,7 +328,7 @@ def _kept(
 
 
 def kept_graphs_work() -> bool:
-    """Whether ggml is here and its graphs can be kept (its tensors read as ggml_graphs.Tensor)."""
+    """Whether ggml is here and its graphs can be kept (its tensors read as engine.ggml.graphs.Tensor)."""
     ggml, _ = library()
     return ggml is not None and readable(ggml)
 

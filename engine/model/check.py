@@ -347,7 +347,7 @@ def _is_mxfp4(name: str, dtype: str) -> bool:
 
 def _is_packed(name: str, dtype: str, quant: str | None) -> bool:
     """A quantized checkpoint's own packed tensors: MXFP4 blocks, FP8 weights, GPTQ/AWQ and
-    compressed-tensors int32 words (engine.store.from_fp8, int4_store, compressed_tensors)."""
+    compressed-tensors int32 words (engine.store.from_fp8, from_int4, from_compressed_tensors)."""
     if _is_mxfp4(name, dtype):
         return True
     if quant == "fp8":

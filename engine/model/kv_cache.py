@@ -87,7 +87,7 @@ class GrowingLayer(DynamicLayer):
     While the cache lies in its buffers it is held as their first `_length` positions, and the
     views are made when `keys` or `values` is read: a step whose producer writes the buffers
     itself (`room`, `written`: engine.decode.layer_graph) makes no tensor at all, where slicing
-    the two views cost ~10 µs a layer of every decode step."""
+    the two views would cost every layer of every decode step."""
 
     _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
     _length: int | None = None  # while set: keys and values are the buffers' first `_length` positions

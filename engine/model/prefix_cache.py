@@ -21,8 +21,8 @@ A cache let go (evicted, replaced by a longer one of the same reply, or cleared)
 memory as the spare, with no positions: `take` hands it out where no kept cache shares a prefix
 with the prompt, so a new conversation's prefill writes where the last one's did, as llama.cpp's
 one KV cache is reused, instead of allocating its buffers again — and a CPU decode step's ggml
-graph, kept per cache buffers (engine.decode.graph_chain), runs again instead of being built:
-~0.6 ms a reply, ~2.5% of a 32-token reply's decode time on a 2-core CPU. Only caches of
+graph, kept per cache buffers (engine.decode.graph_chain), runs again instead of being built.
+Only caches of
 `GrowingLayer`s alone (what a cleared cache holds is then only its buffers) and of at most
 `SPARE_MAX_BYTES`; `close()` lets the spare go too.
 """

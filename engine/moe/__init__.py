@@ -1,8 +1,9 @@
 """MoE execution (DESIGN.md layer 6): a layer's routed experts computed from the cache.
 
 - `layer`: `OffloadedExperts`, transformers' experts module replaced by one that reads the cache
-  in named stages, its strategy chosen once when it is installed; `ExpertControl`, what a run
-  installs on every layer (speculation's top-r, prefetch, phase);
+  in named stages, its strategy chosen once when it is installed;
+- `control`: `ExpertControl`, what a run installs on every layer (prefetch observers, a draft's
+  routing, CPU misses), and `DraftRouting`;
 - `batched_experts`: a step's device experts gathered and computed as groups;
 - `cuda_graphs`: a one-token step's experts captured and replayed as a CUDA graph a layer;
 - `cpu_misses` and `hybrid_schedule`: misses computed on the CPU where that is sooner

@@ -3,8 +3,7 @@
 On a GPU every kernel launch costs microseconds whatever it computes. A decode step through a
 Qwen3-30B-A3B-shaped model uses 48 × 8 experts; computed one at a time (a GGUF expert: dequantize
 gate/up, a matmul, the activation, dequantize down, a matmul, the weight, the add, each several
-kernels) a step took 472 ms on an H100 with every expert cached, 144–177 ms in groups (still
-~6,900 kernels a step: float32 dequantization and transformers' eager modules). Here a group of
+kernels) a step launches thousands of kernels and is bound by their launches. Here a group of
 the step's experts, pinned in their slots together (`pipeline.ready_together`), is gathered from the
 cache's pool in one `index_select`; each field is viewed, or dequantized, for the whole group at
 once; the group runs as two batched matmuls around the family's activation; and its weighted
@@ -95,7 +94,7 @@ def gathered_weights(
 ) -> dict[str, torch.Tensor]:
     """Each field of the experts in pool rows `slots` (a list, or indices on the device), stacked
     `[n, *shape]`: native fields as stored, ggml blocks dequantized to `dtype` (float32 math, as
-    `ggml_quants.dequantize`)."""
+    `gguf_blocks.dequantize`)."""
     index = slots
     if not isinstance(index, torch.Tensor):
         index = torch.tensor(slots, dtype=torch.long).to(pool.device, non_blocking=True)

@@ -1,7 +1,7 @@
 """One CUDA graph a MoE layer: a one-token step's experts as one launch, not ~55 (opt-in).
 
 With every expert on the device (`ExpertCache.holds_all`), a one-token step's experts go through
-`grouped.forward_resident`: a slot-table lookup, a gather, the blocks dequantized, two batched
+`batched_experts.forward_resident`: a slot-table lookup, a gather, the blocks dequantized, two batched
 matmuls and a sum — about 55 kernels a layer for a Q4_K_M file, each launched from Python, and no
 host synchronisation. Nothing in it depends on the host knowing the route, so it can be captured:
 `ExpertGraphs.forward` captures each layer's computation once as a CUDA graph over static input
@@ -73,7 +73,7 @@ class ExpertGraphs:
     def forward(
         self, module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, table
     ) -> torch.Tensor:
-        """`grouped.forward_resident(module, …)`, by replaying `module.layer`'s graph."""
+        """`batched_experts.forward_resident(module, …)`, by replaying `module.layer`'s graph."""
         if self.off_because is not None:
             return forward_resident(module, hidden, top_k_index, top_k_weights, table)
         captured = self._layers.get(module.layer)

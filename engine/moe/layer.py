@@ -1,44 +1,42 @@
 """MoE execution: transformers' experts module replaced by one that reads the expert cache.
 
-transformers' MoE block routes (its own router, so routing is exactly the
-model's) and calls `experts(hidden, top_k_index, top_k_weights)`. The
-replacement runs in named stages, as vLLM's modular fused-MoE layer does:
+transformers' MoE block routes (its own router, so routing is exactly the model's) and calls
+`experts(hidden, top_k_index, top_k_weights)`. The replacement runs in named stages, as vLLM's
+modular fused-MoE layer does:
 
-    route       the routes each expert serves (SS-MoE's top-r while self-drafting);
-                the router's scores go to a score-based cache policy (MRS)
-    plan        which misses the CPU computes (HybriMoE), the order the rest are
-                brought in (hits first, so misses' copies overlap the hits' compute),
-                whether the step streams, and the next layer's lookahead
-    bring in    `pipeline.ready_experts`: slots pinned, copies issued, experts
-                yielded as they land
-    compute     each expert from its slot with the original module's activation
-                (`_apply_gate`, `act_fn`, transposed or biased weights as the family has them)
+    route       the routes each expert serves (SS-MoE's top-r while self-drafting); the router's
+                scores go to a score-based cache policy (MRS)
+    plan        which misses the CPU computes (HybriMoE), the order the rest are brought in (hits
+                first, so misses' copies overlap the hits' compute), whether the step streams,
+                and the next layer's lookahead
+    bring in    `pipeline.ready_experts`: slots pinned, copies issued, experts yielded as they land
+    compute     each expert from its slot with the original module's activation (`_apply_gate`,
+                `act_fn`, transposed or biased weights as the family has them)
     combine     weighted and added into the output, row by row
 
 The layer's strategy is chosen once, when it is installed (`execute`): its experts through ggml
-where they lie in the store (in place, `--kernels ggml`), else through the device cache, as below.
-On CUDA a step whose experts serve few tokens each (decode, drafting, a verify) brings them in
-and computes them in groups instead (`pipeline.ready_together`, `engine.moe.batched_experts`): a few
-batched kernels a layer rather than a few an expert. With every expert on the device
-(`ExpertCache.holds_all`), a one-token step skips route, plan and bring in: its experts are looked
-up in the layer's slot table on the device (`grouped.forward_resident`; `expert_graphs` replays it).
+where they lie in the store (in place, `--kernels ggml`), else through the device cache (the
+stages above). On CUDA a step whose experts serve few tokens each (decode, drafting, a verify)
+brings them in and computes them in groups instead (`pipeline.ready_together`,
+`engine.moe.batched_experts`): a few batched kernels a layer rather than a few an expert. With
+every expert on the device (`ExpertCache.holds_all`), a one-token step skips route, plan and bring
+in: its experts are looked up in the layer's slot table on the device
+(`batched_experts.forward_resident`; `cuda_graphs` replays it).
 
-`ExpertControl` is the one object every layer of a model shares (built by the loader):
-what a run installs for its duration, always through `ExpertControl.installed`, which
-restores on exit — observers (the prefetch predictors see each layer's hidden state and
-routes before its experts run), the lookahead, CPU execution of misses and, while
-drafting, a `DraftRouting` (SS-MoE top-r self-draft, optionally from cached experts only,
-or SubSpec's resident low-bit substitutes, which never touch the cache).
-
-The router's logits of the latest forward are kept per layer (engine.moe.routing_trace)
-for the cache policy.
+`ExpertControl` (engine.moe.control) is the one object every layer of a model shares: what a run
+installs for its duration, always through `ExpertControl.installed`, which restores on exit —
+observers (the prefetch predictors see each layer's hidden state and routes before its experts
+run), the lookahead, CPU execution of misses and, while drafting, a `DraftRouting` (SS-MoE top-r
+self-draft, optionally from cached experts only, or SubSpec's resident low-bit substitutes, which
+never touch the cache). The router's logits of the latest forward are kept per layer
+(engine.moe.routing_trace) for the cache policy.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass
 
 import torch
@@ -53,49 +51,9 @@ from engine.ggml import kernels as ggml_kernels
 from engine.model.adapters.base import Architecture
 from engine.model.hf_calls import decoder_of
 from engine.moe.batched_experts import accumulate_in_groups, forward_resident, groups_asked, in_groups
-from engine.moe.cuda_graphs import ExpertGraphs
+from engine.moe.control import DraftRouting, ExpertControl
 from engine.moe.routing_trace import RoutingTrace
 from engine.store.host_store import ExpertStore
-
-LayerObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, hidden [T, H], top-k [T, K])
-
-
-@dataclass(frozen=True)
-class DraftRouting:
-    """How MoE layers route while drafting with the target itself."""
-
-    top_r: int | None = None  # SS-MoE: each token uses its top-r experts (r < k), weights rescaled
-    cached_only: bool = False  # zero-I/O drafting: only experts already on the device
-    substitute: ExpertStore | None = None  # SubSpec: device-resident low-bit copies of every expert
-
-
-@dataclass
-class ExpertControl:
-    """What a run installs on every MoE layer of one model; the loader builds one per model and
-    hands the same object to each `OffloadedExperts`."""
-
-    observers: tuple[LayerObserver, ...] = ()
-    draft: DraftRouting | None = None
-    hybrid: object | None = None  # engine.moe.cpu_misses.HybridExecutor: misses computed on the CPU
-    # (layer, hidden [T, H]) -> the next MoE layer's likely experts, best first: a streaming step
-    # copies the first `STREAM_DEPTH` of them once its own misses are issued (SP-MoE's policy).
-    lookahead: Callable[[int, torch.Tensor], list[tuple[int, int]]] | None = None
-    # experts of a few-token step computed in groups (`engine.moe.batched_experts`); None: on CUDA
-    grouped: bool | None = None
-    # one-token steps over a cache holding every expert, replayed as CUDA graphs (opt-in)
-    graphs: ExpertGraphs | None = None
-
-    @contextmanager
-    def installed(self, **changes) -> Iterator[ExpertControl]:
-        """Set the named fields for the block; their previous values come back however it ends."""
-        previous = {name: getattr(self, name) for name in changes}
-        for name, value in changes.items():
-            setattr(self, name, value)
-        try:
-            yield self
-        finally:
-            for name, value in previous.items():
-                setattr(self, name, value)
 
 
 @dataclass(frozen=True)

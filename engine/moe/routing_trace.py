@@ -11,7 +11,7 @@ import torch
 class RoutingTrace:
     """The latest router logits of each MoE layer, `[T, E]`: recorded by the routers' hooks, or
     a step's layers at once (`record_layers`), taken apart only when read — a decode step of the
-    ggml graph would otherwise spend a view a layer (~0.5 ms a token at 48 layers) on something
+    ggml graph would otherwise spend a view a layer (a cost every token pays) on something
     read only by the tuner and by cache policies that score experts."""
 
     def __init__(self) -> None:

@@ -29,7 +29,7 @@ import importlib
 from typing import Any
 
 # name -> module: imported on first use, so `engine.remote.endpoint` (the settings' import) does not
-# pull in the openai client (~1 s) at the GUI's start
+# pull in the openai client, slow to import, at the GUI's start
 _EXPORTS = {
     "RemoteEndpoint": "endpoint",
     "normalize_base_url": "endpoint",

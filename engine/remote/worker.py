@@ -102,7 +102,7 @@ class _Reply:
         """Mark the reply cancelled: the reader stops at the next chunk. A server quiet for
         `CLOSE_QUIET_AFTER_S` (a long prefill, a wedged server) is not waited for: the reply ends
         cancelled and its stream is closed from here. Not at once, because closing under a reading
-        thread stalls both (measured with llama.cpp's server: 7-15 s instead of the next chunk's ms)."""
+        thread stalls both for seconds (llama.cpp's server does) instead of until the next chunk."""
         self.cancelled.set()
         threading.Thread(target=self._end_if_quiet, name="remote-cancel", daemon=True).start()
 

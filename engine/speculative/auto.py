@@ -138,11 +138,8 @@ def _nothing_copied(model) -> bool:
     """Whether no step ever copies an expert: the model computes every expert where the host store
     holds it (a CPU run with no link simulated), or its device cache has a slot for each
     (`ExpertCache.holds_all`, filled at load). A self-draft step then costs a decode step's
-    attention and a verify its tokens' experts, with no copy to save. Measured on a 2-core CPU
-    (`python -m engine generate`, sampled): the demo model, 96 tokens, 86 tok/s self-drafting
-    against 110 without (its own draft model: 161); a Qwen3-30B-A3B-shaped Q4_K_M file with ggml
-    kernels, 64 tokens, 57.6 against 159.7. llama.cpp measures the same on a GPU holding a whole
-    A3B model (−3% to −52% with a draft model)."""
+    attention and a verify its tokens' experts, with no copy to save, so self-drafting is slower
+    than plain decoding there (llama.cpp finds the same on a GPU holding a whole A3B model)."""
     cache = getattr(model, "cache", None)
     return bool(getattr(cache, "in_place", False) or getattr(cache, "holds_all", False))
 

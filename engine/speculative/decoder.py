@@ -6,8 +6,8 @@ and returns the next tokens; `wanted` is how many more the caller can use (the r
 `max_new_tokens`), so no step drafts tokens that could never be emitted; `last`, where the caller
 has it, is history's last token as an int (not read back from the tensor). A decoder whose
 `reads_history` is False (a plain one whose sampler reads none: greedy on the logits as they
-are) is given None for `history` and `last`'s int: a view of the history each token cost ~20 µs
-(~60 on a BF16 model) of a CPU decode step, where the weights leave the interpreter's caches cold.
+are) is given None for `history` and `last`'s int: a view of the history each token costs a CPU
+decode step more than it should, where the weights leave the interpreter's caches cold.
 A speculative step reads top to bottom:
 
     draft     the drafter proposes up to γ tokens (prefetching verification's experts meanwhile)

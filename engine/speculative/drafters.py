@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from engine.errors import DeviceOutOfMemoryError, InvalidRequestError, ModelNotFoundError
 from engine.model.hf_calls import with_cache
 from engine.model.kv_cache import RecurrentState, new_kv_cache, rewind_cache
-from engine.moe.layer import DraftRouting
+from engine.moe.control import DraftRouting
 from engine.sampling import Sampler
 
 log = logging.getLogger(__name__)

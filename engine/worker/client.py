@@ -3,7 +3,7 @@
 `WorkerProcess` starts the worker with the `spawn` context and moves protocol
 messages over its pipe; `EngineSession` adds blocking, one-request-at-a-time
 calls (load, generate as an iterator, cancel) for the terminal chat and the
-local server. The GUI's `app.gui.engine_client.EngineClient` wraps `WorkerProcess`
+local server. The GUI's `app.gui.engine.engine_client.EngineClient` wraps `WorkerProcess`
 in a QObject instead.
 
 No wait is unbounded: a request waits at most `QUEUE_TIMEOUT_S` for its turn, and a

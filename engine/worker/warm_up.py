@@ -1,10 +1,9 @@
 """What a standby worker does before it is needed: the imports a load of the model would do.
 
-Importing torch, transformers and the engine takes most of a worker's start (about 8 s of
-10 on a 2-core machine); a standby worker pays it ahead of a crash or a restart. It loads
-no weights, runs torch's CPU kernels once on toy tensors and never touches the GPU (a CUDA
-context costs device memory the expert cache wants), so an idle standby costs host memory
-only (its private part: measured in the report of issue 19).
+Importing torch, transformers and the engine takes most of a worker's start; a standby worker
+pays it ahead of a crash or a restart. It loads no weights, runs torch's CPU kernels once on toy
+tensors and never touches the GPU (a CUDA context costs device memory the expert cache wants), so
+an idle standby costs host memory only.
 """
 
 from __future__ import annotations

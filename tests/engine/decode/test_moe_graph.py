@@ -11,7 +11,7 @@ from engine.decode import moe_graph as ggml_moe
 from engine.decode.moe_graph import RoutedMlp
 from engine.ggml import library as ggml_library
 from engine.loader import load_model
-from engine.moe.layer import DraftRouting
+from engine.moe.control import DraftRouting
 from engine.moe.routing_trace import RoutingTrace
 from engine.tiny.gguf_writer import write_tiny_gguf
 

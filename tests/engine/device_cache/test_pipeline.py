@@ -8,7 +8,7 @@ import pytest
 from engine.device_cache.expert_cache import STREAM_DEPTH
 from engine.device_cache.pipeline import ready_experts
 from engine.errors import BudgetTooSmallError
-from engine.moe.layer import DraftRouting, ExpertControl
+from engine.moe.control import DraftRouting, ExpertControl
 from tests.engine.cache_helpers import (
     NUM_EXPERTS,
     ManualTransfer,
