@@ -4,7 +4,7 @@ Opens the main window at once (no torch in this process) and starts the engine
 worker in the background; a second start brings the running window to the
 front instead of opening another (one with another data folder, MOE_CHAT_DATA_DIR, runs on its
 own). `--self-test` checks the installation instead
-(see `app.gui.self_test`); `moe-chat cli [...]` is `moe-chat-cli [...]` (the terminal
+(see `app.gui.startup.self_test`); `moe-chat cli [...]` is `moe-chat-cli [...]` (the terminal
 chat, and `cli serve` the local server), for the bundle, which has one executable.
 """
 
@@ -55,26 +55,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.install_desktop_entry or args.uninstall_desktop_entry:
         return desktop_entry(args.install_desktop_entry)
     if args.self_test:
-        from app.gui import self_test
+        from app.gui.startup import self_test
 
         if args.window:
             return self_test.window_self_test(args.device, args.screenshot)
         return self_test.engine_self_test(args.device)
     if args.window or args.screenshot:
         parser.error("--window and --screenshot go with --self-test")
-    from app.gui.log_setup import setup_logging
+    from app.gui.startup.log_setup import setup_logging
 
     setup_logging(args.verbose)  # one line per warning on the console, the details in the log file
 
-    from app.gui.system_libs import qt_platform_problem
+    from app.gui.startup.system_libs import qt_platform_problem
 
     problem = qt_platform_problem(qt_args)  # one line naming the packages, not Qt's abort
     if problem:
         sys.stderr.write(problem + "\n")
         return 1
-    from app.gui.application import FirstGpuTuneOffer, application
-    from app.gui.main_window import MainWindow
-    from app.gui.single_instance import SingleInstance, server_name
+    from app.gui.startup.application import FirstGpuTuneOffer, application
+    from app.gui.startup.single_instance import SingleInstance, server_name
+    from app.gui.window.main_window import MainWindow
     from app.model_library import data_dir
 
     app = application(qt_args)

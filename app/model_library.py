@@ -235,7 +235,7 @@ class ModelLibrary:
         self._write_imports([*self._imports(), entry])
         return InstalledModel(entry["name"], entry["path"], "imported", None, folder_size(folder))
 
-    # -- downloads in progress (used by app.gui.downloads) --------------------------------------------
+    # -- downloads in progress (used by app.gui.models.downloads) ------------------------------------
 
     def begin_download(self, key: str) -> Path:
         """The folder a download writes into, marked as partial until `finish_download`."""

@@ -67,7 +67,7 @@ def xcb_packages_not_carried(bundle: Path) -> list[str]:
     if not sys.platform.startswith("linux"):
         return []
     sys.path.insert(0, str(ROOT))
-    from app.gui.system_libs import XCB_LIBRARIES
+    from app.gui.startup.system_libs import XCB_LIBRARIES
 
     carried = {path.name for path in bundle.rglob("*.so*")}
     return [package for soname, package in XCB_LIBRARIES.items() if soname not in carried]

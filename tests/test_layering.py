@@ -47,7 +47,7 @@ def test_the_checker_sees_nested_and_aliased_imports(tmp_path):
         ("app", "torch"),
         ("app.terminal.chat", "torch"),
         ("app.server.openai_server", "torch"),
-        ("app.gui.main_window", "fastapi"),  # the server's stack stays out of the window's start
+        ("app.gui.window.main_window", "fastapi"),  # the server's stack stays out of the window's start
         ("app.main", "uvicorn"),
         ("engine", "PySide6"),
         ("engine.cli", "PySide6"),

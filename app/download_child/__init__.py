@@ -1,4 +1,4 @@
-"""What runs inside a download's child process (see `app.gui.downloads` for the whole story).
+"""What runs inside a download's child process (see `app.gui.models.downloads` for the whole story).
 
 `run_download(job, events, go)` is the child's entry point. It reports through `events` (a
 multiprocessing queue) as tuples: ("progress", DownloadProgress), ("planned", bytes_to_fetch),

@@ -8,7 +8,7 @@ never fails to load. The three names most callers need are importable from here.
 `remotes.RemoteStore` keeps the saved remote engines (remotes.json), `secrets` their API keys
 (and the Hugging Face token) in the OS keyring.
 
-No Qt and no torch here: the settings dialog is `app.gui.settings_dialog`.
+No Qt and no torch here: the settings dialog is `app.gui.settings.settings_dialog`.
 """
 
 from app.settings.app_settings import AppSettings, SettingsError

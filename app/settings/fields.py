@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import DEVICES, EXPERT_DTYPES, KERNELS, KV_DTYPES
-from engine.generation_config import CPU_EXPERT_MODES, PREFETCH_CHOICES, SPEC_CHOICES, SpecConfig
 from engine.device_cache.eviction import POLICIES
+from engine.generation_config import CPU_EXPERT_MODES, PREFETCH_CHOICES, SPEC_CHOICES, SpecConfig
 
 MAX_DRAFT_LEN = SpecConfig().max_draft_len
 MAX_SIM_LINK_GBPS = 1000.0

@@ -4,7 +4,7 @@
 chainer, as on a headless Linux box). `ApiKeys` keeps one key per remote endpoint under the
 service "moe-chat-remote" (user: the endpoint's API root); where there is no keyring, or it
 refuses, a key is kept in memory for this run only and `set` says so in a sentence for the
-user. The Hugging Face token (`app.gui.hub_client`) uses the same `system_keyring`.
+user. The Hugging Face token (`app.gui.models.hub_client`) uses the same `system_keyring`.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def test_the_command_line_reports_a_folder_it_cannot_write(tmp_path):
 def test_the_window_icon_offers_every_shipped_size(qapp):
     from PySide6.QtCore import QSize
 
-    from app.gui.application import app_icon
+    from app.gui.startup.application import app_icon
 
     sizes = set(app_icon().availableSizes())
     assert {QSize(side, side) for side in (16, 24, 32, 48, 64, 128, 256, 512)} <= sizes

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import app.download_child as download_child
-import app.gui.hub_client as hub_client
+import app.gui.models.hub_client as hub_client
 from app.download_child import DownloadJob
 from app.download_child.hub_errors import HubError, check_reachable, explain
 from app.model_library import ModelSource

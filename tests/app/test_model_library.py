@@ -19,8 +19,8 @@ from app.model_library import (
     folder_name,
     key_of_folder,
 )
-from engine.tiny.models import make_tiny_model
 from engine.resources import demo_model_dir
+from engine.tiny.models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from PySide6.QtWidgets import QDialogButtonBox
 
-from app.gui.settings_dialog import SIM_LINK_WITH_GPU, SettingsDialog
+from app.gui.settings.settings_dialog import SIM_LINK_WITH_GPU, SettingsDialog
 from app.settings import AppSettings, SettingsError, SettingsStore
 from app.settings.app_settings import needs_reload
 from app.settings.fields import FIELDS

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.gui.system_libs import XCB_LIBRARIES
+from app.gui.startup.system_libs import XCB_LIBRARIES
 
 BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "packaging" / "build.py"
 _spec = importlib.util.spec_from_file_location("moe_chat_build", BUILD_SCRIPT)
