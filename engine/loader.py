@@ -22,7 +22,6 @@ from pathlib import Path
 
 import psutil
 import torch
-from gguf import GGMLQuantizationType
 from transformers import AutoModelForCausalLM
 
 from engine.config import ExpertBudget, OffloadConfig
@@ -37,7 +36,11 @@ from engine.errors import (
     InvalidRequestError,
     UnsupportedArchitectureError,
 )
+from engine.formats.base import ExpertFormat, ModelExperts, StoredExperts
 from engine.formats.int_quant import QuantSpec
+from engine.formats.layout import ExpertLayout
+from engine.formats.native_experts import IntQuantFormat
+from engine.formats.registry import detect_format
 from engine.model.adapters import get_architecture
 from engine.model.adapters.base import Architecture, DiskLayout
 from engine.model.adapters.generic import bind, experts_per_token
@@ -50,14 +53,10 @@ from engine.moe.layer import OffloadedExperts, moe_blocks
 from engine.moe.routing_trace import RoutingTrace
 from engine.offloaded_model import OffloadedModel
 from engine.resident.weights import load_resident
+from engine.store.build import build_expert_store, pack_experts
 from engine.store.disk_cache import StoreKey, load_or_build
-from engine.store.from_compressed_tensors import compressed_checkpoint
-from engine.store.from_fp8 import Fp8Checkpoint, build_fp8_store, fp8_checkpoint
-from engine.store.from_gguf import build_gguf_store
-from engine.store.from_int4 import Int4Checkpoint, build_int4_store, int4_checkpoint
-from engine.store.from_mxfp4 import build_mxfp4_store, is_mxfp4
-from engine.store.host_store import ExpertLayout, ExpertStore, build_store, find_layout
-from engine.store.prequantized import first_experts, refuse_requantization
+from engine.store.host_store import ExpertStore
+from engine.store.placement import AS_STORED, CpuPlacement
 from engine.store.staging import pinned_for_copies
 
 log = logging.getLogger(__name__)
@@ -72,22 +71,23 @@ def load_model(
     config = config or OffloadConfig()
     config.validate()
     folder = Path(model_dir).expanduser()
-    hf_config, checkpoint = compressed_checkpoint(*int4_checkpoint(*fp8_checkpoint(*open_checkpoint(folder))))
+    hf_config, expert_format, checkpoint = _open(folder)
     device = resolve_device(config.device)
     transfer = n_slots = None
     try:
         dtype = resolve_dtype(config.dtype, checkpoint, device, config.kernels)
         hf_model, arch, blocks = _skeleton(hf_config, dtype, folder, device)
         top_k = experts_per_token(hf_model.config)  # the language model's (a multimodal config nests it)
-        store, disk_layout = _expert_store(
-            folder, checkpoint, hf_model, arch, blocks, dtype, device, config, progress
+        model = ModelExperts.of(arch, blocks, dtype)
+        store, experts = _expert_store(
+            folder, expert_format, checkpoint, hf_model, model, device, config, progress
         )
         n_slots = _budget_slots(config, store, hf_model, blocks, device, top_k)
         transfer = make_transfer(device, config.sim_link_gbps, config.sim_latency_us, store)
         policy = make_policy(config.policy, top_k=top_k, alpha=config.mrs_alpha)
         cache = ExpertCache(store, n_slots, device, transfer, policy, in_place=config.sim_link_gbps is None)
         trace, control = _offload_experts(blocks, arch, cache)
-        expert_names = _expert_tensor_names(disk_layout, blocks, store.num_experts) if disk_layout else set()
+        expert_names = _expert_tensor_names(experts.disk_layout, blocks, store.num_experts)
         load_resident(hf_model, checkpoint, expert_names, dtype, device, progress, config.kernels)
         if device.type == "cuda":  # a cache with a slot for every expert is filled now (fixed_slots)
             cache.fill(partial(progress, "experts to the GPU") if progress else None)
@@ -121,38 +121,44 @@ def load_model(
         trace=trace,
         control=control,
         top_k=top_k,
-        disk_layout=disk_layout.name if disk_layout else _gguf_layout_name(store),
+        disk_layout=experts.name,
     )
 
 
-def _expert_store(folder, checkpoint, hf_model, arch, blocks, dtype, device, config, progress):
-    """The host store of the routed experts, and the safetensors disk layout (None for GGUF).
+def _open(folder: Path) -> tuple[object, ExpertFormat, object]:
+    """The folder's config, the format its routed experts are in (the first that detects them) and
+    its checkpoint as the resident weights are read through it."""
+    hf_config, checkpoint = open_checkpoint(folder)
+    expert_format = detect_format(hf_config, checkpoint)
+    return hf_config, expert_format, expert_format.reader(hf_config, checkpoint)
+
+
+def _expert_store(
+    folder: Path,
+    expert_format: ExpertFormat,
+    checkpoint,
+    hf_model: torch.nn.Module,
+    model: ModelExperts,
+    device: torch.device,
+    config: OffloadConfig,
+    progress: Progress | None,
+) -> tuple[ExpertStore, StoredExperts]:
+    """The host store of the routed experts, and the experts it was packed from.
 
     Built in pageable memory; on CUDA a small store is then pinned whole, a bigger one pinned in place
     or, past half the RAM or when the OS refuses, left pageable with its copies staged
     (engine.store.staging)."""
-    store, disk_layout = _build_store(
-        folder, checkpoint, hf_model, arch, blocks, dtype, config, progress, device.type == "cpu"
-    )
-    return (pinned_for_copies(store) if device.type == "cuda" else store), disk_layout
-
-
-def _build_store(folder, checkpoint, hf_model, arch, blocks, dtype, config, progress, on_cpu: bool):
-    if not isinstance(checkpoint, GgufCheckpoint) and is_mxfp4(hf_model.config):
-        return build_mxfp4_store(checkpoint, arch, blocks, dtype, False, config.expert_dtype, progress)
-    if isinstance(checkpoint, Fp8Checkpoint | Int4Checkpoint):  # experts kept in the checkpoint's format
-        build = build_fp8_store if isinstance(checkpoint, Fp8Checkpoint) else build_int4_store
-        return build(checkpoint, arch, blocks, False, config.expert_dtype, progress)
-    if not isinstance(checkpoint, GgufCheckpoint):
-        disk_layout = find_layout(checkpoint, arch.layouts, next(iter(blocks.values()))[0] + ".")
-        return _load_store(folder, checkpoint, disk_layout, blocks, dtype, config, progress), disk_layout
-    refuse_requantization(checkpoint.parts[0].name, "in the file's own types", config.expert_dtype)
-    checkpoint.bind(hf_model)
-    _, shapes, num_experts = first_experts(blocks)
+    if isinstance(checkpoint, GgufCheckpoint):
+        checkpoint.bind(hf_model)  # its resident tensors by transformers' names
     report = (lambda done, total: progress("experts", done, total)) if progress else None
-    repack_for = dtype if on_cpu else None  # CPU: repacked where faster there (engine.formats.gguf_repack)
-    args = (sorted(blocks), num_experts, shapes, False, report, repack_for, config.kernels)
-    return build_gguf_store(checkpoint, *args, interleave=on_cpu and _in_place(config)), None
+    if expert_format.kept_quantized:  # in the checkpoint's format, laid out for the CPU where it can be
+        cpu_forms = device.type == "cpu" and expert_format.repacks_for_cpu
+        placement = CpuPlacement(model.dtype, config.kernels, _in_place(config)) if cpu_forms else AS_STORED
+        args = (expert_format, checkpoint, model, config.expert_dtype, placement)
+        store, experts = build_expert_store(*args, pin=False, report=report)
+    else:
+        store, experts = _load_store(folder, expert_format, checkpoint, model, config, report)
+    return (pinned_for_copies(store) if device.type == "cuda" else store), experts
 
 
 def _in_place(config: OffloadConfig) -> bool:
@@ -160,11 +166,6 @@ def _in_place(config: OffloadConfig) -> bool:
     `in_place`): no link simulated and a budget of every expert (the CPU's auto budget is all)."""
     budget = config.expert_budget
     return config.sim_link_gbps is None and budget.experts is None and budget.nbytes is None
-
-
-def _gguf_layout_name(store: ExpertStore) -> str:
-    types = sorted({f.ggml_type for layer in store.layer_indices for f in store.layout_of(layer).fields})
-    return "gguf " + "/".join(GGMLQuantizationType(t).name for t in types)
 
 
 def _skeleton(
@@ -198,36 +199,35 @@ def _offload_experts(blocks: dict, arch, cache: ExpertCache) -> tuple[RoutingTra
 
 def _load_store(
     folder: Path,
+    expert_format: ExpertFormat,
     checkpoint: Checkpoint,
-    disk_layout: DiskLayout,
-    blocks: dict,
-    dtype: torch.dtype,
+    model: ModelExperts,
     config: OffloadConfig,
-    progress: Progress | None,
-) -> ExpertStore:
-    """The host store of every routed expert: packed from the checkpoint, quantized if asked.
+    report: Callable[[int, int], None] | None,
+) -> tuple[ExpertStore, StoredExperts]:
+    """The host store of a float checkpoint's experts: packed as they are, or quantized to int8/int4
+    when asked or when the floats do not fit the host memory.
 
     A quantized store comes from the store cache when it holds one for this model."""
-    _, shapes, num_experts = first_experts(blocks)
-    moe_layers = {layer: name + "." for layer, (name, _) in blocks.items()}
-    report = (lambda done, total: progress("experts", done, total)) if progress else None
+    experts = expert_format.open(checkpoint, model)  # finds the experts' tensors
+    total = len(model.layers) * model.num_experts
     if report is not None:
-        report(0, len(moe_layers) * num_experts)  # the stage starts (reading or converting can take long)
+        report(0, total)  # the stage starts (reading or converting can take long)
     quant = QuantSpec.from_dtype(config.expert_dtype)
     if quant is None:
-        quant = host_store_quant(ExpertLayout.from_shapes(shapes, dtype), len(moe_layers) * num_experts)
+        quant = host_store_quant(experts.layer_layout(model.layers[0]), total)
+    if quant is not None:
+        experts = IntQuantFormat(quant).open(checkpoint, model)
     pin = False  # pinned afterwards only if small (_expert_store)
-    build = partial(
-        build_store, checkpoint, disk_layout, moe_layers, shapes, num_experts, dtype, pin, report, quant
-    )
+    build = partial(pack_experts, experts, AS_STORED, pin, report, each_expert=True)
     if quant is None:
-        return build()
+        return build(), experts
     log.warning(
         "Routed experts are quantized to %s: outputs differ from the unquantized model's.", quant.name
     )
-    layout = ExpertLayout.from_shapes(shapes, dtype).quantized(quant)
-    key = StoreKey(folder, dtype, quant)
-    return load_or_build(key, layout, sorted(moe_layers), num_experts, pin, build, report)
+    layout = experts.layer_layout(model.layers[0])
+    key = StoreKey(folder, model.dtype, quant)
+    return load_or_build(key, layout, model.layers, model.num_experts, pin, build, report), experts
 
 
 def host_store_quant(native: ExpertLayout, experts: int) -> QuantSpec | None:
@@ -348,8 +348,11 @@ def _numel(checkpoint: Checkpoint, name: str) -> int:
     return count
 
 
-def _expert_tensor_names(disk_layout, blocks, num_experts: int) -> set[str]:
+def _expert_tensor_names(disk_layout: DiskLayout | None, blocks, num_experts: int) -> set[str]:
+    """The checkpoint's routed-expert tensors (none to name for a GGUF file: its reader leaves them out)."""
     names = set()
+    if disk_layout is None:
+        return names
     for name, _ in blocks.values():
         experts = range(num_experts) if disk_layout.per_expert else range(1)
         for expert in experts:

@@ -150,20 +150,8 @@ class OffloadedModel:
         )
 
     def _expert_dtype(self) -> str:
-        """How the store holds the experts: native, int8, int4, or a GGUF file's types."""
-        if self.store.layout.quant is not None:
-            return self.store.layout.quant.name
-        if any(f.block is not None for f in self.store.layout.fields):
-            return "fp8"
-        int4 = {f.int4 for f in self.store.layout.fields if f.int4 is not None}
-        if int4:
-            return f"int4 ({'/'.join(sorted(int4))})"
-        ggml = sorted({f.ggml_type for f in self.store.layout.fields if f.ggml_type is not None})
-        if not ggml:
-            return "native"
-        from gguf import GGMLQuantizationType
-
-        return "/".join(GGMLQuantizationType(t).name for t in ggml)
+        """How the store holds the experts: native, int8, int4, fp8, int4 (gptq) or a GGUF file's types."""
+        return self.store.layout.format_name
 
     def substitutes(self, bits: int) -> ExpertStore:
         """SubSpec's low-bit copies of every routed expert, resident on the device (built once)."""

@@ -8,14 +8,15 @@ config.json says `quantization_config: {"quant_method": "compressed-tensors", "f
 - `float-quantized` FP8 (e.g. `*-FP8-dynamic`): `<name>.weight` F8_E4M3 `(out, in)` and
   `<name>.weight_scale` (the model's dtype) of one element (strategy tensor), `[out, 1]` (channel)
   or `[ceil(out/b), ceil(in/b)]` (block, `block_structure`); `W = float(weight) * scale`. Read by
-  `Fp8Checkpoint` (`engine.store.from_fp8`): the experts stay FP8. Activation scales (dynamic,
-  or a static `input_scale`) are not used: the engine computes on the dequantized weights.
+  `Fp8Checkpoint` (`fp8_scales` gives its block): the experts stay FP8
+  (`engine.formats.fp8_experts`). Activation scales (dynamic, or a static `input_scale`) are not
+  used: the engine computes on the dequantized weights.
 - `pack-quantized` int4 (e.g. `*-quantized.w4a16`): `<name>.weight_packed` int32 `[out, in/8]`,
   `<name>.weight_scale` `[out, groups]` (strategy group, or channel: one group), `<name>.weight_shape`
   (`[out, in]`), for asymmetric schemes `<name>.weight_zero_point` int32 `[out/8, groups]`, and with
   `actorder: group` `<name>.weight_g_idx` int32 `[in]`, packed as `engine.formats.int4` describes
   (its formats `CT` and `CT_SYM`). Read by `CompressedInt4Checkpoint`: the experts stay int4
-  (`engine.store.from_int4`).
+  (`engine.formats.int4_experts`).
 """
 
 from __future__ import annotations
@@ -24,30 +25,39 @@ import torch
 
 from engine.errors import CorruptCheckpointError, MissingTensorsError
 from engine.formats.int4 import CT, CT_SYM, PACK, Int4Weight, packed_shapes
+from engine.formats.int4_checkpoint import Int4Checkpoint
+from engine.formats.packed_checkpoint import quantization_config
 from engine.model.check import COMPRESSED_TENSORS, compressed_tensors_weights
 from engine.model.checkpoint import Checkpoint
-from engine.store.from_fp8 import Fp8Checkpoint
-from engine.store.from_int4 import Int4Checkpoint
-from engine.store.prequantized import quantization_config
 
 INT4_TENSORS = (".weight_packed", ".weight_zero_point", ".weight_scale", ".weight_g_idx", ".weight_shape")
 
 
-def compressed_checkpoint(hf_config, checkpoint) -> tuple[object, object]:
-    """The config and `checkpoint` as the loader reads it: wrapped in an `Fp8Checkpoint` or a
-    `CompressedInt4Checkpoint` when the model is compressed-tensors (a scheme it cannot read is
-    refused in one sentence)."""
+def compressed_weights(hf_config, checkpoint) -> dict | None:
+    """The weight scheme of a compressed-tensors checkpoint (one MoE Chat cannot read is refused in
+    one sentence); None for any other checkpoint."""
     quant = quantization_config(hf_config) if isinstance(checkpoint, Checkpoint) else {}
     if str(quant.get("quant_method", "")).lower() != COMPRESSED_TENSORS:
-        return hf_config, checkpoint
-    weights = compressed_tensors_weights(quant)
-    if weights["type"] == "float":
-        block = weights.get("block_structure") if weights["strategy"] == "block" else None
-        per_channel = weights["strategy"] == "channel"
-        return hf_config, Fp8Checkpoint(checkpoint, tuple(block) if block else None, per_channel)
+        return None
+    return compressed_tensors_weights(quant)
+
+
+def is_float(weights: dict | None) -> bool:
+    """Whether a compressed-tensors scheme is FP8 (`float-quantized`) rather than int4."""
+    return weights is not None and weights["type"] == "float"
+
+
+def fp8_scales(weights: dict) -> tuple[tuple[int, int] | None, bool]:
+    """The scale block of an FP8 scheme (None: per tensor or per row) and whether it is per row."""
+    block = weights.get("block_structure") if weights["strategy"] == "block" else None
+    return (tuple(block) if block else None), weights["strategy"] == "channel"
+
+
+def int4_checkpoint(checkpoint: Checkpoint, weights: dict) -> CompressedInt4Checkpoint:
+    """`checkpoint` read through its `pack-quantized` scheme `weights`."""
     fmt = CT_SYM if weights.get("symmetric", True) else CT
     act_order = str(weights.get("actorder")).lower() in ("group", "dynamic")
-    return hf_config, CompressedInt4Checkpoint(checkpoint, fmt, act_order)
+    return CompressedInt4Checkpoint(checkpoint, fmt, act_order)
 
 
 class CompressedInt4Checkpoint(Int4Checkpoint):

@@ -3,7 +3,7 @@
 config.json says `quantization_config: {"quant_method": "fp8", "weight_block_size": [128, 128]}`;
 each quantized Linear is `<name>.weight` (F8_E4M3, `(out, in)`) with `<name>.weight_scale_inv`
 (F32, one scale per block, `engine.formats.fp8`). Without `weight_block_size` a weight has one
-scale, `<name>.weight_scale`. compressed-tensors' FP8 (`engine.store.from_compressed_tensors`) names
+scale, `<name>.weight_scale`. compressed-tensors' FP8 (`engine.formats.compressed_tensors`) names
 its scales `weight_scale` too: one, one per row (`per_channel`, block `(1, in)`) or per block.
 Norms, embeddings and routers stay in BF16.
 
@@ -11,64 +11,59 @@ Two readers of the same folder:
 - `Fp8Checkpoint` wraps the `Checkpoint` for the resident weights: an FP8 weight reads as its
   dequantized floats (once, at load) and the scale tensors are hidden, so the loader sees what
   a BF16 release would give it.
-- `build_fp8_store` packs each routed expert's e4m3 bytes and scales into an FP8 layout
-  (`ExpertLayout.from_fp8`): the link carries FP8, dequantized only where computed. Per-expert
-  `gate_proj`/`up_proj` become the field `gate_up_proj` (gate rows, then up rows) with their scale
-  rows stacked alike; when the gate's rows end inside a block the field keeps one scale row per
-  weight row instead (block `(1, b_in)`), which is exact too.
+- `Fp8Experts` packs each routed expert's e4m3 bytes and scales into an FP8 layout (`fp8_layout`):
+  the link carries FP8, dequantized only where computed. Per-expert `gate_proj`/`up_proj` become
+  the field `gate_up_proj` (gate rows, then up rows) with their scale rows stacked alike; when the
+  gate's rows end inside a block the field keeps one scale row per weight row instead (block
+  `(1, b_in)`), which is exact too.
+
+`FP8` is the format: it detects `quant_method: fp8` and compressed-tensors' `float-quantized`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable
 
 import torch
 
-from engine.errors import (
-    CorruptCheckpointError,
-    MissingTensorsError,
-    UnsupportedQuantizationError,
-)
+from engine.errors import CorruptCheckpointError, MissingTensorsError
+from engine.formats.base import ModelExperts
+from engine.formats.compressed_tensors import compressed_weights, fp8_scales, is_float
+from engine.formats.fields import Fp8Blocks
 from engine.formats.fp8 import FP8_DTYPE, Fp8Weight, dequantize, scale_shape
-from engine.model.adapters.base import Architecture, DiskLayout
-from engine.model.checkpoint import Checkpoint
-from engine.store.host_store import ExpertLayout, ExpertStore, allocate_layer
-from engine.store.prequantized import (
+from engine.formats.layout import ExpertField, ExpertLayout
+from engine.formats.packed_checkpoint import (
+    WEIGHTS,
     PackedCheckpoint,
-    first_experts,
-    per_expert_disk_layout,
-    refuse_requantization,
+    per_expert_matrices,
+    quantization_config,
 )
+from engine.model.checkpoint import Checkpoint
 
 FP8_NAME = "F8_E4M3"
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # block scales; per-tensor or per-row scales
 # static activation scales (FP8 with `input_scale`): the engine computes on dequantized weights
 HIDDEN_SUFFIXES = (*SCALE_SUFFIXES, ".input_scale", ".input_zero_point")
-WEIGHTS = ("gate_up_proj", "down_proj")
-Progress = Callable[[str, int, int], None]  # (stage, done, total), as the loader reports
 
 
 def fp8_block(hf_config) -> tuple[int, int] | None:
     """The scale block `(b_out, b_in)` of an FP8 checkpoint, None for per-tensor scales."""
-    quant = getattr(hf_config, "quantization_config", None)
-    get = quant.get if isinstance(quant, dict) else lambda key: getattr(quant, key, None)
-    block = get("weight_block_size")
+    block = quantization_config(hf_config).get("weight_block_size")
     return tuple(int(b) for b in block) if block else None
 
 
 def is_fp8(hf_config) -> bool:
     """Whether the config says the checkpoint's Linear weights are FP8 (`quant_method: fp8`)."""
-    quant = getattr(hf_config, "quantization_config", None)
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    return str(method).lower() == "fp8"
+    return str(quantization_config(hf_config).get("quant_method")).lower() == "fp8"
 
 
-def fp8_checkpoint(hf_config, checkpoint) -> tuple[object, object]:
-    """The config and `checkpoint` as the loader reads it: wrapped in an `Fp8Checkpoint` when the
-    model is FP8."""
-    if is_fp8(hf_config):
-        checkpoint = Fp8Checkpoint(checkpoint, fp8_block(hf_config))
-    return hf_config, checkpoint
+def fp8_layout(fields: Iterable[tuple[str, tuple[int, int], tuple[int, int]]]) -> ExpertLayout:
+    """Fields `(name, (out, in), (b_out, b_in))` kept in FP8: e4m3 values, then float32 scales."""
+    placed = []
+    for name, (out, columns), block in fields:
+        placed.append(ExpertField(name, (out, columns), FP8_DTYPE, 0, Fp8Blocks(tuple(block))))
+        placed.append(ExpertField(f"{name}.scale_inv", scale_shape((out, columns), block), torch.float32, 0))
+    return ExpertLayout.placed(placed)
 
 
 class Fp8Checkpoint(PackedCheckpoint):
@@ -141,49 +136,56 @@ def _field_scales(parts: list[Fp8Weight], block: tuple[int, int]) -> torch.Tenso
     return torch.cat(scales, dim=0)
 
 
-def build_fp8_store(
-    checkpoint: Fp8Checkpoint,
-    arch: Architecture,
-    blocks: Mapping[int, tuple[str, torch.nn.Module]],
-    pin: bool,
-    expert_dtype: str,
-    progress: Progress | None = None,
-) -> tuple[ExpertStore, DiskLayout]:
-    """Every routed expert of the MoE `blocks` (layer → (prefix, block)), kept in FP8."""
-    refuse_requantization(checkpoint.folder.name, "in FP8", expert_dtype)
-    disk_layout = per_expert_disk_layout(arch, "FP8")
-    experts, shapes, num_experts = first_experts(blocks)
-    if set(shapes) != set(WEIGHTS) or getattr(experts, "is_transposed", False):
-        raise UnsupportedQuantizationError(
-            f"FP8 experts of {arch.model_type} ({', '.join(shapes)}) are not supported: MoE Chat keeps "
-            "FP8 experts of gate/up/down matrices without biases. Use the model's BF16 release."
+class Fp8Experts:
+    """An FP8 checkpoint's experts, each expert's matrices read apart and packed in FP8."""
+
+    def __init__(self, checkpoint: Fp8Checkpoint, model: ModelExperts):
+        self.checkpoint, self.model = checkpoint, model
+        self.disk_layout = disk_layout = per_expert_matrices(model, "FP8", "FP8")
+        self.name, shapes = disk_layout.name, model.shapes
+        parts = {name: len(disk_layout.sources[name]) for name in WEIGHTS}  # gate_up_proj: gate, up
+        self._layout = fp8_layout(
+            (name, shapes[name], field_block(checkpoint, shapes[name], parts[name])) for name in WEIGHTS
         )
-    parts = {name: len(disk_layout.sources[name]) for name in WEIGHTS}  # gate_up_proj: gate, up
-    layout = ExpertLayout.from_fp8(
-        (name, shapes[name], field_block(checkpoint, shapes[name], parts[name])) for name in WEIGHTS
-    )
-    layers, total = {}, len(blocks) * num_experts
-    for done, (layer, (prefix, _)) in enumerate(sorted(blocks.items())):
-        layers[layer] = allocate_layer(num_experts, layout.nbytes, pin, layer)
-        for expert in range(num_experts):
-            names = disk_layout.names(prefix + ".", expert)
-            _pack_expert(checkpoint, names, shapes, layout.views(layers[layer][expert]))
-        if progress is not None:
-            progress("experts", (done + 1) * num_experts, total)
-    return ExpertStore(layout, layers, num_experts), disk_layout
+
+    def layer_layout(self, layer: int) -> ExpertLayout:
+        return self._layout
+
+    def pack(self, layer: int, expert: int, views) -> None:
+        """Write one expert's FP8 values and scales into its packed views, checked against the config."""
+        for field, sources in self.disk_layout.names(self.model.prefixes[layer] + ".", expert).items():
+            out, columns = self.model.shapes[field]
+            parts = [self.checkpoint.weight(name) for name in sources]
+            for name, part in zip(sources, parts, strict=True):
+                if tuple(part.data.shape) != (out // len(sources), columns):
+                    raise CorruptCheckpointError(
+                        f"{name} is FP8 of shape {tuple(part.data.shape)}, but the config implies "
+                        f"{(out // len(sources), columns)}. The config and weights disagree."
+                    )
+            view = views[field]
+            view.data.copy_(torch.cat([part.data for part in parts], dim=0))
+            view.scale_inv.copy_(_field_scales(parts, view.block))
 
 
-def _pack_expert(checkpoint: Fp8Checkpoint, names, shapes, views) -> None:
-    """Write one expert's FP8 values and scales into its packed views, checked against the config."""
-    for field, sources in names.items():
-        out, columns = shapes[field]
-        parts = [checkpoint.weight(name) for name in sources]
-        for name, part in zip(sources, parts, strict=True):
-            if tuple(part.data.shape) != (out // len(sources), columns):
-                raise CorruptCheckpointError(
-                    f"{name} is FP8 of shape {tuple(part.data.shape)}, but the config implies "
-                    f"{(out // len(sources), columns)}. The config and weights disagree."
-                )
-        view = views[field]
-        view.data.copy_(torch.cat([part.data for part in parts], dim=0))
-        view.scale_inv.copy_(_field_scales(parts, view.block))
+class Fp8Format:
+    """FP8 experts with their block, row or tensor scales."""
+
+    name, kept_quantized, repacks_for_cpu = "fp8", True, False
+
+    def detect(self, hf_config, checkpoint) -> bool:
+        return is_fp8(hf_config) or is_float(compressed_weights(hf_config, checkpoint))
+
+    def reader(self, hf_config, checkpoint: Checkpoint) -> Fp8Checkpoint:
+        weights = compressed_weights(hf_config, checkpoint)
+        if weights is not None:
+            return Fp8Checkpoint(checkpoint, *fp8_scales(weights))
+        return Fp8Checkpoint(checkpoint, fp8_block(hf_config))
+
+    def kept_as(self, checkpoint: Fp8Checkpoint) -> tuple[str, str]:
+        return checkpoint.folder.name, "in FP8"
+
+    def open(self, checkpoint: Fp8Checkpoint, model: ModelExperts) -> Fp8Experts:
+        return Fp8Experts(checkpoint, model)
+
+
+FP8 = Fp8Format()

@@ -34,15 +34,10 @@ Low nibbles come before high nibbles within each group of packed bytes, and bit 
 F32 rows may come back as a view of `data` (no copy, as `Tensor.to` does); every other type
 makes a fresh tensor.
 
-Speed (this CPU: 2 cores, AVX2, shared with other jobs; torch 2.13 CPU; float32 out,
-median of 31 runs, several repeats): a 768×2048 Q4_K matrix 0.7 ms on one thread,
-0.8 ms on torch's default two; a 2048×768 Q6_K one 1.0 ms on one, 0.6 ms on two (gguf's
-numpy reference: 3.5 and 5.0 ms). With the other core busy, two threads stall at times
-for 100–200 ms (OpenMP waits on it); one thread does not. Scaling the float codes in
-place matters: a fresh float32 temporary per step page-faults its way to ~8 ms.
-`linear` on Q4_K and Q6_K (llama.cpp's Q4_K_M) goes through `engine.formats.kquant_matmul`,
-which builds the same weight bit for bit in a reused buffer, with fewer passes, `CHUNK_BYTES` of rows
-at a time.
+The float codes are scaled in place: a fresh float32 temporary per step would page-fault on
+every call. `linear` on Q4_K and Q6_K (llama.cpp's Q4_K_M) goes through
+`engine.formats.kquant_matmul`, which builds the same weight bit for bit in a reused buffer, with
+fewer passes, `CHUNK_BYTES` of rows at a time.
 """
 
 from __future__ import annotations
@@ -63,8 +58,8 @@ from engine.formats.kquant_matmul import k_scale_min, q4_k_linear, q6_k_linear
 Q = GGMLQuantizationType
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # MXFP4 codes, ×2
-# `linear` builds a type's float32 weight this many bytes of rows at a time: a 1536×2048 Q4_K
-# matrix in 384-row parts is 1.7× faster on one thread than whole (the part stays in cache).
+# `linear` builds a type's float32 weight this many bytes of rows at a time, so the part being
+# built stays in cache.
 CHUNK_BYTES = 4 << 20
 
 
@@ -320,9 +315,7 @@ def linear(
     Float32 x through a type's own `linear` (`engine.formats.kquant_matmul`: no float32 matrix
     of the weight in the file's layout), else `F.linear` on the dequantized weight. Half-precision
     x on the CPU goes through the float32 `linear` too, cast back once: bfloat16 matmuls and
-    elementwise ops are slow there (a Q6_K 2048×768 down projection, one token, one thread:
-    dequantize + bfloat16 `F.linear` ~4 ms, this ~1 ms), and the result is the exact product
-    rounded once."""
+    elementwise ops are slow there, and the result is the exact product rounded once."""
     traits = ggml_type_traits(ggml_type)
     if traits.linear is not None and x.dtype != torch.float32 and x.device.type == "cpu":
         return linear(x.float(), data, ggml_type, out_features, in_features).to(x.dtype)

@@ -15,33 +15,19 @@ the CPU for a model computing in `dtype` (None: it stays in the file's blocks);
 INT4PACK goes through `torch.ops.aten._weight_int4pack_mm_for_cpu`. Q4_K's `d·sc·q − dmin·m`
 per 32-weight sub-block is the kernel's `(q − 8)·scale + zero` with `scale = d·sc`,
 `zero = 8·scale − dmin·m`, but the kernel takes scales in x's dtype and has no vectorised
-float32 path on x86 (8.6 ms a row for 1536×2048: a scalar loop), so it serves bfloat16 runs
-only: scale and zero rounded to 8 bits of mantissa (a weight moves by about what storing it in
-bfloat16 does), float32 accumulation, output rounded to bfloat16. Float32 runs keep
-`ggml_linear`'s bit-exact rebuild of Q4_K. Computing scale and zero from the Q4_K header at
-each call costs 3× the kernel (1.3 ms), hence stored: 1.11× Q4_K's bytes.
+float32 path on x86 (a scalar loop), so it serves bfloat16 runs only: scale and zero rounded to
+8 bits of mantissa (a weight moves by about what storing it in bfloat16 does), float32
+accumulation, output rounded to bfloat16. Float32 runs keep
+`kquant_matmul`'s bit-exact rebuild of Q4_K. Computing scale and zero from the Q4_K header at
+each call would cost more than the kernel itself, hence stored: 1.11× Q4_K's bytes.
 
-Q6_K_INT8 rebuilds the float32 weight bit for bit as `ggml_linear.q6_k_linear` does (int8
+Q6_K_INT8 rebuilds the float32 weight bit for bit as `kquant_matmul.q6_k_linear` does (int8
 codes converted, times float32 `d·sc`), without unpacking 6-bit codes from two bit planes
-(~10 passes over the matrix), `ggml_quants.CHUNK_BYTES` of rows at a time: exact in float32,
+(~10 passes over the matrix), `gguf_blocks.CHUNK_BYTES` of rows at a time: exact in float32,
 the exact product rounded once in bfloat16; 1.30× Q6_K's bytes.
 
-Measured on this 2-core AVX2 CPU, torch 2.13, one thread, under other jobs' load (load average
-~5), median ms: Q4_K 1536×2048, one row: int4pack 0.5–0.7 against 6.6 for the float32 rebuild
-(native float32 weights 0.6); 16 rows 5.7 against 10.9. Q6_K 2048×768, one row: Q6_K_INT8 1.2
-against 5.7–14.8 for the bit-plane rebuild (native float32 0.6); 16 rows 7.1 against 9.6–17.8.
-
-`python -m engine.bench --vs-llama-cpp Q4_K_M.gguf --device cpu --expert-budget all --prompts 2
---new-tokens 32 --repeats 2`, OMP_NUM_THREADS=1, on the issue-21 shape (hidden 2048, 128 experts
-× 768, top-8, 2 layers; layer 1's down projections Q6_K), load average 4–6, tok/s MoE Chat vs
-llama.cpp in the same run, before → after int4pack and Q6_K_INT8:
-  --dtype bfloat16  decode 1.8 vs 41.9 (0.04×) → 13.7 vs 52.6 (0.26×); prefill 4 vs 9 → 28 vs 19
-  float32 (auto)    decode 1.4 vs 30.0 (0.05×) → 4.0 vs 60.8 (0.07×);  prefill 4 vs 31 → 16 vs 81
-Again at load average ~3 (16:00): bfloat16 decode 3.8 vs 79.7 (0.05×) → 22.5 vs 93.2 (0.24×),
-prefill 8 → 44 tok/s (llama.cpp 24 → 303: its prefill swings most); float32 decode 5.9 vs 88.9.
-(llama.cpp's own figures swing 2× between runs on this loaded machine: compare the ratios.) What
-is left of a bfloat16 prefill step: a third in the attention's bfloat16 matmuls (torch's bfloat16
-GEMM on AVX2 costs each row as much as a one-row product), a quarter in the int4 kernel.
+`place` writes a weight of the file into its row in any packing, ggml's interleaved rows included
+(`engine.ggml.interleave`).
 """
 
 from __future__ import annotations
@@ -121,6 +107,24 @@ def repack(packing: str, blocks: torch.Tensor, out_features: int, in_features: i
     return out
 
 
+def place(
+    packing: str | None,
+    target: torch.Tensor,
+    blocks: torch.Tensor,
+    ggml_type: int,
+    out_features: int,
+    in_features: int,
+) -> None:
+    """Write one `[out, in]` weight, given in the file's blocks, into `target` in `packing`: the same
+    bytes (None, GGML), interleaved as llama.cpp has them on this CPU (GGML_X8) or repacked."""
+    if packing == GGML_X8:
+        ggml_interleave.interleave_into(target, blocks, ggml_type, out_features, in_features)
+    elif packing in (None, GGML):
+        target.copy_(blocks)
+    else:
+        target.copy_(repack(packing, blocks, out_features, in_features).view(target.shape))
+
+
 def _repack_q4_k(blocks: torch.Tensor, out: torch.Tensor, out_features: int, in_features: int) -> None:
     split = out_features * in_features // 2
     qs = blocks[:, 16:].reshape(out_features, in_features // 2)  # [n, 144]: d | dmin | scales[12] | qs
@@ -154,7 +158,7 @@ def _pack_q4_k_nibbles(qs: torch.Tensor, row_block: int, out: torch.Tensor) -> N
     of a CPU whose kernel takes `row_block` rows at a time (32 with AVX2, 64 with AVX-512): per
     block of rows and per weight column, the 16 rows of lane i in the low nibbles and those of lane
     i + lanes/2 in the high ones (torch's int4mm_kernel.cpp). Nibbles move from byte to byte
-    without a code tensor in between; torch's own op walks int32 codes down columns, 20× slower."""
+    without a code tensor in between; torch's own op walks int32 codes down columns, far slower."""
     rows, half_in = qs.shape
     blocks, lanes = rows // row_block, row_block // 16
     # [row block, lane, d, Q4_K block, group g, byte l]: weight column (block, g, h, l) is nibble h

@@ -21,26 +21,17 @@ Groups run along the last dim: the input dim of `[out, in]` weights (`F.linear`)
 the output dim of gpt-oss's transposed `[in, out]` weights. Every field with two or
 more dims is a weight matrix and is quantized; 1-D fields (biases) stay as they are.
 
-Error (relative RMS of W, and worst output cosine of `x @ W.T`, demo-model experts
-and a Gaussian 1536×2048 matrix, group 64): int8 asymmetric 0.53 % (cos 0.99998),
-symmetric 0.59 %; int4 asymmetric 9.1 % (cos 0.9946), symmetric 10.8 % (cos 0.992),
-hence asymmetric. Every weight is rebuilt within scale/2 of its value.
+Asymmetric, because its error (of the weights and of `x @ W.T`) is lower than symmetric
+quantization's at both widths. Every weight is rebuilt within scale/2 of its value.
 
-Speed of `linear` (one thread of an AVX-512 CPU shared with other jobs, median µs,
-native `F.linear` | int8 | int4):
-  float32   1 row:  1536×2048 255 | 1061 | 2111;  2048×768 164 | 563 | 618;  192×192 5 | 23 | 42
-  float32  32 rows: 1536×2048 3939 | 5963 | 6044;  2048×768 1874 | 2620 | 2643
-  bfloat16  1 row:  1536×2048 320 | 1989 | 1944;  2048×768 188 | 614 | 876;  192×192 29 | 53 | 99
-Chosen: dequantize into a fresh tensor, then the native matmul, so `linear` equals
-`dequantize` followed by `F.linear` exactly. Measured and rejected: applying the
-scales to per-group partial sums (`bmm`) or the offsets through a small matmul (at
-most 25 % faster for large float32 weights at one row, slower at 32 rows, for small
-weights and in bfloat16); interleaved nibbles (unpacking is 2.5× slower than two
-halves); `torch._weight_int8pack_mm` (per-channel scales only) and
-`torch._weight_int4pack_mm_for_cpu` (a CPU-specific packed layout), which are 2×
-faster than native in bfloat16 but 6× slower in float32 and read neither group-wise
-nor device-agnostic bytes. Half-precision elementwise ops are slow on CPU, so there
-a weight is dequantized and multiplied in float32 (1.4× faster than in bfloat16).
+`linear` dequantizes into a fresh tensor, then runs the native matmul, so it equals
+`dequantize` followed by `F.linear` exactly. Rejected: applying the scales to per-group
+partial sums (`bmm`) or the offsets through a small matmul (faster only for large float32
+weights at one row); interleaved nibbles (slower to unpack than two halves);
+`torch._weight_int8pack_mm` (per-channel scales only) and `torch._weight_int4pack_mm_for_cpu`
+(a CPU-specific packed layout), faster than native in bfloat16 but slower in float32, and
+reading neither group-wise nor device-agnostic bytes. Half-precision elementwise ops are slow
+on CPU, so there a weight is dequantized and multiplied in float32.
 """
 
 from __future__ import annotations
@@ -156,7 +147,7 @@ def _dequantized(views: Mapping[str, torch.Tensor], name: str, dtype: torch.dtyp
     if codes.dtype == torch.uint8:  # int4: element j in the low nibble of byte j, j + C/2 in its high one
         half = codes.shape[-1]
         weight = torch.empty((*codes.shape[:-1], 2 * half), dtype=dtype, device=codes.device)
-        weight[..., :half] = codes & 0xF  # two contiguous halves: 2.5× faster than interleaved nibbles
+        weight[..., :half] = codes & 0xF  # two contiguous halves: faster to unpack than interleaved nibbles
         weight[..., half:] = codes >> 4
     else:
         weight = codes.to(dtype)

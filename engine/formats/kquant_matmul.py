@@ -3,26 +3,22 @@
 Contract: `q4_k_linear` and `q6_k_linear` take `x [T, in]` (float32), the fields of the
 weight's blocks (`engine.formats.gguf_blocks.split_fields` of `[rows * blocks a row, block
 bytes]`) and the row count, and return exactly `F.linear(x, W)` for `W [out, in]` as
-`ggml_quants.dequantize` builds it: the same float32 operations on each weight, in the file's
+`gguf_blocks.dequantize` builds it: the same float32 operations on each weight, in the file's
 column order, so the result is bit for bit the same. They are what a decode step spends its
 time in on the CPU: per token, every used expert's three matrices.
 
-How, and why (measured on this 2-core AVX2 CPU under other jobs' load, one thread, CPU time):
-each float32 pass over a 1536×2048 matrix costs about as much as the one-token matmul
-(0.4–0.9 ms), and a freshly allocated matrix more (page faults). So the weight is built in a
+How, and why: each float32 pass over an expert's matrix costs about as much as the one-token
+matmul itself, and a freshly allocated matrix more (page faults). So the weight is built in a
 reused buffer (`_scratch`, one per thread; plain allocations off the CPU): uint8 codes in the
 file's order, converted once, then scaled in place. Nibbles are split by whole-tensor ops and
-copied into the interleave (an `out=` into the strided interleave is 3× slower); Q6_K's
+copied into the interleave (an `out=` into the strided interleave is slower); Q6_K's
 `q − 32` is taken in uint8 (it wraps to its int8 value). Rejected: `addcmul` for `q·s − m`
 (slower and not bit-exact: it fuses), a broadcast multiply of uint8 codes by float scales
-(several times slower than convert-then-scale), the mins as a small matmul of x's sub-block
+(slower than convert-then-scale), the mins as a small matmul of x's sub-block
 sums and columns in a cheaper order (sums in another order: 3e-5 off on wide-range scales).
 
-`python -m engine.bench` on a Qwen3-30B-A3B-shaped Q4_K_M file (hidden 2048, 128 experts × 768,
-top-8, 2 layers), OMP_NUM_THREADS=1, machine under load, before → after this module and
-`ggml_quants.CHUNK_BYTES`: decode 3.0 → 4.5 tok/s, prefill 8 → 11 tok/s (llama.cpp 37 / 16).
-Experts computed on the CPU no longer come here for Q6_K, nor for Q4_K in bfloat16 runs: the
-store repacks them at load (`engine.formats.gguf_repack`, several times faster).
+Experts computed on the CPU do not come here for Q6_K, nor for Q4_K in bfloat16 runs: the store
+repacks them at load for faster kernels (`engine.formats.gguf_repack`).
 """
 
 from __future__ import annotations
@@ -66,7 +62,7 @@ def q4_k_linear(x: torch.Tensor, fields: dict[str, torch.Tensor], out_features: 
     sc, mn = k_scale_min(fields["scales"])
     qs = fields["qs"].view(n, 4, 1, 32)  # [n, g, 1, byte]
     codes = scratch_buffer("codes", (n, 4, 2, 32), torch.uint8, x.device)  # [n, g, h, byte]: the file's order
-    # whole-tensor ops, then copies into the interleave: an `out=` into it is 3× slower
+    # whole-tensor ops, then copies into the interleave: an `out=` into it is slower
     codes[:, :, :1].copy_(qs & 0xF)
     codes[:, :, 1:].copy_(qs >> 4)
     weight = scratch_buffer("weight", (n, 8, 32), torch.float32, x.device)

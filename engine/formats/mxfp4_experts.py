@@ -1,4 +1,4 @@
-"""The expert store of an MXFP4 checkpoint (gpt-oss as OpenAI ships it): experts kept in MXFP4.
+"""The experts of an MXFP4 checkpoint (gpt-oss as OpenAI ships it), kept in MXFP4.
 
 OpenAI's safetensors hold each fused expert matrix `W [out, in]` as two uint8 tensors,
 `<name>_blocks [E, out, in/32, 16]` and `<name>_scales [E, out, in/32]` (config.json:
@@ -10,37 +10,35 @@ ggml's MXFP4 block is the same numbers in another order: the scale byte (the sam
 then 16 bytes where byte j holds weight j in its low nibble and weight j + 16 in its high
 one. Each expert is repacked into that order as it is read, a byte rearrangement with no
 rounding, so `gate_up_proj` and `down_proj` become ggml MXFP4 fields of `(out, in)` =
-`(2I, H)` and `(H, I)` (`ExpertLayout` ggml fields are always `(out, in)` rows, whatever the
-family's own orientation: gpt-oss holds its weights transposed, `[in, out]`). The biases
-stay native fields in the compute dtype. From there the store is like a GGUF file's: the
-link carries MXFP4 bytes and `engine.formats.gguf_blocks` dequantizes them where computed.
+`(2I, H)` and `(H, I)` (ggml fields are always `(out, in)` rows, whatever the family's own
+orientation: gpt-oss holds its weights transposed, `[in, out]`). The biases stay plain fields
+in the compute dtype. From there the experts are like a GGUF file's: the link carries MXFP4
+bytes and `engine.formats.gguf_blocks` dequantizes them where computed. `MXFP4` is the format.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 from gguf import GGMLQuantizationType
 
 from engine.errors import CorruptCheckpointError, UnsupportedQuantizationError
+from engine.formats.base import ModelExperts
+from engine.formats.fields import GgmlBlocks
 from engine.formats.gguf_blocks import row_bytes
+from engine.formats.layout import ExpertField, ExpertLayout
+from engine.formats.packed_checkpoint import WEIGHTS, quantization_config
 from engine.model.adapters.base import Architecture, DiskLayout
 from engine.model.checkpoint import Checkpoint
-from engine.store.host_store import ExpertField, ExpertLayout, ExpertStore, allocate_layer
-from engine.store.prequantized import first_experts, refuse_requantization
 
-MXFP4 = GGMLQuantizationType.MXFP4
+MXFP4_TYPE = GGMLQuantizationType.MXFP4
 BLOCK = 32  # weights per MXFP4 block
-WEIGHTS = ("gate_up_proj", "down_proj")
-Progress = Callable[[str, int, int], None]  # (stage, done, total), as the loader reports
 
 
 def is_mxfp4(hf_config) -> bool:
     """Whether the config says the checkpoint's experts are MXFP4 blocks (gpt-oss's release)."""
-    quant = getattr(hf_config, "quantization_config", None)
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    return str(method).lower() == "mxfp4"
+    return str(quantization_config(hf_config).get("quant_method")).lower() == "mxfp4"
 
 
 def mxfp4_disk_layout(arch: Architecture) -> DiskLayout:
@@ -70,64 +68,80 @@ def mxfp4_layout(
 ) -> ExpertLayout:
     """One expert: each weight `(out, in)` as ggml MXFP4 rows, then each bias in `dtype`."""
     fields = [
-        ExpertField(name, (out, row_bytes(MXFP4, columns)), torch.uint8, 0, int(MXFP4), (out, columns))
+        ExpertField(
+            name,
+            (out, row_bytes(MXFP4_TYPE, columns)),
+            torch.uint8,
+            0,
+            GgmlBlocks(int(MXFP4_TYPE), (out, columns)),
+        )
         for name, (out, columns) in weights.items()
     ]
     fields += [ExpertField(name, tuple(shape), dtype, 0) for name, shape in biases.items()]
-    return ExpertLayout._placed(fields)
+    return ExpertLayout.placed(fields)
 
 
-def build_mxfp4_store(
-    checkpoint: Checkpoint,
-    arch: Architecture,
-    blocks: Mapping[int, tuple[str, torch.nn.Module]],
-    dtype: torch.dtype,
-    pin: bool,
-    expert_dtype: str,
-    progress: Progress | None = None,
-) -> tuple[ExpertStore, DiskLayout]:
-    """Every routed expert of the MoE `blocks` (layer → (prefix, block)), kept in MXFP4."""
-    refuse_requantization(checkpoint.folder.name, "in MXFP4", expert_dtype)
-    disk_layout = mxfp4_disk_layout(arch)
-    experts, shapes, num_experts = first_experts(blocks)
-    transposed = getattr(experts, "is_transposed", False)  # gpt-oss: [in, out]
-    weights = {w: shapes[w][::-1] if transposed else shapes[w] for w in WEIGHTS}
-    biases = {name: shape for name, shape in shapes.items() if name not in WEIGHTS}
-    layout = mxfp4_layout(weights, biases, dtype)
-    layers, total = {}, len(blocks) * num_experts
-    for done, (layer, (prefix, _)) in enumerate(sorted(blocks.items())):
-        names = disk_layout.names(prefix + ".", 0)
-        _check_shapes(checkpoint, names, weights, biases, num_experts)
-        layers[layer] = allocate_layer(num_experts, layout.nbytes, pin, layer)
-        for expert in range(num_experts):
-            _pack_expert(checkpoint, names, expert, layout.views(layers[layer][expert]), dtype)
-        if progress is not None:
-            progress("experts", (done + 1) * num_experts, total)
-    return ExpertStore(layout, layers, num_experts), disk_layout
+class Mxfp4Experts:
+    """gpt-oss's experts: fused per-layer tensors, each expert's weights repacked into ggml's order."""
+
+    def __init__(self, checkpoint: Checkpoint, model: ModelExperts):
+        self.checkpoint, self.model = checkpoint, model
+        self.disk_layout = mxfp4_disk_layout(model.arch)
+        self.name = self.disk_layout.name
+        shapes = model.shapes
+        self.weights = {
+            w: shapes[w][::-1] if model.transposed else shapes[w] for w in WEIGHTS
+        }  # gpt-oss: [in, out]
+        self.biases = {name: shape for name, shape in shapes.items() if name not in WEIGHTS}
+        self._layout = mxfp4_layout(self.weights, self.biases, model.dtype)
+
+    def _names(self, layer: int) -> dict[str, tuple[str, ...]]:
+        return self.disk_layout.names(self.model.prefixes[layer] + ".", 0)
+
+    def layer_layout(self, layer: int) -> ExpertLayout:
+        """Every tensor of the layer as the config implies (U8 blocks and scales, float biases)."""
+        names, experts = self._names(layer), self.model.num_experts
+        expected = {}
+        for weight, (out, columns) in self.weights.items():
+            blocks_name, scales_name = names[weight]
+            expected[blocks_name] = ("U8", (experts, out, columns // BLOCK, 16))
+            expected[scales_name] = ("U8", (experts, out, columns // BLOCK))
+        expected.update({names[bias][0]: (None, (experts, *shape)) for bias, shape in self.biases.items()})
+        for name, (dtype_name, shape) in expected.items():
+            found, stored = self.checkpoint.shape(name), self.checkpoint.dtype_name(name)
+            if found != shape or stored != (dtype_name or stored):
+                raise CorruptCheckpointError(
+                    f"{name} is {stored} {found}, but an MXFP4 checkpoint of this config holds "
+                    f"{dtype_name or 'a float'} {shape}: the config and weights disagree. Download it again."
+                )
+        return self._layout
+
+    def pack(self, layer: int, expert: int, views) -> None:
+        """Write one expert's repacked MXFP4 weights and its biases into its packed views."""
+        for field, sources in self._names(layer).items():
+            if field in WEIGHTS:
+                blocks, scales = (self.checkpoint.read_index(name, expert) for name in sources)
+                views[field].data.copy_(repack_to_ggml(blocks, scales))
+            else:
+                views[field].copy_(self.checkpoint.read_index(sources[0], expert, self.model.dtype))
 
 
-def _check_shapes(checkpoint: Checkpoint, names, weights, biases, experts: int) -> None:
-    """Every tensor of the layer is as the config implies: U8 blocks and scales, float biases."""
-    expected = {}
-    for weight, (out, columns) in weights.items():
-        blocks_name, scales_name = names[weight]
-        expected[blocks_name] = ("U8", (experts, out, columns // BLOCK, 16))
-        expected[scales_name] = ("U8", (experts, out, columns // BLOCK))
-    expected.update({names[bias][0]: (None, (experts, *shape)) for bias, shape in biases.items()})
-    for name, (dtype_name, shape) in expected.items():
-        found, stored = checkpoint.shape(name), checkpoint.dtype_name(name)
-        if found != shape or stored != (dtype_name or stored):
-            raise CorruptCheckpointError(
-                f"{name} is {stored} {found}, but an MXFP4 checkpoint of this config holds "
-                f"{dtype_name or 'a float'} {shape}: the config and weights disagree. Download it again."
-            )
+class Mxfp4Format:
+    """gpt-oss's MXFP4 experts, kept as ggml MXFP4 blocks."""
+
+    name, kept_quantized, repacks_for_cpu = "mxfp4", True, False
+
+    def detect(self, hf_config, checkpoint) -> bool:
+        return isinstance(checkpoint, Checkpoint) and is_mxfp4(hf_config)
+
+    def reader(self, hf_config, checkpoint: Checkpoint) -> Checkpoint:
+        return checkpoint
+
+    def kept_as(self, checkpoint: Checkpoint) -> tuple[str, str]:
+        return checkpoint.folder.name, "in MXFP4"
+
+    def open(self, checkpoint: Checkpoint, model: ModelExperts) -> Mxfp4Experts:
+        return Mxfp4Experts(checkpoint, model)
 
 
-def _pack_expert(checkpoint: Checkpoint, names, expert: int, views, dtype: torch.dtype) -> None:
-    """Write one expert's repacked MXFP4 weights and its biases into its packed views."""
-    for field, sources in names.items():
-        if field in WEIGHTS:
-            blocks, scales = (checkpoint.read_index(name, expert) for name in sources)
-            views[field].data.copy_(repack_to_ggml(blocks, scales))
-        else:
-            views[field].copy_(checkpoint.read_index(sources[0], expert, dtype))
+MXFP4 = Mxfp4Format()

@@ -1,40 +1,24 @@
-"""What every pre-quantized checkpoint's store builder shares (GGUF, MXFP4, FP8, GPTQ/AWQ).
+"""What the readers of pre-quantized safetensors checkpoints (FP8, GPTQ/AWQ, compressed-tensors) share.
 
-Their experts are kept in the checkpoint's own bytes, so asking for another host precision
-(`--expert-dtype int8/int4`) is refused in one sentence; each builder starts from the first
-MoE block's experts module (its per-expert field shapes and expert count) and, for formats
-that store each expert's matrices apart, from the family's per-expert disk layout.
-`PackedCheckpoint` is the view the loader reads resident weights through: a `Checkpoint`
-whose format's extra tensors (scales, zeros) are hidden and whose quantized weights read as
-floats (the subclass says how).
+`PackedCheckpoint` is the view the loader reads resident weights through: a `Checkpoint` whose
+format's extra tensors (scales, zeros) are hidden and whose quantized weights read as floats (the
+subclass says how). `quantization_config` is the config's `quantization_config` as a dict;
+`per_expert_disk_layout` the family's layout of per-expert matrices, the one FP8 and int4
+checkpoints store their experts in (`per_expert_matrices`: checked against the model).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator
 
 import torch
 
-from engine.errors import InvalidConfigError, UnsupportedQuantizationError
+from engine.errors import UnsupportedQuantizationError
+from engine.formats.base import ModelExperts
 from engine.model.adapters.base import Architecture, DiskLayout
 from engine.model.checkpoint import SUPPORTED_DTYPES, Checkpoint
 
-
-def refuse_requantization(source: str, kept_as: str, expert_dtype: str) -> None:
-    """`source`'s experts are kept `kept_as`; any `expert_dtype` but native is an error."""
-    if expert_dtype != "native":
-        raise InvalidConfigError(
-            f"{source} is quantized already: its experts are kept {kept_as}. "
-            f"Load it with --expert-dtype native, not {expert_dtype}."
-        )
-
-
-def first_experts(
-    blocks: Mapping[int, tuple[str, torch.nn.Module]],
-) -> tuple[torch.nn.Module, dict[str, tuple[int, ...]], int]:
-    """The first MoE block's experts module, its per-expert field shapes and its expert count."""
-    experts = next(iter(blocks.values()))[1].experts
-    return experts, expert_field_shapes(experts), experts.num_experts
+WEIGHTS = ("gate_up_proj", "down_proj")  # transformers' fused expert weights
 
 
 def per_expert_disk_layout(arch: Architecture, format_name: str) -> DiskLayout:
@@ -46,6 +30,19 @@ def per_expert_disk_layout(arch: Architecture, format_name: str) -> DiskLayout:
             f"{format_name} experts only as per-expert matrices. Use the model's BF16 release."
         )
     return per_expert[0]
+
+
+def per_expert_matrices(model: ModelExperts, format_name: str, kept: str) -> DiskLayout:
+    """The family's per-expert layout, for experts of gate/up/down matrices without biases held
+    `(out, in)`: what MoE Chat keeps FP8 and int4 experts as (`kept`)."""
+    disk_layout = per_expert_disk_layout(model.arch, format_name)
+    if set(model.shapes) != set(WEIGHTS) or model.transposed:
+        raise UnsupportedQuantizationError(
+            f"{format_name} experts of {model.arch.model_type} ({', '.join(model.shapes)}) are not "
+            f"supported: MoE Chat keeps {kept} experts of gate/up/down matrices without biases. "
+            "Use the model's BF16 release."
+        )
+    return disk_layout
 
 
 def quantization_config(hf_config) -> dict:
@@ -97,8 +94,3 @@ class PackedCheckpoint:
 
     def close(self) -> None:
         self.packed.close()
-
-
-def expert_field_shapes(original: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """Per-expert field shapes of a transformers fused experts module (its params are `[E, …]`)."""
-    return {name: tuple(param.shape[1:]) for name, param in original.named_parameters(recurse=False)}

@@ -341,13 +341,13 @@ def _is_odd(name: str, dtype: str, quant: str | None) -> bool:
 
 
 def _is_mxfp4(name: str, dtype: str) -> bool:
-    """OpenAI's MXFP4 experts: `…_blocks` and `…_scales` bytes (engine.store.from_mxfp4)."""
+    """OpenAI's MXFP4 experts: `…_blocks` and `…_scales` bytes (engine.formats.mxfp4_experts)."""
     return dtype == "U8" and name.endswith(("_blocks", "_scales"))
 
 
 def _is_packed(name: str, dtype: str, quant: str | None) -> bool:
     """A quantized checkpoint's own packed tensors: MXFP4 blocks, FP8 weights, GPTQ/AWQ and
-    compressed-tensors int32 words (engine.store.from_fp8, from_int4, from_compressed_tensors)."""
+    compressed-tensors int32 words (engine.formats.fp8_experts, int4_experts, compressed_tensors)."""
     if _is_mxfp4(name, dtype):
         return True
     if quant == "fp8":

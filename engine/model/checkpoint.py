@@ -30,7 +30,7 @@ SINGLE_NAME = "model.safetensors"
 # Tensor dtypes we compute with; anything else (FP8, MXFP4 blocks) is a quantized checkpoint.
 SUPPORTED_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 # Packed quantized values (MXFP4 blocks and scales, FP8 weights, GPTQ/AWQ int32 words): read as they
-# are, never cast to a float dtype here (engine.store.from_fp8 and from_int4 dequantize them).
+# are, never cast to a float dtype here (engine.formats.fp8_experts and int4_checkpoint dequantize them).
 PACKED_DTYPES = {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32}
 
 

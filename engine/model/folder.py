@@ -139,7 +139,7 @@ def _reject_quantized(hf_config) -> None:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__
         refused = get_architecture(hf_config.model_type).unsupported_quantization
         if method in KEPT_QUANTIZATION and method not in refused:
-            return  # its experts are loaded as they are (engine.store.from_mxfp4, from_fp8, from_int4)
+            return  # its experts are loaded as they are (engine.formats.registry)
         raise UnsupportedArchitectureError(
             f"This checkpoint is pre-quantized ({method}); MoE Chat loads BF16/FP16/FP32 weights. "
             "Use the model's BF16 release."

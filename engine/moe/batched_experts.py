@@ -30,8 +30,9 @@ from collections.abc import Sequence
 import torch
 
 from engine.device_cache.pipeline import ready_together
+from engine.formats.fields import PLAIN
 from engine.formats.gguf_blocks import dequantize
-from engine.store.host_store import ExpertLayout
+from engine.formats.layout import ExpertLayout
 
 GROUP_EXPERTS = 16  # experts computed together at most: bounds the dequantized weights' memory
 GROUP_TOKENS = 16  # a step whose busiest expert serves more tokens computes one expert at a time
@@ -39,8 +40,8 @@ GROUP_TOKENS = 16  # a step whose busiest expert serves more tokens computes one
 
 def groupable(layout: ExpertLayout) -> bool:
     """Whether every field of `layout` is a native tensor or ggml blocks as the file has them."""
-    native_or_blocks = (f.block is None and f.int4 is None and f.packing is None for f in layout.fields)
-    return layout.quant is None and all(native_or_blocks)
+    as_stored = (f.format is PLAIN or (f.ggml_type is not None and f.packing is None) for f in layout.fields)
+    return layout.quant is None and all(as_stored)
 
 
 def groups_asked(module) -> bool:

@@ -34,6 +34,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from engine.errors import DeviceOutOfMemoryError, EngineError, InvalidRequestError, MissingTensorsError
+from engine.formats.native_experts import find_layout, read_expert
 from engine.model.adapters.generic import is_routed_experts
 from engine.model.checkpoint import Checkpoint
 from engine.model.folder import open_checkpoint
@@ -42,7 +43,6 @@ from engine.model.kv_cache import rewind_cache
 from engine.model.mtp_layer import MtpFormat, MtpHead, build_mtp_head, find_mtp, require_mtp
 from engine.sampling import Sampler
 from engine.speculative.drafters import Draft, Drafter
-from engine.store.host_store import find_layout, read_expert
 
 log = logging.getLogger(__name__)
 

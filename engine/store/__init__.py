@@ -1,9 +1,11 @@
 """The host expert store (DESIGN.md layer 3): every routed expert in host RAM, in its format.
 
-- `host_store`: `ExpertLayout` (where each field of an expert lies in its buffer) and
-  `ExpertStore` (one contiguous buffer a layer, one row an expert); the bf16 builder;
-- `from_gguf`, `from_fp8`, `from_int4`, `from_mxfp4`, `from_compressed_tensors`: stores built
-  from pre-quantized checkpoints, kept in their format; `prequantized` holds what they share;
+- `host_store`: `ExpertStore` (one contiguous buffer a layer, one row an expert), host buffers
+  (`allocate_layer`) and int8/int4 copies of a native store (`quantize_store`);
+- `build`: the one skeleton every format's store is built by (`build_expert_store`: refuse
+  re-quantization, open the format's experts, `pack_experts` layer by layer);
+- `placement`: where a layer's experts lie and in which packing, chosen apart from their format
+  (`AS_STORED`; `CpuPlacement`: a GGUF file's blocks for the CPU's kernels);
 - `disk_cache`: converted (int8/int4) stores kept on disk, so a second load skips the work;
 - `staging`: a pinned staging ring feeding the link without pinning every expert.
 

@@ -39,7 +39,8 @@ from safetensors import SafetensorError, safe_open
 
 from engine.config import format_bytes
 from engine.formats.int_quant import QuantSpec
-from engine.store.host_store import ExpertLayout, ExpertStore, allocate_layer
+from engine.formats.layout import ExpertLayout
+from engine.store.host_store import ExpertStore, allocate_layer
 
 log = logging.getLogger(__name__)
 

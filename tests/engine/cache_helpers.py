@@ -7,7 +7,8 @@ import torch
 from engine.device_cache.eviction import EvictionPolicy, ExpertKey, LRUPolicy
 from engine.device_cache.expert_cache import ExpertCache, Slot
 from engine.device_cache.transfer import CopyHandle, TransferEngine
-from engine.store.host_store import ExpertLayout, ExpertStore
+from engine.formats.layout import ExpertLayout
+from engine.store.host_store import ExpertStore
 
 NUM_LAYERS, NUM_EXPERTS = 3, 6
 SHAPES = {"gate_up_proj": (10, 6), "down_proj": (6, 5), "down_proj_bias": (6,)}

@@ -83,7 +83,7 @@ class Architecture:
     router_attr: str = ""  # attribute of the MoE block holding the router ("": found by `bind`)
     notes: str = ""
     # config keys whose presence means weights we cannot compute with yet (MXFP4 experts in fused
-    # `_blocks`/`_scales` tensors, as gpt-oss ships them, load: engine.store.from_mxfp4; FP8
-    # checkpoints with per-expert matrices too: engine.store.from_fp8, and GPTQ/AWQ int4 ones:
-    # engine.store.from_int4)
+    # `_blocks`/`_scales` tensors, as gpt-oss ships them, load: engine.formats.mxfp4_experts; FP8
+    # checkpoints with per-expert matrices too: engine.formats.fp8_experts, and GPTQ/AWQ int4 ones:
+    # engine.formats.int4_experts)
     unsupported_quantization: tuple[str, ...] = field(default=("bitsandbytes",))

@@ -17,11 +17,11 @@ OVERRIDES: dict[str, dict[str, object]] = {
     },
     "deepseek_v3": {
         "router_rule": "sigmoid + correction bias → group top-k → renormalise → × routed_scaling_factor",
-        "notes": "Official FP8 checkpoints keep their routed experts in FP8 (engine.store.from_fp8).",
+        "notes": "Official FP8 checkpoints keep their routed experts in FP8 (engine.formats.fp8_experts).",
     },
     "gpt_oss": {
         "router_rule": "linear + bias → top-k on logits → softmax over the chosen k",
-        "notes": "Clamped SwiGLU on interleaved gate/up; MXFP4 stays MXFP4 (engine.store.from_mxfp4).",
+        "notes": "Clamped SwiGLU on interleaved gate/up; MXFP4 stays MXFP4 (engine.formats.mxfp4_experts).",
     },
     "phimoe": {"router_rule": "sparsemixer top-2 (masked softmax per pick)"},
     "granitemoe": {"router_rule": "top-k on logits → softmax over the chosen k"},

@@ -14,7 +14,8 @@ from engine.device_cache.eviction import LFUPolicy, LRUPolicy, MRSPolicy
 from engine.device_cache.expert_cache import ExpertCache, NoEvictableSlot, SlotState
 from engine.device_cache.transfer import SimulatedLink
 from engine.errors import DeviceOutOfMemoryError
-from engine.store.host_store import ALIGN, ExpertLayout, ExpertStore
+from engine.formats.layout import ALIGN, ExpertLayout
+from engine.store.host_store import ExpertStore
 from tests.engine.cache_helpers import (
     NUM_EXPERTS,
     NUM_LAYERS,

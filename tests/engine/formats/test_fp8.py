@@ -133,7 +133,9 @@ def test_the_experts_stay_in_fp8(fp8_folders):
             512,
             256,
         )
-        assert fields["gate_up_proj"].block == (128, 128) and fields["gate_up_proj.scale_inv"].shape == (4, 2)
+        assert fields["gate_up_proj"].format.block == (128, 128) and fields[
+            "gate_up_proj.scale_inv"
+        ].shape == (4, 2)
         assert fields["down_proj"].dtype == torch.float8_e4m3fn and fields["down_proj.scale_inv"].shape == (
             2,
             2,

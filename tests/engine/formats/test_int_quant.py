@@ -15,10 +15,11 @@ from engine.formats.int_quant import (
     quantize_into,
     quantized_fields,
 )
+from engine.formats.layout import ALIGN, ExpertLayout
 from engine.generation import GenerationConfig, generate_text
 from engine.loader import load_model
 from engine.sampling import SamplingConfig
-from engine.store.host_store import ALIGN, ExpertLayout, quantize_store
+from engine.store.host_store import quantize_store
 from engine.tiny.models import TINY_ARCHITECTURES, build_tiny_model, save_tiny_model
 from tests.engine.cache_helpers import SHAPES
 

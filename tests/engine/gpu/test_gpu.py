@@ -20,11 +20,12 @@ from engine.device_cache.eviction import LRUPolicy
 from engine.device_cache.expert_cache import ExpertCache
 from engine.device_cache.transfer import CudaTransfer, LinkMeter, make_transfer
 from engine.errors import DeviceOutOfMemoryError
+from engine.formats.layout import ExpertLayout
 from engine.generation import GenerationConfig, generate_text
 from engine.loader import load_model
 from engine.moe.batched_experts import groupable
 from engine.sampling import SamplingConfig
-from engine.store.host_store import ExpertLayout, ExpertStore
+from engine.store.host_store import ExpertStore
 from engine.tiny.gguf_writer import gguf_config, write_tiny_gguf
 from engine.tiny.models import build_tiny_model, save_tiny_model
 from tests.engine.exactness import assert_matches_reference

@@ -13,10 +13,11 @@ from gguf import GGMLQuantizationType as QT
 from engine.device_cache.pipeline import ready_together
 from engine.errors import BudgetTooSmallError
 from engine.formats.gguf_blocks import row_bytes
+from engine.formats.gguf_experts import ggml_layout
 from engine.formats.gguf_repack import GGML
+from engine.formats.layout import ExpertLayout
 from engine.moe.batched_experts import accumulate_together, forward_resident, gathered_weights, groupable
 from engine.moe.layer import OffloadedExperts, _group_by_expert, _Step
-from engine.store.host_store import ExpertLayout
 from engine.tiny.models import build_tiny_model
 from tests.engine.cache_helpers import NUM_EXPERTS, ManualTransfer, make_cache
 from tests.engine.formats.test_gguf_blocks import _random_valid_bytes
@@ -26,7 +27,7 @@ H, INTER = 256, 512  # K-quant rows are whole 256-weight blocks
 
 def _ggml_pool(n_slots: int) -> tuple[ExpertLayout, torch.Tensor]:
     """A GGUF layer's layout (gate/up Q4_K, down Q6_K, as Q4_K_M) and a pool of random experts."""
-    layout = ExpertLayout.from_ggml(
+    layout = ggml_layout(
         [
             ("gate_up_proj", (2 * INTER, H), QT.Q4_K, row_bytes(QT.Q4_K, H), None),
             ("down_proj", (H, INTER), QT.Q6_K, row_bytes(QT.Q6_K, INTER), None),
@@ -97,7 +98,7 @@ def test_one_tokens_experts_looked_up_in_a_slot_table_give_the_values_of_one_at_
 
 
 def test_a_repacked_or_quantized_layout_is_not_grouped() -> None:
-    layout = ExpertLayout.from_ggml([("down_proj", (H, INTER), QT.Q6_K, row_bytes(QT.Q6_K, INTER), GGML)])
+    layout = ggml_layout([("down_proj", (H, INTER), QT.Q6_K, row_bytes(QT.Q6_K, INTER), GGML)])
     assert not groupable(layout)
 
 

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import engine.store.host_store
+import engine.formats.native_experts
 from engine.config import ExpertBudget, OffloadConfig
 from engine.formats.int_quant import QuantSpec
 from engine.loader import load_model
@@ -163,13 +163,13 @@ def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
 def test_second_quantized_load_converts_nothing(tmp_path, monkeypatch):
     folder = make_tiny_model(tmp_path / "olmoe", model_type="olmoe")
     converted = []
-    real_quantize_into = engine.store.host_store.quantize_into
+    real_quantize_into = engine.formats.native_experts.quantize_into
 
     def counting_quantize_into(weight, views, name, spec):
         converted.append(name)
         real_quantize_into(weight, views, name, spec)
 
-    monkeypatch.setattr(engine.store.host_store, "quantize_into", counting_quantize_into)
+    monkeypatch.setattr(engine.formats.native_experts, "quantize_into", counting_quantize_into)
     config = OffloadConfig(device="cpu", expert_budget=ExpertBudget(experts=4), expert_dtype="int4")
     stores = []
     for _ in range(2):

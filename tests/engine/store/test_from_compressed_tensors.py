@@ -180,7 +180,9 @@ def test_the_experts_stay_quantized_in_the_checkpoints_own_bytes(folders):
         views = model.store.views(1, 5)
         up = "model.layers.1.mlp.experts.5.up_proj."
         if variant.startswith("fp8"):
-            assert fields["gate_up_proj"].dtype == torch.float8_e4m3fn and fields["gate_up_proj"].block == (
+            assert fields["gate_up_proj"].dtype == torch.float8_e4m3fn and fields[
+                "gate_up_proj"
+            ].format.block == (
                 1,
                 256,
             )
@@ -189,7 +191,7 @@ def test_the_experts_stay_quantized_in_the_checkpoints_own_bytes(folders):
             assert torch.equal(data.view(torch.uint8), stored[up + "weight"].view(torch.uint8))
             assert torch.equal(scales, stored[up + "weight_scale"].float())
             return
-        assert fields["gate_up_proj"].int4 == (CT if "asym" in variant else CT_SYM)
+        assert fields["gate_up_proj"].format.format == (CT if "asym" in variant else CT_SYM)
         assert fields["gate_up_proj.scales"].dtype == torch.bfloat16  # as stored: no rounding to fp16
         extras = 3 * 2 * 256 * (2 + 0.5) + (3 * 256 * 4 if "actorder" in variant else 0)
         assert model.store.expert_nbytes <= 3 * 256 * 256 / 2 + extras + 8 * 64  # half a byte a weight

@@ -14,9 +14,9 @@ from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tenso
 
 from engine.errors import CorruptCheckpointError, InvalidConfigError
 from engine.formats.gguf_blocks import dequantize
+from engine.formats.mxfp4_experts import repack_to_ggml
 from engine.loader import load_model
 from engine.model.checkpoint import Checkpoint
-from engine.store.from_mxfp4 import repack_to_ggml
 from engine.tiny.models import build_tiny_model, save_tiny_model
 from tests.engine.exactness import assert_matches_reference, quarter_cached, save_published
 
