@@ -91,15 +91,15 @@ def test_a_plain_cache_is_not_reused_for_speculation(demo):
 def test_a_failed_reply_keeps_nothing(demo, monkeypatch):
     demo.prefix_cache.clear()
     calls = {"n": 0}
-    forward = demo.forward
+    run = demo._run  # every step, a prefill's and a decode's, goes through it
 
-    def failing(*args, **kwargs):
+    def failing(step):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("boom")
-        return forward(*args, **kwargs)
+        return run(step)
 
-    monkeypatch.setattr(demo, "forward", failing)
+    monkeypatch.setattr(demo, "_run", failing)
     with pytest.raises(RuntimeError, match="boom"):
         generate_text(demo, [COW], GREEDY)
     assert len(demo.prefix_cache) == 0
