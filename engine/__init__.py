@@ -9,7 +9,7 @@ Rooms, bottom up (a room imports only rooms below it; DESIGN.md describes them a
 `tests/test_layering.py` holds the order):
 
 - base modules: `errors`, `config`, `generation_config`, `resources`, `huge_pages`, then
-  `sampling`, `textstream`, `reasoning`;
+  `sampling`, `text/` (`stream`: prompts in, text out; `reasoning`);
 - `model/` — checkpoint readers and architecture adapters (DESIGN.md layers 1–2);
 - `tiny/` — tiny random models for the tests, the bench and `make-tiny`;
 - `ggml/` — llama.cpp's ggml C library through ctypes;

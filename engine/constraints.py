@@ -31,9 +31,9 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.generation_config import GenerationConfig, forced_tool_names
-from engine.reasoning import CLOSE as THINK_CLOSE
-from engine.reasoning import HARMONY, harmony_splitter_for, splitter_for, vocabulary
 from engine.sampling import Sampler
+from engine.text.reasoning import CLOSE as THINK_CLOSE
+from engine.text.reasoning import HARMONY, harmony_splitter_for, splitter_for, vocabulary
 
 # OpenAI: "omitting parameters defines a function with an empty parameter list"
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}

@@ -28,11 +28,11 @@ from engine.generation_config import GenerationConfig, forced_tool_names, is_uni
 from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot
 from engine.model.prefix_cache import save_point
 from engine.offloaded_model import OffloadedModel
-from engine.reasoning import harmony_splitter_for, one_call_per_message, splitter_for
 from engine.sampling import Sampler
 from engine.speculative.auto import refuse_speculation_that_cannot_rewind
 from engine.speculative.decoder import open_decoder
-from engine.textstream import IncrementalDetokenizer, StopStringMatcher, encode_chat
+from engine.text.reasoning import harmony_splitter_for, one_call_per_message, splitter_for
+from engine.text.stream import IncrementalDetokenizer, StopStringMatcher, encode_chat
 
 log = logging.getLogger(__name__)
 

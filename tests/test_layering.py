@@ -63,11 +63,12 @@ def test_importing_a_package_does_not_load_the_other_side(package, forbidden):
 # modules of its own room or of a lower one, never of a higher one.
 ENGINE_ROOMS: tuple[tuple[str, ...], ...] = (
     ("engine.errors", "engine.config", "engine.generation_config", "engine.resources", "engine.huge_pages"),
-    ("engine.sampling", "engine.textstream", "engine.reasoning"),
+    ("engine.sampling", "engine.text"),
     ("engine.model",),
     ("engine.tiny",),
     ("engine.ggml",),
     ("engine.formats",),
+    ("engine.gpu",),
     ("engine.store",),
     ("engine.device_cache",),
     ("engine.moe",),
@@ -176,6 +177,15 @@ def test_the_rooms_name_what_each_layer_must_never_import():
     never = {
         "engine.model": (*experts, "engine.ggml", "engine.decode", *above_experts),
         "engine.ggml": (*experts, "engine.decode", *above_experts),
+        # the fused kernels read bytes: below them only the base modules and `formats` (the rooms
+        # above are out by the order)
+        "engine.gpu": (
+            "engine.sampling",
+            "engine.text",
+            "engine.model",
+            "engine.tiny",
+            "engine.ggml",
+        ),
         **{room: ("engine.decode", "engine.offloaded_model", *above_experts) for room in experts},
         "engine.decode": above_experts,
         "engine.speculative": ("engine.generation", "engine.worker", "engine.bench", "engine.tune"),

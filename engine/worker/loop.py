@@ -36,9 +36,9 @@ from engine.errors import DeviceOutOfMemoryError, EngineError, GenerationCancell
 from engine.generation import FinishedEvent, generate
 from engine.loader import load_model, resolve_device
 from engine.metrics import LiveGeneration
-from engine.reasoning import thinks
 from engine.resources import demo_draft_dir, demo_model_dir
 from engine.speculative.auto import resolve_config
+from engine.text.reasoning import thinks
 from engine.worker.protocol import (
     PROTOCOL_VERSION,
     Cancel,

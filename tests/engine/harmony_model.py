@@ -11,7 +11,7 @@ TypeScript signatures, built-in tools and the date):
 import json
 from pathlib import Path
 
-from engine.reasoning import HARMONY
+from engine.text.reasoning import HARMONY
 from engine.tiny.gguf_writer import demo_tokenizer
 from engine.tiny.models import build_tiny_model, save_tiny_model
 

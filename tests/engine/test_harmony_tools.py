@@ -8,8 +8,8 @@ from engine.config import OffloadConfig
 from engine.generation import _ReplyText, generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig
 from engine.loader import load_model
-from engine.reasoning import one_call_per_message
-from engine.textstream import encode_chat
+from engine.text.reasoning import one_call_per_message
+from engine.text.stream import encode_chat
 from engine.worker.protocol import ChatMessage
 from tests.engine.harmony_model import harmony_tokenizer, save_harmony_model
 from tests.engine.tool_helpers import WEATHER, WEATHER_QUESTION, check_weather_arguments

@@ -13,7 +13,7 @@ from app.server.openai_server import ApiServer
 from app.server.tool_calls import ToolCallStream, split_calls, template_calls
 from app.session_setup import DEMO_MODEL_ID
 from engine.generation_config import GenerationConfig
-from engine.textstream import encode_chat
+from engine.text.stream import encode_chat
 from engine.tiny.gguf_writer import demo_tokenizer
 from engine.worker.protocol import ChatMessage, Finished, Generate, Token, dumps, loads
 

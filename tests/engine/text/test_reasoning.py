@@ -8,7 +8,7 @@ from engine.errors import InvalidRequestError
 from engine.generation import FinishedEvent, TokenEvent, _ReplyText, encode_prompt, generate
 from engine.generation_config import GenerationConfig, SamplingConfig
 from engine.loader import load_model
-from engine.reasoning import ThinkSplitter, harmony_splitter_for, splitter_for, thinks, vocabulary
+from engine.text.reasoning import ThinkSplitter, harmony_splitter_for, splitter_for, thinks, vocabulary
 from engine.tiny.gguf_writer import demo_tokenizer
 from tests.engine.harmony_model import harmony_tokenizer
 from tests.engine.thinking_model import save_thinking_model, thinking_tokenizer

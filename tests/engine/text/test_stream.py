@@ -5,7 +5,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from engine.errors import InvalidRequestError
-from engine.textstream import IncrementalDetokenizer, StopStringMatcher
+from engine.text.stream import IncrementalDetokenizer, StopStringMatcher
 
 TEXT = "Hello world! café 🌍 — 世界 the cat\nnew line  two spaces"
 
