@@ -9,7 +9,8 @@ The protocol and the layout:
 - `registry`: the formats in the order the loader asks them, the first that detects a checkpoint.
 
 The formats, one module each (with their checkpoint readers):
-- `gguf_experts`: a GGUF file's experts in its own ggml blocks;
+- `gguf/`: GGUF's block types — their numerics (`blocks`, `kquant_matmul`, `repack`) and a GGUF
+  file's experts in their own ggml blocks (`experts`);
 - `mxfp4_experts`: gpt-oss's MXFP4 experts, repacked into ggml's MXFP4 blocks;
 - `fp8_experts`: FP8 experts with block, row or tensor scales (`Fp8Checkpoint`);
 - `int4_experts`: GPTQ/AWQ/compressed-tensors int4 experts in their words;
@@ -22,11 +23,7 @@ The numerics:
 - `int_quant`: the group-wise int8/int4 quantization the engine applies to float experts;
 - `fp8`: FP8 e4m3 weights with block or per-tensor scales, dequantized;
 - `int4`: GPTQ/AWQ/compressed-tensors int4 codes, zeros and scales, dequantized;
-- `gguf_blocks`: every GGUF block type's fields and its dequantization in torch (ggml's
-  `type_traits` table as data);
-- `kquant_matmul`: `x @ W.T` straight from Q4_K/Q6_K blocks, bit for bit `gguf_blocks`';
-- `gguf_repack`: GGUF blocks repacked for torch's int4/int8 CPU kernels, and the packings
-  ggml computes.
+- GGUF's block types: in `gguf/`.
 
 May import: the engine's base modules, `engine.model` (checkpoints, disk layouts, the GGUF reader)
 and `engine.ggml`. Never the store, the cache, MoE execution or anything above.

@@ -9,7 +9,7 @@ type; nothing else in the engine branches on which format a field is in.
 - `PLAIN`: the field's own tensor (native floats, biases, the engine's int8/int4 codes, scales and
   offsets, and every companion field);
 - `GgmlBlocks(ggml_type, shape, packing)`: ggml blocks of an `(out, in)` weight, as a GGUF file
-  has them or repacked for the CPU (`engine.formats.gguf_repack`) → `GgmlWeight`;
+  has them or repacked for the CPU (`engine.formats.gguf.repack`) → `GgmlWeight`;
 - `Fp8Blocks(block)`: e4m3 values `(out, in)` with the float32 field `<name>.scale_inv` →
   `Fp8Weight` (`engine.formats.fp8`);
 - `Int4Words(format, shape)`: GPTQ/AWQ/compressed-tensors int32 words with the fields
@@ -30,8 +30,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from engine.formats.fp8 import Fp8Weight
-from engine.formats.gguf_blocks import linear as ggml_linear
-from engine.formats.gguf_repack import GGML_PACKINGS, repacked_linear
+from engine.formats.gguf.blocks import linear as ggml_linear
+from engine.formats.gguf.repack import GGML_PACKINGS, repacked_linear
 from engine.formats.int4 import Int4Weight
 from engine.ggml import kernels as ggml_kernels
 
@@ -42,7 +42,7 @@ class GgmlWeight(NamedTuple):
     data: torch.Tensor  # uint8 [out, bytes per row]
     ggml_type: int
     shape: tuple[int, int]
-    packing: str | None = None  # repacked at load for the CPU (`engine.formats.gguf_repack`)
+    packing: str | None = None  # repacked at load for the CPU (`engine.formats.gguf.repack`)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T`: how `engine.formats.int_quant.linear` computes this format."""

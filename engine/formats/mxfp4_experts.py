@@ -13,7 +13,7 @@ rounding, so `gate_up_proj` and `down_proj` become ggml MXFP4 fields of `(out, i
 `(2I, H)` and `(H, I)` (ggml fields are always `(out, in)` rows, whatever the family's own
 orientation: gpt-oss holds its weights transposed, `[in, out]`). The biases stay plain fields
 in the compute dtype. From there the experts are like a GGUF file's: the link carries MXFP4
-bytes and `engine.formats.gguf_blocks` dequantizes them where computed. `MXFP4` is the format.
+bytes and `engine.formats.gguf.blocks` dequantizes them where computed. `MXFP4` is the format.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType
 from engine.errors import CorruptCheckpointError, UnsupportedQuantizationError
 from engine.formats.base import ModelExperts
 from engine.formats.fields import GgmlBlocks
-from engine.formats.gguf_blocks import row_bytes
+from engine.formats.gguf.blocks import row_bytes
 from engine.formats.layout import ExpertField, ExpertLayout
 from engine.formats.packed_checkpoint import WEIGHTS, quantization_config
 from engine.model.adapters.base import Architecture, DiskLayout

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from engine.formats.base import ExpertFormat
 from engine.formats.fp8_experts import FP8
-from engine.formats.gguf_experts import GGUF_BLOCKS
+from engine.formats.gguf.experts import GGUF_BLOCKS
 from engine.formats.int4_experts import INT4
 from engine.formats.mxfp4_experts import MXFP4
 from engine.formats.native_experts import NATIVE

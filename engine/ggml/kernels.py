@@ -9,7 +9,7 @@ they lie in a packed layer buffer, in one node (`ggml_mul_mat_id`, as llama.cpp 
 This is the path llama.cpp computes on: the activations are quantized to 8 bits per block
 (Q8_K for the K-quants, Q8_0 for the others) and multiplied with integer dot products, so the
 result differs from `x @ dequantize(W).T` by about a percent of its scale, as llama.cpp's own
-outputs do; the engine's default kernels (engine.formats.gguf_repack, engine.resident.ggml_linear)
+outputs do; the engine's default kernels (engine.formats.gguf.repack, engine.resident.ggml_linear)
 stay exact and this one is chosen by name only. A call makes one graph (a one-token call's is kept
 and only pointed at the call's memory: engine.ggml.graphs): ggml tensors are described in
 a per-thread metadata context (no allocation), bound to the caller's memory through one CPU

@@ -31,7 +31,7 @@ import torch
 
 from engine.device_cache.pipeline import ready_together
 from engine.formats.fields import PLAIN
-from engine.formats.gguf_blocks import dequantize
+from engine.formats.gguf.blocks import dequantize
 from engine.formats.layout import ExpertLayout
 
 GROUP_EXPERTS = 16  # experts computed together at most: bounds the dequantized weights' memory

@@ -46,7 +46,7 @@ from engine.device_cache.expert_cache import ExpertCache
 from engine.device_cache.pipeline import ready_experts
 from engine.errors import UnsupportedArchitectureError
 from engine.formats import int_quant as quant
-from engine.formats.gguf_repack import GGML_PACKINGS
+from engine.formats.gguf.repack import GGML_PACKINGS
 from engine.ggml import kernels as ggml_kernels
 from engine.model.adapters.base import Architecture
 from engine.model.hf_calls import decoder_of

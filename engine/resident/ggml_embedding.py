@@ -2,7 +2,7 @@
 
 A 150k–200k-token vocabulary's embedding is 0.6–1.2 GB in BF16 but a quarter of that in Q4_K:
 on an 8 GB GPU the difference is hundreds of experts' worth of cache. A lookup touches only the
-rows of the tokens it embeds, so `GgmlEmbedding` dequantizes just those (engine.formats.gguf_blocks,
+rows of the tokens it embeds, so `GgmlEmbedding` dequantizes just those (engine.formats.gguf.blocks,
 bit for bit gguf's own dequantization) and the table never exists in BF16. The output head stays
 dense: every decode step multiplies by all of it, and dequantizing it per step would cost more
 than the memory is worth. Tied embeddings (the head is the same matrix) stay dense too. A BF16 or
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.formats.gguf_blocks import dequantize
+from engine.formats.gguf.blocks import dequantize
 from engine.model.gguf_file import DENSE_TYPES
 
 # Below this many parameters the BF16 table is small enough to keep dense (a 2048-wide table of

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.formats.gguf_repack import GGML_FLOATS
+from engine.formats.gguf.repack import GGML_FLOATS
 from engine.ggml import interleave as ggml_interleave
 from engine.ggml import kernels as ggml_kernels
 

@@ -4,7 +4,7 @@ Contract: a placement turns the layout a format stores an expert in into the lay
 holds (`layout`), allocates a layer's `[E, nbytes]` buffer (`allocate`) and gives the function
 that writes one expert into its row (`writer`: the format's `pack`, then the conversion).
 `AS_STORED` keeps every expert as its format stores it, in host memory. `CpuPlacement` is for a
-GGUF file's experts computed on the CPU: each field takes the packing `gguf_repack.packing_for`
+GGUF file's experts computed on the CPU: each field takes the packing `repack.packing_for`
 names for the compute dtype and kernels (torch's int4/int8 CPU kernels, or llama.cpp's), and a
 layer with fields in llama.cpp's interleaved rows lives in ggml's own memory (`engine.ggml`).
 """
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import InvalidConfigError
-from engine.formats.gguf_experts import repacked_layout
-from engine.formats.gguf_repack import GGML, GGML_X8, packing_for, place
+from engine.formats.gguf.experts import repacked_layout
+from engine.formats.gguf.repack import GGML, GGML_X8, packing_for, place
 from engine.formats.layout import ExpertLayout
 from engine.ggml import interleave as ggml_interleave
 from engine.ggml import library as ggml_library
@@ -75,7 +75,7 @@ class CpuPlacement(AsStored):
 
     def writer(self, stored: ExpertLayout, layout: ExpertLayout) -> Writer:
         """The file's bytes straight into the row where the packing keeps them; else read into a
-        one-expert buffer in the file's layout and placed field by field (`gguf_repack.place`)."""
+        one-expert buffer in the file's layout and placed field by field (`repack.place`)."""
         if all(f.format.packing in (None, GGML) for f in layout.fields):
             return super().writer(stored, layout)
         staging = torch.empty(stored.nbytes, dtype=torch.uint8)

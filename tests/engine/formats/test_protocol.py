@@ -11,7 +11,7 @@ from engine.formats import registry
 from engine.formats.base import ExpertFormat, StoredExperts
 from engine.formats.fields import PLAIN, FieldFormat, Fp8Blocks, GgmlBlocks, Int4Words
 from engine.formats.fp8_experts import FP8
-from engine.formats.gguf_experts import GGUF_BLOCKS
+from engine.formats.gguf.experts import GGUF_BLOCKS
 from engine.formats.int4_experts import INT4
 from engine.formats.int_quant import QuantSpec
 from engine.formats.mxfp4_experts import MXFP4

@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType as QT
 
 from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import InvalidConfigError, InvalidRequestError
-from engine.formats.gguf_blocks import dequantize
-from engine.formats.gguf_repack import GGML, GGML_X8
+from engine.formats.gguf.blocks import dequantize
+from engine.formats.gguf.repack import GGML, GGML_X8
 from engine.generation import generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
 from engine.ggml import kernels as ggml_kernels

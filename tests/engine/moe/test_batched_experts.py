@@ -12,15 +12,15 @@ from gguf import GGMLQuantizationType as QT
 
 from engine.device_cache.pipeline import ready_together
 from engine.errors import BudgetTooSmallError
-from engine.formats.gguf_blocks import row_bytes
-from engine.formats.gguf_experts import ggml_layout
-from engine.formats.gguf_repack import GGML
+from engine.formats.gguf.blocks import row_bytes
+from engine.formats.gguf.experts import ggml_layout
+from engine.formats.gguf.repack import GGML
 from engine.formats.layout import ExpertLayout
 from engine.moe.batched_experts import accumulate_together, forward_resident, gathered_weights, groupable
 from engine.moe.layer import OffloadedExperts, _group_by_expert, _Step
 from engine.tiny.models import build_tiny_model
 from tests.engine.cache_helpers import NUM_EXPERTS, ManualTransfer, make_cache
-from tests.engine.formats.test_gguf_blocks import _random_valid_bytes
+from tests.engine.formats.gguf.test_blocks import _random_valid_bytes
 
 H, INTER = 256, 512  # K-quant rows are whole 256-weight blocks
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
 
 from engine.errors import CorruptCheckpointError, InvalidConfigError
-from engine.formats.gguf_blocks import dequantize
+from engine.formats.gguf.blocks import dequantize
 from engine.formats.mxfp4_experts import repack_to_ggml
 from engine.loader import load_model
 from engine.model.checkpoint import Checkpoint

@@ -4,11 +4,11 @@ llama.cpp stores a layer's experts as three 3-D tensors, `ffn_gate_exps`, `ffn_u
 `ffn_down_exps` (`[E, rows, row bytes]` of ggml blocks). One expert's packed buffer holds its
 gate and up rows back to back as transformers' `gate_up_proj` (gate first), then its down
 rows, each field in its ggml type (`GgmlBlocks`): a Q4_K expert crosses the link as Q4_K bytes
-and is dequantized only where it is computed (`engine.formats.gguf_blocks`). Layers may differ
+and is dequantized only where it is computed (`engine.formats.gguf.blocks`). Layers may differ
 in type (Q4_K_M gives some down projections Q6_K): each layer has its own layout.
 
 `GGUF_BLOCKS` is the format; `repacked_layout` gives a layout's fields another packing, which
-`engine.store.placement` chooses when the CPU computes the experts (`engine.formats.gguf_repack`).
+`engine.store.placement` chooses when the CPU computes the experts (`engine.formats.gguf.repack`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from gguf import GGMLQuantizationType
 from engine.errors import CorruptCheckpointError, MissingTensorsError, UnsupportedQuantizationError
 from engine.formats.base import ModelExperts
 from engine.formats.fields import GgmlBlocks
-from engine.formats.gguf_blocks import row_bytes
-from engine.formats.gguf_repack import GGML_PACKINGS, packed_nbytes
+from engine.formats.gguf.blocks import row_bytes
+from engine.formats.gguf.repack import GGML_PACKINGS, packed_nbytes
 from engine.formats.layout import ExpertField, ExpertLayout
 from engine.model.gguf_file import GgufCheckpoint
 
@@ -31,7 +31,7 @@ PARTS = ("gate", "up", "down")  # the file's expert tensors: blk.N.ffn_{part}_ex
 
 def ggml_layout(fields: Iterable[tuple[str, tuple[int, int], int, int, str | None]]) -> ExpertLayout:
     """Fields `(name, (out, in), ggml_type, bytes per row, packing)` in ggml blocks, as the file has
-    them (packing None) or repacked for the CPU (`engine.formats.gguf_repack`)."""
+    them (packing None) or repacked for the CPU (`engine.formats.gguf.repack`)."""
     return ExpertLayout.placed(
         ExpertField(name, (out, per_row), torch.uint8, 0, GgmlBlocks(ggml_type, (out, columns), packing))
         for name, (out, columns), ggml_type, per_row, packing in fields

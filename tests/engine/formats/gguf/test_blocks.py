@@ -1,4 +1,4 @@
-"""engine.formats.gguf_blocks against gguf's numpy reference: bit-exact for every type in the table."""
+"""engine.formats.gguf.blocks against gguf's numpy reference: bit-exact for every type in the table."""
 
 import numpy as np
 import pytest
@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from engine.errors import EngineError, UnsupportedQuantizationError
-from engine.formats import gguf_blocks as ggml_quants
-from engine.formats.gguf_blocks import TYPES, dequantize, linear, row_bytes
+from engine.formats.gguf import blocks as ggml_quants
+from engine.formats.gguf.blocks import TYPES, dequantize, linear, row_bytes
 
 ALL_TYPES = sorted(TYPES, key=lambda t: t.name)
 SHAPES = [(5, 3), (4, 3, 2)]  # (rows, blocks a row) and (experts, rows, blocks a row)

@@ -23,7 +23,7 @@ each call would cost more than the kernel itself, hence stored: 1.11× Q4_K's by
 
 Q6_K_INT8 rebuilds the float32 weight bit for bit as `kquant_matmul.q6_k_linear` does (int8
 codes converted, times float32 `d·sc`), without unpacking 6-bit codes from two bit planes
-(~10 passes over the matrix), `gguf_blocks.CHUNK_BYTES` of rows at a time: exact in float32,
+(~10 passes over the matrix), `blocks.CHUNK_BYTES` of rows at a time: exact in float32,
 the exact product rounded once in bfloat16; 1.30× Q6_K's bytes.
 
 `place` writes a weight of the file into its row in any packing, ggml's interleaved rows included
@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from engine.formats.gguf_blocks import CHUNK_BYTES, row_bytes, unpack_bits
-from engine.formats.kquant_matmul import k_scale_min, scratch_buffer
+from engine.formats.gguf.blocks import CHUNK_BYTES, row_bytes, unpack_bits
+from engine.formats.gguf.kquant_matmul import k_scale_min, scratch_buffer
 from engine.ggml import interleave as ggml_interleave
 from engine.model.gguf_file import DENSE_TYPES
 

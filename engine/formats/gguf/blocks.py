@@ -36,7 +36,7 @@ makes a fresh tensor.
 
 The float codes are scaled in place: a fresh float32 temporary per step would page-fault on
 every call. `linear` on Q4_K and Q6_K (llama.cpp's Q4_K_M) goes through
-`engine.formats.kquant_matmul`, which builds the same weight bit for bit in a reused buffer, with
+`engine.formats.gguf.kquant_matmul`, which builds the same weight bit for bit in a reused buffer, with
 fewer passes, `CHUNK_BYTES` of rows at a time.
 """
 
@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.errors import UnsupportedQuantizationError
-from engine.formats.kquant_matmul import k_scale_min, q4_k_linear, q6_k_linear
+from engine.formats.gguf.kquant_matmul import k_scale_min, q4_k_linear, q6_k_linear
 
 Q = GGMLQuantizationType
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -312,7 +312,7 @@ def linear(
 ) -> torch.Tensor:
     """`x @ W.T` for the quantized `W [out_features, in_features]` (rows along `in_features`).
 
-    Float32 x through a type's own `linear` (`engine.formats.kquant_matmul`: no float32 matrix
+    Float32 x through a type's own `linear` (`engine.formats.gguf.kquant_matmul`: no float32 matrix
     of the weight in the file's layout), else `F.linear` on the dequantized weight. Half-precision
     x on the CPU goes through the float32 `linear` too, cast back once: bfloat16 matmuls and
     elementwise ops are slow there, and the result is the exact product rounded once."""

@@ -1,9 +1,9 @@
 """`x @ W.T` straight from K-quant blocks (Q4_K, Q6_K: llama.cpp's Q4_K_M), in float32.
 
 Contract: `q4_k_linear` and `q6_k_linear` take `x [T, in]` (float32), the fields of the
-weight's blocks (`engine.formats.gguf_blocks.split_fields` of `[rows * blocks a row, block
+weight's blocks (`engine.formats.gguf.blocks.split_fields` of `[rows * blocks a row, block
 bytes]`) and the row count, and return exactly `F.linear(x, W)` for `W [out, in]` as
-`gguf_blocks.dequantize` builds it: the same float32 operations on each weight, in the file's
+`blocks.dequantize` builds it: the same float32 operations on each weight, in the file's
 column order, so the result is bit for bit the same. They are what a decode step spends its
 time in on the CPU: per token, every used expert's three matrices.
 
@@ -18,7 +18,7 @@ copied into the interleave (an `out=` into the strided interleave is slower); Q6
 sums and columns in a cheaper order (sums in another order: 3e-5 off on wide-range scales).
 
 Experts computed on the CPU do not come here for Q6_K, nor for Q4_K in bfloat16 runs: the store
-repacks them at load for faster kernels (`engine.formats.gguf_repack`).
+repacks them at load for faster kernels (`engine.formats.gguf.repack`).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType as QT
 from transformers import AutoModelForCausalLM
 
 from engine.config import ExpertBudget, OffloadConfig
-from engine.formats.gguf_blocks import dequantize, linear
-from engine.formats.gguf_repack import (
+from engine.formats.gguf.blocks import dequantize, linear
+from engine.formats.gguf.repack import (
     INT4PACK,
     Q6_K_INT8,
     _pack_q4_k_nibbles,
