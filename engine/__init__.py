@@ -14,6 +14,7 @@ Rooms, bottom up (a room imports only rooms below it; DESIGN.md describes them a
 - `tiny/` — tiny random models for the tests, the bench and `make-tiny`;
 - `ggml/` — llama.cpp's ggml C library through ctypes;
 - `formats/` — quantized weight formats and their reference numerics;
+- `gpu/` — fused GPU kernels of the decode step (Triton);
 - `store/` — the host expert store and the checkpoint-to-store builders (3);
 - `device_cache/` — the device expert cache and the link (4–5);
 - `moe/` — MoE execution: the offloaded experts module and its strategies (6);

@@ -264,3 +264,14 @@ def test_modules_and_functions_stay_small():
                     if length > 60:
                         too_long.append(f"{path.relative_to(ROOT)}:{node.name}: {length} lines")
     assert not too_long, too_long
+
+
+def test_no_room_holds_more_than_sixteen_modules():
+    """A folder past ~16 modules does several jobs: it is asking to be split into rooms."""
+    crowded = {}
+    for package in ("engine", "app"):
+        for init in (ROOT / package).rglob("__init__.py"):
+            modules = [p for p in init.parent.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+            if len(modules) > 16:
+                crowded[str(init.parent.relative_to(ROOT))] = len(modules)
+    assert not crowded, crowded

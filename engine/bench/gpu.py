@@ -1,0 +1,199 @@
+"""The one prepared GPU check: `python -m engine.bench.gpu OUT_DIR [--budget-s 450]`.
+
+A lent GPU machine is rare and short, so this runs everything a GPU must prove in one go, each
+stage with its own time limit, and rewrites `OUT_DIR/gpu_check.json` after every stage (a stage
+that fails or runs out of time is recorded with its error; the next one still runs):
+
+    environment   torch, CUDA, the card, its memory, the driver, triton; pinned H2D GB/s
+    kernels       each ahead-of-time kernel (engine.gpu) loaded through the driver: its
+                  correctness against torch's reference and its GB/s against the card's
+                  memory bandwidth (skipped where the package has none yet)
+    pytest        `pytest -m gpu`: the GPU tests' summary line and failures
+    shapes        the 16- then 48-layer Qwen3-30B-A3B-shaped Q4_K_M file, every expert
+                  resident: tok/s, kernel launches and host syncs a token, plain and with
+                  expert CUDA graphs (`python -m engine.bench --count-ops [--expert-graphs]`)
+
+Nothing here is simulated: each figure is this card's. Stages run as child processes where
+they load models, so a crash or an out-of-memory in one is that stage's error, not the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.bench.gpu", description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="folder for gpu_check.json and the stages' logs")
+    parser.add_argument("--budget-s", type=float, default=450.0, help="the whole check's time limit")
+    parser.add_argument("--layers", type=int, nargs="+", default=[16, 48], help="depths of the shape files")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "stages": {}}
+    deadline = time.monotonic() + args.budget_s
+    stages: list[tuple[str, float, Callable[[Path, float], dict]]] = [
+        ("environment", 30, environment),
+        ("kernels", 60, kernels),
+        ("pytest", 150, lambda out, limit: gpu_tests(out, limit)),
+        ("shapes", 10_000, lambda out, limit: shapes(out, limit, args.layers)),
+    ]
+    for name, limit, stage in stages:
+        left = deadline - time.monotonic()
+        if left < 5:
+            report["stages"][name] = {"skipped": "the check's time budget ran out"}
+        else:
+            report["stages"][name] = _timed(stage, args.out, min(limit, left))
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+        print(f"{name}: {json.dumps(report['stages'][name])[:400]}", flush=True)
+    return 0
+
+
+def _timed(stage: Callable[[Path, float], dict], out: Path, limit: float) -> dict:
+    start = time.monotonic()
+    try:
+        result = stage(out, limit)
+    except Exception as err:  # a stage's failure is its result; the next stage still runs
+        result = {"error": f"{type(err).__name__}: {err}"}
+    result["seconds"] = round(time.monotonic() - start, 1)
+    return result
+
+
+def environment(out: Path, limit: float) -> dict:
+    import torch
+
+    found = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        found["triton"] = triton.__version__
+    except ImportError:
+        found["triton"] = None
+    if not torch.cuda.is_available():
+        return found | {"error": "no CUDA device"}
+    props = torch.cuda.get_device_properties(0)
+    found |= {
+        "device": props.name,
+        "capability": f"sm_{props.major}{props.minor}",
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "multiprocessors": props.multi_processor_count,
+        "h2d_gbps": _pinned_h2d_gbps(torch),
+    }
+    driver = subprocess.run(
+        [
+            "nvidia-smi",
+            "--query-gpu=driver_version,pcie.link.gen.max,pcie.link.width.max",
+            "--format=csv,noheader",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    found["nvidia_smi"] = driver.stdout.strip() or driver.stderr.strip()
+    return found
+
+
+def _pinned_h2d_gbps(torch) -> float:
+    """Host-to-device copies of 256 MiB from pinned memory: the best of five, in GB/s."""
+    host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty_like(host, device="cuda")
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        device.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return round(host.numel() / best / 1e9, 2)
+
+
+def kernels(out: Path, limit: float) -> dict:
+    """The ahead-of-time kernels' own check (engine.gpu.check), where the package has one."""
+    try:
+        from engine.gpu import check
+    except ImportError as err:
+        return {"skipped": f"no ahead-of-time kernel check here ({err})"}
+    return check.run(limit)
+
+
+def gpu_tests(out: Path, limit: float) -> dict:
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-x", "tests"]
+    done = _child(command, out / "pytest.log", limit)
+    lines = done["tail"].splitlines()
+    done["summary"] = next((line for line in reversed(lines) if " passed" in line or " failed" in line), None)
+    return done
+
+
+def shapes(out: Path, limit: float, depths: list[int]) -> dict:
+    """Each depth's Q4_K_M file written (if missing) and benched resident, plain then with graphs."""
+    deadline, results = time.monotonic() + limit, {}
+    folder = out / "shapes"
+    for layers in depths:
+        path = folder / f"qwen3-30b-a3b-{layers}layers-Q4_K_M.gguf"
+        if not path.exists():
+            write = [
+                sys.executable,
+                "-m",
+                "engine.bench.shapes",
+                str(folder),
+                "--types",
+                "Q4_K_M",
+                "--layers",
+            ]
+            written = _child([*write, str(layers)], out / f"shapes-{layers}.log", deadline - time.monotonic())
+            if written["rc"] != 0:
+                results[f"{layers} layers"] = {"error": "the shape file was not written", **written}
+                continue
+        for graphs in (False, True):
+            name = f"{layers} layers" + (", expert graphs" if graphs else "")
+            results[name] = _bench(path, out, graphs, deadline - time.monotonic())
+    return results
+
+
+def _bench(path: Path, out: Path, graphs: bool, limit: float) -> dict:
+    tag = f"{path.stem}{'-graphs' if graphs else ''}"
+    json_out = out / f"bench-{tag}.json"
+    command = [sys.executable, "-m", "engine.bench", "--model", str(path), "--device", "cuda"]
+    command += ["--expert-budget", "all", "--prompts", "2", "--new-tokens", "32", "--repeats", "2"]
+    command += ["--count-ops", "--json", str(json_out)] + (["--expert-graphs"] if graphs else [])
+    done = _child(command, out / f"bench-{tag}.log", limit)
+    if json_out.exists():
+        found = json.loads(json_out.read_text())
+        row = found["rows"][-1]
+        done |= {
+            "tokens_per_s": row.get("tokens_per_s"),
+            "prefill_tokens_per_s": row.get("prefill_tokens_per_s"),
+            "step_path": row.get("step_path"),
+            "op_counts": found.get("op_counts"),
+            "expert_graphs": found.get("expert_graphs"),
+        }
+    return done
+
+
+def _child(command: list[str], log: Path, limit: float) -> dict:
+    """`command` run with its output in `log`; its exit code and the output's tail."""
+    if limit < 5:
+        return {"rc": None, "tail": "", "error": "no time left"}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as err:
+        text = (
+            (err.stdout or b"").decode(errors="replace")
+            if isinstance(err.stdout, bytes)
+            else err.stdout or ""
+        )
+        log.write_text(text)
+        return {"rc": None, "tail": text[-2000:], "error": f"timed out after {limit:.0f} s"}
+    log.write_text(done.stdout + done.stderr)
+    return {"rc": done.returncode, "tail": (done.stdout + done.stderr)[-2000:]}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

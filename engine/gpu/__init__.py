@@ -1,0 +1,21 @@
+"""Fused GPU kernels of the decode step (DESIGN.md, "The decode step on a GPU"): few kernels, each
+reading quantized bytes once, written in Triton, tested on the CPU in Triton's interpreter, and
+shipped as ahead-of-time cubins launched through the CUDA driver (no Triton, no compiler on the
+user's machine).
+
+- `kquant_moe` — one token's routed experts from GGUF Q4_K/Q6_K/Q8_0 blocks in the device cache's
+  pool (gate_up + SiLU, down + weight + sum over the top-k), and a quantized GEMV for one matrix;
+- `smoke` — a one-line kernel that proves the build and the launcher on a new machine;
+- `registry` — the kernels the build compiles, each with its signature and constexprs;
+- `build` — `python -m engine.gpu.build`: the cubins for sm_80…sm_120 and PTX, each kernel's
+  registers and spills checked against a budget; `--check` (CI) that they match the sources;
+- `manifest` — the cubins' manifest, and the image a device runs;
+- `toolchain` — ptxas and cuobjdump found, their reports read;
+- `launcher` — `CubinKernel`: a cubin loaded and launched through the CUDA driver on torch's
+  current stream (capturable in a CUDA graph);
+- `check` — the kernels proven on a GPU (`python -m engine.bench.gpu`): against torch's reference,
+  and their bytes a second against the card's.
+
+May import the engine's base modules, `engine.formats`, torch and triton. Importing this package
+imports no triton (users on a CPU may not have it); `kquant_moe`, `smoke` and `build` need it.
+"""

@@ -1,0 +1,317 @@
+"""One token's routed experts straight from GGUF Q4_K, Q6_K and Q8_0 blocks: fused dequantize + GEMV.
+
+Contract: the pool is the device cache's `uint8 [slots, expert_nbytes]`, each expert one packed row
+(`engine.formats.layout.ExpertLayout`); a ggml field of it is `[out rows, bytes per row]` of blocks
+at a byte offset in the row, a row of blocks holding one output row's weights in the file's column
+order. The layer's slot table `[E]` and the token's top-k ids `[K]` stay on the device: the host
+never reads which experts run, so the launches are the same for every route (a CUDA graph).
+
+- `moe_gate_up`: `act [K, I] = silu(gate) · up` of each of the K experts, gate the first I rows of
+  its `gate_up_proj` and up the next I (transformers' `_default_apply_gate`, the layout GGUF
+  experts are packed in); one program a block of `BLOCK_N` rows of one expert.
+- `moe_down`: `out [H] = Σ_k w_k · down_k @ act_k`, the K experts summed in order inside one
+  program (no atomics: the same sums every run); one program a block of rows.
+- `quantized_gemv`: `W @ x` for one quantized matrix (attention, lm_head), the same inner code.
+
+Each weight is dequantized as `engine.formats.gguf.blocks.dequantize` builds it — the same float32
+operations in the same order (`q · (d · sc) − dmin · m`, `(q − 32) · (d · sc)`, `q · d`) — and the
+dot products accumulate in float32 (their order differs from a BLAS matmul's). On a GPU they are
+compiled with `enable_fp_fusion=False` (`LAUNCH`): contracting `q · s − m` to an FMA would round
+once instead of twice. The kernels take pointers, ints and constexprs only, so they can
+be built ahead of time; the wrappers here launch them through Triton's JIT (and its interpreter,
+`TRITON_INTERPRET=1`, on CPU tensors). The activation is SiLU's, as `torch.nn.functional.silu`
+computes it (`g / (1 + exp(−g))`): families with another activation do not take this path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType
+
+from engine.errors import UnsupportedQuantizationError
+from engine.formats.gguf.blocks import ggml_type_traits, row_bytes
+
+BLOCK_N = 8  # output rows a program
+# how the wrappers launch the kernels, as the ahead-of-time build compiles them: no FMA contraction,
+# so that each weight is the reference's float32 value
+LAUNCH = {"num_warps": 4, "enable_fp_fusion": False}
+FIELD_ALIGN = 16  # bytes: what the kernels assume of pool rows and field offsets
+
+Q8_0: tl.constexpr = tl.constexpr(int(GGMLQuantizationType.Q8_0))
+Q4_K: tl.constexpr = tl.constexpr(int(GGMLQuantizationType.Q4_K))
+Q6_K: tl.constexpr = tl.constexpr(int(GGMLQuantizationType.Q6_K))
+SUPPORTED = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0)
+
+
+# -- device code: one chunk of 256 columns of BLOCK_N rows, dequantized and dotted with x -----------
+
+
+@triton.jit
+def _f16(low, high):
+    """The float16 of little-endian bytes `low`, `high` (any shape), as float32 (exact)."""
+    bits = low.to(tl.uint16) | (high.to(tl.uint16) << 8)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q4_k_dot(block, x_ptr):
+    """`block [BN, 1, 1]`: each row's Q4_K super-block (d | dmin | scales[12] | qs[128]);
+    `x_ptr` its 256 columns of x. Sub-block j = 2g + h is nibble h of qs[32g .. 32g + 31]."""
+    sub = tl.arange(0, 8)[None, :, None]  # [1, 8, 1]
+    lane = tl.arange(0, 32)[None, None, :]  # [1, 1, 32]
+    d = _f16(tl.load(block), tl.load(block + 1))
+    dmin = _f16(tl.load(block + 2), tl.load(block + 3))
+    # 8 six-bit scales and mins in 12 bytes (gguf.blocks.k_scale_min): a = byte j, b = byte j + 4,
+    # c = byte j - 4 (for the upper four)
+    a = tl.load(block + 4 + sub).to(tl.int32)
+    b = tl.load(block + 8 + sub).to(tl.int32)
+    c = tl.load(block + 4 + (sub & 3)).to(tl.int32)
+    lower = sub < 4
+    sc = tl.where(lower, a & 63, (b & 15) | ((c >> 2) & 48)).to(tl.float32)
+    mn = tl.where(lower, b & 63, (b >> 4) | ((a >> 2) & 48)).to(tl.float32)
+    qs = tl.load(block + 16 + 32 * (sub // 2) + lane).to(tl.int32)  # [BN, 8, 32]
+    q = ((qs >> (4 * (sub % 2))) & 15).to(tl.float32)
+    w = q * (d * sc) - dmin * mn
+    x = tl.load(x_ptr + 32 * sub + lane).to(tl.float32)
+    return tl.sum(tl.sum(w * x, axis=2), axis=1)
+
+
+@triton.jit
+def _q6_k_dot(block, x_ptr, BLOCK_N: tl.constexpr):
+    """`block [BN, 1, 1]`: each row's Q6_K super-block (ql[128] | qh[64] | scales:i8[16] | d), a half
+    of 128 weights at a time (half the registers); weight r of half h takes nibble r // 64 of
+    ql[64h + r % 64] and bits 2(r // 32) of qh[32h + r % 32]; 16 sub-blocks of 16."""
+    d = _f16(tl.load(block + 208), tl.load(block + 209))
+    sub = tl.arange(0, 8)[None, :, None]  # [1, 8, 1]: the half's sub-blocks
+    r = 16 * sub + tl.arange(0, 16)[None, None, :]  # [1, 8, 16]
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for half in range(2):
+        ql = tl.load(block + 64 * half + r % 64).to(tl.int32)
+        qh = tl.load(block + 128 + 32 * half + r % 32).to(tl.int32)
+        q = (((ql >> (4 * (r // 64))) & 15) | (((qh >> (2 * (r // 32))) & 3) << 4)).to(tl.float32)
+        sc = tl.load(block + 192 + 8 * half + sub).to(tl.int8, bitcast=True).to(tl.float32)
+        w = (q - 32.0) * (d * sc)
+        x = tl.load(x_ptr + 128 * half + r).to(tl.float32)
+        acc += tl.sum(tl.sum(w * x, axis=2), axis=1)
+    return acc
+
+
+@triton.jit
+def _q8_0_dot(row, chunk, x_ptr, n_blocks):
+    """`row [BN, 1, 1]`: each row's first Q8_0 block (d | qs:i8[32]); blocks 8·chunk .. 8·chunk + 7
+    of `n_blocks` (a row need not fill the last chunk) dotted with x."""
+    blk = 8 * chunk + tl.arange(0, 8)[None, :, None]  # [1, 8, 1]
+    lane = tl.arange(0, 32)[None, None, :]
+    valid = blk < n_blocks
+    block = row + 34 * blk
+    d = _f16(tl.load(block, mask=valid, other=0), tl.load(block + 1, mask=valid, other=0))
+    q = tl.load(block + 2 + lane, mask=valid, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    w = q * d
+    x = tl.load(x_ptr + 32 * blk + lane, mask=valid, other=0.0).to(tl.float32)
+    return tl.sum(tl.sum(w * x, axis=2), axis=1)
+
+
+@triton.jit
+def _row_dots(rows, x_ptr, n_cols, GGML_TYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`rows [BLOCK_N]`: byte pointers to rows of `n_cols` weights in `GGML_TYPE` blocks; each
+    row · x[:n_cols], float32, accumulated a chunk of 256 columns at a time in column order."""
+    row = rows[:, None, None]
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if GGML_TYPE == Q8_0:
+        n_blocks = n_cols // 32
+        for chunk in range(0, tl.cdiv(n_blocks, 8)):
+            acc += _q8_0_dot(row, chunk, x_ptr, n_blocks)
+    elif GGML_TYPE == Q4_K:
+        for chunk in range(0, n_cols // 256):
+            acc += _q4_k_dot(row + 144 * chunk, x_ptr + 256 * chunk)
+    else:
+        tl.static_assert(GGML_TYPE == Q6_K, "a Q4_K, Q6_K or Q8_0 type")
+        for chunk in range(0, n_cols // 256):
+            acc += _q6_k_dot(row + 210 * chunk, x_ptr + 256 * chunk, BLOCK_N)
+    return acc
+
+
+@triton.jit
+def _row_bytes(n_cols, GGML_TYPE: tl.constexpr):
+    """Bytes of a row of `n_cols` weights (engine.formats.gguf.blocks.row_bytes)."""
+    if GGML_TYPE == Q8_0:
+        return n_cols // 32 * 34
+    elif GGML_TYPE == Q4_K:
+        return n_cols // 256 * 144
+    else:
+        return n_cols // 256 * 210
+
+
+@triton.jit
+def _field_of(pool_ptr, table_ptr, ids_ptr, k, expert_nbytes, field_offset):
+    """Byte pointer to the field of the k-th routed expert in the pool: table[ids[k]]'s row. Rows and
+    fields start on 16-byte boundaries (ExpertLayout aligns them to 64): Q4_K's bytes load as vectors."""
+    slot = tl.load(table_ptr + tl.load(ids_ptr + k)).to(tl.int64)
+    return tl.multiple_of(pool_ptr + slot * expert_nbytes + field_offset, 16)
+
+
+@triton.jit
+def moe_gate_up_kernel(
+    x_ptr, pool_ptr, table_ptr, ids_ptr, act_ptr,
+    expert_nbytes, field_offset, inter, hidden,
+    GGML_TYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Grid `(cdiv(inter, BLOCK_N), K)`: act[k, rows] = silu(gate) · up of expert ids[k]."""
+    k = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    safe = tl.minimum(rows, inter - 1).to(tl.int64)  # the last block's spare rows read the last row
+    field = _field_of(pool_ptr, table_ptr, ids_ptr, k, expert_nbytes, field_offset)
+    row_bytes = _row_bytes(hidden, GGML_TYPE)
+    gate = _row_dots(field + safe * row_bytes, x_ptr, hidden, GGML_TYPE, BLOCK_N)
+    up = _row_dots(field + (safe + inter) * row_bytes, x_ptr, hidden, GGML_TYPE, BLOCK_N)
+    # SiLU as torch computes it, exp's argument capped at 88 (the interpreter raises numpy's overflow
+    # warning): a gate g < −88 gives g · 6e-39 here, −0 in torch
+    act = gate / (1.0 + tl.exp(tl.minimum(-gate, 88.0))) * up
+    tl.store(act_ptr + k * inter + rows, act, mask=rows < inter)
+
+
+@triton.jit
+def moe_down_kernel(
+    act_ptr, pool_ptr, table_ptr, ids_ptr, weights_ptr, out_ptr,
+    expert_nbytes, field_offset, hidden, inter, top_k,
+    GGML_TYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Grid `(cdiv(hidden, BLOCK_N),)`: out[rows] = Σ_k weights[k] · down(ids[k])[rows] @ act[k]."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    safe = tl.minimum(rows, hidden - 1).to(tl.int64)
+    row_bytes = _row_bytes(inter, GGML_TYPE)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in range(0, top_k):
+        field = _field_of(pool_ptr, table_ptr, ids_ptr, k, expert_nbytes, field_offset)
+        y = _row_dots(field + safe * row_bytes, act_ptr + k * inter, inter, GGML_TYPE, BLOCK_N)
+        acc += tl.load(weights_ptr + k).to(tl.float32) * y
+    tl.store(out_ptr + rows, acc, mask=rows < hidden)
+
+
+@triton.jit
+def quantized_gemv_kernel(
+    x_ptr, blocks_ptr, out_ptr, out_features, in_features,
+    GGML_TYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Grid `(cdiv(out_features, BLOCK_N),)`: out[rows] = W[rows] @ x."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    safe = tl.minimum(rows, out_features - 1).to(tl.int64)
+    row_bytes = _row_bytes(in_features, GGML_TYPE)
+    y = _row_dots(blocks_ptr + safe * row_bytes, x_ptr, in_features, GGML_TYPE, BLOCK_N)
+    tl.store(out_ptr + rows, y, mask=rows < out_features)
+
+
+# -- host side: checks and launches through Triton's JIT -------------------------------------------
+
+
+def _checked_type(ggml_type: GGMLQuantizationType | int, columns: int) -> int:
+    """`ggml_type` as an int, when a kernel here reads it and `columns` fill whole blocks."""
+    traits = ggml_type_traits(ggml_type)  # UnsupportedQuantizationError for no ggml type at all
+    if traits.ggml_type not in SUPPORTED:
+        raise UnsupportedQuantizationError(
+            f"The fused GPU kernels read Q4_K, Q6_K and Q8_0 blocks, not {traits.name}."
+        )
+    row_bytes(traits.ggml_type, columns)  # ValueError unless whole blocks
+    return int(traits.ggml_type)
+
+
+def _check_field(pool: torch.Tensor, field_offset: int, nbytes: int) -> None:
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or not pool.is_contiguous():
+        raise ValueError(f"the pool is contiguous uint8 [slots, expert bytes]; got {pool.dtype} {pool.shape}")
+    if pool.shape[1] % FIELD_ALIGN or field_offset % FIELD_ALIGN:
+        raise ValueError(f"pool rows and fields start on {FIELD_ALIGN}-byte boundaries (ExpertLayout's)")
+    if field_offset < 0 or field_offset + nbytes > pool.shape[1]:
+        raise ValueError(f"{nbytes} bytes at byte {field_offset} do not fit a {pool.shape[1]}-byte row")
+
+
+def _check_indices(table: torch.Tensor, ids: torch.Tensor) -> None:
+    for name, index in (("slot table", table), ("top-k ids", ids)):
+        if index.dtype not in (torch.int32, torch.int64) or not index.is_contiguous():
+            raise ValueError(f"the {name} is a contiguous int32/int64 tensor; got {index.dtype}")
+
+
+def _vector(x: torch.Tensor, n: int, name: str) -> torch.Tensor:
+    if x.numel() != n or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name} is {n} float32/bfloat16/float16 values; got {x.dtype} {tuple(x.shape)}")
+    return x.reshape(n).contiguous()
+
+
+def moe_gate_up(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    field_offset: int,
+    ggml_type: GGMLQuantizationType | int,
+    rows: int,
+    columns: int,
+    block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """`act [K, I]` float32: silu(gate) · up of each expert `ids [K]` (its pool row `table[ids[k]]`),
+    from its `gate_up_proj` field (`rows` = 2I of `columns` = H weights, at `field_offset` bytes in
+    the row) and `x [H]` (or `[1, H]`). Reads nothing on the host."""
+    kind = _checked_type(ggml_type, columns)
+    if rows % 2:
+        raise ValueError(f"gate_up_proj holds gate and up rows, an even count; got {rows}")
+    _check_field(pool, field_offset, rows * row_bytes(kind, columns))
+    _check_indices(table, ids)
+    x, top_k, inter = _vector(x, columns, "x"), ids.numel(), rows // 2
+    act = torch.empty(top_k, inter, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(inter, block_n), top_k)
+    moe_gate_up_kernel[grid](
+        x, pool, table, ids, act, pool.shape[1], field_offset, inter, columns,
+        GGML_TYPE=kind, BLOCK_N=block_n, **LAUNCH,
+    )  # fmt: skip
+    return act
+
+
+def moe_down(
+    act: torch.Tensor,
+    pool: torch.Tensor,
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    field_offset: int,
+    ggml_type: GGMLQuantizationType | int,
+    rows: int,
+    columns: int,
+    block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """`out [H]` float32 = Σ_k weights[k] · down(ids[k]) @ act[k], summed in k's order, from each
+    expert's `down_proj` field (`rows` = H of `columns` = I weights, at `field_offset` bytes in its
+    row) and `act [K, I]` (`moe_gate_up`'s). Reads nothing on the host."""
+    kind = _checked_type(ggml_type, columns)
+    _check_field(pool, field_offset, rows * row_bytes(kind, columns))
+    _check_indices(table, ids)
+    top_k = ids.numel()
+    act = _vector(act, top_k * columns, "act")
+    weights = _vector(weights, top_k, "the routing weights")
+    out = torch.empty(rows, dtype=torch.float32, device=act.device)
+    moe_down_kernel[(triton.cdiv(rows, block_n),)](
+        act, pool, table, ids, weights, out, pool.shape[1], field_offset, rows, columns, top_k,
+        GGML_TYPE=kind, BLOCK_N=block_n, **LAUNCH,
+    )  # fmt: skip
+    return out
+
+
+def quantized_gemv(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    ggml_type: GGMLQuantizationType | int,
+    out_features: int,
+    in_features: int,
+    block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """`W @ x` float32 `[out_features]` for `W [out_features, in_features]` in ggml blocks (uint8, its
+    rows of blocks back to back) and `x [in_features]` (or `[1, in_features]`)."""
+    kind = _checked_type(ggml_type, in_features)
+    if blocks.dtype != torch.uint8 or blocks.numel() != out_features * row_bytes(kind, in_features):
+        raise ValueError(f"the blocks do not hold a {out_features}×{in_features} weight")
+    x, blocks = _vector(x, in_features, "x"), blocks.contiguous()
+    out = torch.empty(out_features, dtype=torch.float32, device=x.device)
+    quantized_gemv_kernel[(triton.cdiv(out_features, block_n),)](
+        x, blocks, out, out_features, in_features, GGML_TYPE=kind, BLOCK_N=block_n, **LAUNCH
+    )
+    return out

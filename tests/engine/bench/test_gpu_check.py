@@ -1,0 +1,51 @@
+"""engine.bench.gpu: the prepared GPU check writes its JSON after every stage, whatever a stage does."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from engine.bench import gpu
+
+
+def test_every_stage_is_recorded_even_when_one_fails_or_the_budget_runs_out(tmp_path, monkeypatch):
+    seen = []
+
+    def fails(out, limit):
+        seen.append(("environment", limit))
+        raise RuntimeError("no CUDA device")
+
+    def slow(out, limit):
+        seen.append(("kernels", limit))
+        return {"ok": True}
+
+    monkeypatch.setattr(gpu, "environment", fails)
+    monkeypatch.setattr(gpu, "kernels", slow)
+    monkeypatch.setattr(gpu, "gpu_tests", lambda out, limit: {"summary": "3 passed"})
+    monkeypatch.setattr(gpu, "shapes", lambda out, limit, depths: {"depths": depths})
+    assert gpu.main([str(tmp_path), "--budget-s", "100", "--layers", "2"]) == 0
+    stages = json.loads((tmp_path / "gpu_check.json").read_text())["stages"]
+    assert stages["environment"]["error"] == "RuntimeError: no CUDA device"
+    assert stages["kernels"]["ok"] and stages["pytest"]["summary"] == "3 passed"
+    assert stages["shapes"]["depths"] == [2]
+    assert all(limit <= 100 for _, limit in seen)
+
+
+def test_a_stage_past_the_budget_is_skipped_and_said_so(tmp_path, monkeypatch):
+    for name in ("environment", "kernels", "gpu_tests"):
+        monkeypatch.setattr(gpu, name, lambda out, limit: {})
+    monkeypatch.setattr(gpu, "shapes", lambda out, limit, depths: {})
+    gpu.main([str(tmp_path), "--budget-s", "1"])
+    stages = json.loads((tmp_path / "gpu_check.json").read_text())["stages"]
+    assert stages["shapes"] == {"skipped": "the check's time budget ran out"}
+
+
+def test_a_child_that_runs_too_long_is_stopped_with_its_output_kept(tmp_path):
+    code = "import sys, time; print('started', flush=True); time.sleep(30)"
+    done = gpu._child([sys.executable, "-c", code], tmp_path / "child.log", 6)
+    assert done["rc"] is None and "timed out" in done["error"]
+
+
+def test_without_a_gpu_the_environment_says_so(tmp_path):
+    found = gpu.environment(tmp_path, 30)
+    assert found["torch"] and ("error" in found or found.get("device"))
