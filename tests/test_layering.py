@@ -2,6 +2,7 @@
 torch & co.; within the engine a room imports only rooms below it; nothing imports in a circle."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -275,3 +276,17 @@ def test_no_room_holds_more_than_sixteen_modules():
             if len(modules) > 16:
                 crowded[str(init.parent.relative_to(ROOT))] = len(modules)
     assert not crowded, crowded
+
+
+def test_every_package_names_its_modules():
+    """A room's contract names every module and sub-package in it (a newcomer reads it first)."""
+    unnamed = {}
+    for package in ("engine", "app"):
+        for init in (ROOT / package).rglob("__init__.py"):
+            doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+            parts = [p.stem for p in init.parent.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+            parts += [p.name for p in init.parent.iterdir() if (p / "__init__.py").is_file()]
+            missing = [name for name in parts if not re.search(rf"\b{name}\b", doc)]
+            if missing:
+                unnamed[str(init.parent.relative_to(ROOT))] = missing
+    assert not unnamed, unnamed

@@ -5,6 +5,9 @@ May import the base modules and `engine.worker` (the protocol and `EngineSession
 client and prometheus-client's parser; never torch and never Qt. The distributed engine is the
 remote's; this room only talks to it.
 
+Modules: `endpoint`, `worker` (`RemoteWorker`), `openai_chat` (one reply from the server, in the
+worker protocol's terms), `session` (`connect`), `errors`, `metrics` (its /metrics), `stats`.
+
 The public interface (what the GUI, the terminal chat and the Python API use):
 - `RemoteEndpoint(name, base_url, model=None)`: a saved remote (`base_url` normalized to the API
   root; `metrics_url` its Prometheus /metrics). Keys are not here: `app.settings.remotes` keeps

@@ -3,7 +3,8 @@ the families it accepts.
 
 `get_architecture(model_type)` gives an `Architecture` (engine.model.adapters.base) holding the
 family's override entry (engine.model.adapters.overrides); the loader completes it from the model
-itself (engine.model.adapters.generic.bind). This package imports neither torch nor transformers
+itself (engine.model.adapters.generic.bind); MoE blocks that are not on transformers' experts
+interface are rewritten onto it (engine.model.adapters.rewrites). This package imports neither torch nor transformers
 (the GUI reads `SUPPORTED_MODEL_TYPES`).
 
 `SUPPORTED_MODEL_TYPES` are the MoE families of transformers' registry the generic adapter
