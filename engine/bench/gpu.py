@@ -10,8 +10,9 @@ that fails or runs out of time is recorded with its error; the next one still ru
                   memory bandwidth (skipped where the package has none yet)
     pytest        `pytest -m gpu`: the GPU tests' summary line and failures
     shapes        the 16- then 48-layer Qwen3-30B-A3B-shaped Q4_K_M file, every expert
-                  resident: tok/s, kernel launches and host syncs a token, plain and with
-                  expert CUDA graphs (`python -m engine.bench --count-ops [--expert-graphs]`)
+                  resident: tok/s, kernel launches and host syncs a token, plain (the fused
+                  expert kernels), with the experts in torch and with expert CUDA graphs
+                  (`python -m engine.bench --count-ops [--fused-experts off | --expert-graphs]`)
 
 Nothing here is simulated: each figure is this card's. Stages run as child processes where
 they load models, so a crash or an out-of-memory in one is that stage's error, not the end.
@@ -132,7 +133,7 @@ def gpu_tests(out: Path, limit: float) -> dict:
 
 
 def shapes(out: Path, limit: float, depths: list[int]) -> dict:
-    """Each depth's Q4_K_M file written (if missing) and benched resident, plain then with graphs."""
+    """Each depth's Q4_K_M file written (if missing) and benched resident, in each of `VARIANTS`."""
     deadline, results = time.monotonic() + limit, {}
     folder = out / "shapes"
     for layers in depths:
@@ -151,18 +152,22 @@ def shapes(out: Path, limit: float, depths: list[int]) -> dict:
             if written["rc"] != 0:
                 results[f"{layers} layers"] = {"error": "the shape file was not written", **written}
                 continue
-        for graphs in (False, True):
-            name = f"{layers} layers" + (", expert graphs" if graphs else "")
-            results[name] = _bench(path, out, graphs, deadline - time.monotonic())
+        for variant, options in VARIANTS.items():
+            name = f"{layers} layers" + (f", {variant}" if variant else "")
+            results[name] = _bench(path, out, variant, options, deadline - time.monotonic())
     return results
 
 
-def _bench(path: Path, out: Path, graphs: bool, limit: float) -> dict:
-    tag = f"{path.stem}{'-graphs' if graphs else ''}"
+# each shape file's bench runs: (name, its options)
+VARIANTS = {"": [], "torch experts": ["--fused-experts", "off"], "expert graphs": ["--expert-graphs"]}
+
+
+def _bench(path: Path, out: Path, variant: str, options: list[str], limit: float) -> dict:
+    tag = path.stem + (f"-{variant.replace(' ', '-')}" if variant else "")
     json_out = out / f"bench-{tag}.json"
     command = [sys.executable, "-m", "engine.bench", "--model", str(path), "--device", "cuda"]
     command += ["--expert-budget", "all", "--prompts", "2", "--new-tokens", "32", "--repeats", "2"]
-    command += ["--count-ops", "--json", str(json_out)] + (["--expert-graphs"] if graphs else [])
+    command += ["--count-ops", "--json", str(json_out), *options]
     done = _child(command, out / f"bench-{tag}.log", limit)
     if json_out.exists():
         found = json.loads(json_out.read_text())

@@ -39,6 +39,7 @@ from engine.options import (
 from engine.prompts import PROMPTS, encode_prompts, lengthened
 
 log = logging.getLogger(__name__)
+FUSED_EXPERTS = {"auto": None, "on": True, "off": False}  # --fused-experts: ExpertControl.fused
 
 
 class TransformersRunner:
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> dict:
         model = load_model(model_folder(args), offload)
         try:
             model.control.graphs = ExpertGraphs() if args.expert_graphs else None
+            model.control.fused = FUSED_EXPERTS[args.fused_experts]
             prompt_ids = [lengthened(ids, args.prompt_tokens) for ids in encode_prompts(model, prompts)]
             if beside and index == len(budgets) - 1:
                 ours, theirs, vs = llama_cpp.side_by_side(args, model, prompt_ids, baseline)
@@ -244,6 +246,15 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="CUDA, a cache holding every expert: replay each MoE layer's one-token step as a CUDA "
         "graph (engine.moe.cuda_graphs; off by default until measured)",
+    )
+    parser.add_argument(
+        "--fused-experts",
+        choices=tuple(FUSED_EXPERTS),
+        default="auto",
+        help="a cache holding every expert: one-token steps of GGUF Q4_K/Q6_K/Q8_0 experts through the "
+        "fused kernels (engine.moe.fused_experts): auto on CUDA; off computes them in torch (to time "
+        "one against the other); on asks for them on the CPU too (Triton's interpreter, "
+        "TRITON_INTERPRET=1: for --count-ops, not speed)",
     )
 
 

@@ -3,11 +3,14 @@
 Contract: `count_ops(model, prompt_ids, new_tokens)` generates greedily twice under torch's
 profiler, once with one new token (the prefill and its first token) and once with `new_tokens`,
 and returns the difference per further token: `ops` (leaf aten operators dispatched, each one
-kernel launch on a GPU and one call through the dispatcher on the CPU), `host_syncs` (the host
-reading a tensor's values — `.item()`, `.tolist()`, `nonzero` — each a wait for the device on a
-GPU; on the CPU it counts where those waits would be) and, on CUDA, the runtime's own
-`cuda_launches` and `cuda_syncs` (None on the CPU). These are what CUDA graphs and a static cache
-would remove.
+kernel launch on a GPU and one call through the dispatcher on the CPU), `kernels` (launches of the
+engine's own kernels, `engine.gpu`: Triton's, or its cubins through the CUDA driver, which torch's
+profiler sees only as the ranges `engine.gpu.launch_ranges` opens; one launch each, the operators
+inside a range left out — on the CPU they are Triton's interpreter copying its arguments),
+`host_syncs` (the host reading a tensor's values — `.item()`, `.tolist()`, `nonzero` — each a wait
+for the device on a GPU; on the CPU it counts where those waits would be) and, on CUDA, the
+runtime's own `cuda_launches` and `cuda_syncs` (None on the CPU). These are what CUDA graphs, a
+static cache and fused kernels would remove.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engine.generation import generate_text
+from engine.gpu.launch_ranges import RANGE_PREFIX
 from engine.prompts import greedy
 
 # aten operators that copy a device value to the host (and so wait for the device)
@@ -60,7 +64,7 @@ def _counts(model, prompt_ids: list[int], new_tokens: int) -> dict[str, int | No
     with profile(activities=activities) as prof, _value_reads() as reads:
         generate_text(model, prompt_ids, greedy(new_tokens))
     model.prefix_cache.clear()
-    events = prof.events()
+    events = [e for e in prof.events() if not _inside_kernel(e)]
     leaves = [
         e
         for e in events
@@ -69,10 +73,21 @@ def _counts(model, prompt_ids: list[int], new_tokens: int) -> dict[str, int | No
     ]
     return {
         "ops": len(leaves),
+        "kernels": sum(e.name.startswith(RANGE_PREFIX) for e in events),
         "host_syncs": sum(e.name in HOST_READS for e in events) + sum(reads.values()),
         "cuda_launches": sum(e.name in CUDA_LAUNCHES for e in events) if cuda else None,
         "cuda_syncs": sum(e.name.endswith("Synchronize") for e in events) if cuda else None,
     }
+
+
+def _inside_kernel(event) -> bool:
+    """Whether `event` ran inside a launch of one of the engine's kernels (`launch_ranges`)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(RANGE_PREFIX):
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def count_ops(model, prompt_ids: list[int], new_tokens: int) -> dict[str, float | None]:
@@ -84,7 +99,10 @@ def count_ops(model, prompt_ids: list[int], new_tokens: int) -> dict[str, float 
 
 
 def format_op_counts(counts: dict[str, float | None]) -> str:
-    line = f"per decode token: {counts['ops']:.0f} operators launched, {counts['host_syncs']:.1f} host syncs"
+    line = (
+        f"per decode token: {counts['ops']:.0f} operators launched, {counts.get('kernels', 0):.0f} fused "
+        f"kernels, {counts['host_syncs']:.1f} host syncs"
+    )
     if counts.get("cuda_launches") is not None:
         line += f" (CUDA: {counts['cuda_launches']:.0f} kernel launches, {counts['cuda_syncs']:.1f} syncs)"
     return line

@@ -4,7 +4,8 @@ shipped as ahead-of-time cubins launched through the CUDA driver (no Triton, no 
 user's machine).
 
 - `kquant_moe` — one token's routed experts from GGUF Q4_K/Q6_K/Q8_0 blocks in the device cache's
-  pool (gate_up + SiLU, down + weight + sum over the top-k), and a quantized GEMV for one matrix;
+  pool (gate_up + SiLU, down + weight + sum over the top-k), and a quantized GEMV for one matrix
+  (`engine.moe.fused_experts` runs the first two in decode steps);
 - `smoke` — a one-line kernel that proves the build and the launcher on a new machine;
 - `registry` — the kernels the build compiles, each with its signature and constexprs;
 - `build` — `python -m engine.gpu.build`: the cubins for sm_80…sm_120 and PTX, each kernel's
@@ -13,6 +14,8 @@ user's machine).
 - `toolchain` — ptxas and cuobjdump found, their reports read;
 - `launcher` — `CubinKernel`: a cubin loaded and launched through the CUDA driver on torch's
   current stream (capturable in a CUDA graph);
+- `launch_ranges` — each launch a range of torch's profiler while it records, what
+  `python -m engine.bench --count-ops` counts the kernels by;
 - `check` — the kernels proven on a GPU (`python -m engine.bench.gpu`): against torch's reference,
   and their bytes a second against the card's.
 

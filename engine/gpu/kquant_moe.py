@@ -25,6 +25,8 @@ computes it (`g / (1 + exp(−g))`): families with another activation do not tak
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -32,17 +34,19 @@ from gguf import GGMLQuantizationType
 
 from engine.errors import UnsupportedQuantizationError
 from engine.formats.gguf.blocks import ggml_type_traits, row_bytes
+from engine.gpu.launch_ranges import launch_range
+from engine.gpu.registry import FIELD_ALIGN, KQUANT_BLOCK_N, KQUANT_TYPES
 
-BLOCK_N = 8  # output rows a program
+BLOCK_N = KQUANT_BLOCK_N  # output rows a program
 # how the wrappers launch the kernels, as the ahead-of-time build compiles them: no FMA contraction,
 # so that each weight is the reference's float32 value
 LAUNCH = {"num_warps": 4, "enable_fp_fusion": False}
-FIELD_ALIGN = 16  # bytes: what the kernels assume of pool rows and field offsets
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 Q8_0: tl.constexpr = tl.constexpr(int(GGMLQuantizationType.Q8_0))
 Q4_K: tl.constexpr = tl.constexpr(int(GGMLQuantizationType.Q4_K))
 Q6_K: tl.constexpr = tl.constexpr(int(GGMLQuantizationType.Q6_K))
-SUPPORTED = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0)
+SUPPORTED = KQUANT_TYPES
 
 
 # -- device code: one chunk of 256 columns of BLOCK_N rows, dequantized and dotted with x -----------
@@ -233,9 +237,22 @@ def _check_indices(table: torch.Tensor, ids: torch.Tensor) -> None:
 
 
 def _vector(x: torch.Tensor, n: int, name: str) -> torch.Tensor:
-    if x.numel() != n or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    """`x`'s `n` values, contiguous (as it is where it already is: the kernels read its memory)."""
+    if x.numel() != n or x.dtype not in FLOATS:
         raise ValueError(f"{name} is {n} float32/bfloat16/float16 values; got {x.dtype} {tuple(x.shape)}")
-    return x.reshape(n).contiguous()
+    return x if x.is_contiguous() else x.reshape(n).contiguous()
+
+
+def _output(
+    given: torch.Tensor | None, shape: tuple[int, ...], name: str, device: torch.device, dtypes=FLOATS
+) -> torch.Tensor:
+    """Where a kernel writes `shape`'s values: `given` (any shape of as many, contiguous, in one of
+    `dtypes`), or a new float32 tensor."""
+    if given is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    if given.numel() != math.prod(shape) or given.dtype not in dtypes or not given.is_contiguous():
+        raise ValueError(f"{name} takes {shape} contiguous values; got {given.dtype} {tuple(given.shape)}")
+    return given
 
 
 def moe_gate_up(
@@ -248,22 +265,25 @@ def moe_gate_up(
     rows: int,
     columns: int,
     block_n: int = BLOCK_N,
+    act: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`act [K, I]` float32: silu(gate) · up of each expert `ids [K]` (its pool row `table[ids[k]]`),
     from its `gate_up_proj` field (`rows` = 2I of `columns` = H weights, at `field_offset` bytes in
-    the row) and `x [H]` (or `[1, H]`). Reads nothing on the host."""
+    the row) and `x [H]` (or `[1, H]`); written into `act` where given (`K · I` float32 values).
+    Reads nothing on the host."""
     kind = _checked_type(ggml_type, columns)
     if rows % 2:
         raise ValueError(f"gate_up_proj holds gate and up rows, an even count; got {rows}")
     _check_field(pool, field_offset, rows * row_bytes(kind, columns))
     _check_indices(table, ids)
     x, top_k, inter = _vector(x, columns, "x"), ids.numel(), rows // 2
-    act = torch.empty(top_k, inter, dtype=torch.float32, device=x.device)
+    act = _output(act, (top_k, inter), "act", x.device, (torch.float32,))
     grid = (triton.cdiv(inter, block_n), top_k)
-    moe_gate_up_kernel[grid](
-        x, pool, table, ids, act, pool.shape[1], field_offset, inter, columns,
-        GGML_TYPE=kind, BLOCK_N=block_n, **LAUNCH,
-    )  # fmt: skip
+    with launch_range(f"moe_gate_up_{GGMLQuantizationType(kind).name.lower()}"):
+        moe_gate_up_kernel[grid](
+            x, pool, table, ids, act, pool.shape[1], field_offset, inter, columns,
+            GGML_TYPE=kind, BLOCK_N=block_n, **LAUNCH,
+        )  # fmt: skip
     return act
 
 
@@ -278,21 +298,24 @@ def moe_down(
     rows: int,
     columns: int,
     block_n: int = BLOCK_N,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`out [H]` float32 = Σ_k weights[k] · down(ids[k]) @ act[k], summed in k's order, from each
     expert's `down_proj` field (`rows` = H of `columns` = I weights, at `field_offset` bytes in its
-    row) and `act [K, I]` (`moe_gate_up`'s). Reads nothing on the host."""
+    row) and `act [K, I]` (`moe_gate_up`'s); written into `out` where given (H float values of any
+    shape, the float32 sums rounded once to its dtype as they are stored). Reads nothing on the host."""
     kind = _checked_type(ggml_type, columns)
     _check_field(pool, field_offset, rows * row_bytes(kind, columns))
     _check_indices(table, ids)
     top_k = ids.numel()
     act = _vector(act, top_k * columns, "act")
     weights = _vector(weights, top_k, "the routing weights")
-    out = torch.empty(rows, dtype=torch.float32, device=act.device)
-    moe_down_kernel[(triton.cdiv(rows, block_n),)](
-        act, pool, table, ids, weights, out, pool.shape[1], field_offset, rows, columns, top_k,
-        GGML_TYPE=kind, BLOCK_N=block_n, **LAUNCH,
-    )  # fmt: skip
+    out = _output(out, (rows,), "out", act.device)
+    with launch_range(f"moe_down_{GGMLQuantizationType(kind).name.lower()}"):
+        moe_down_kernel[(triton.cdiv(rows, block_n),)](
+            act, pool, table, ids, weights, out, pool.shape[1], field_offset, rows, columns, top_k,
+            GGML_TYPE=kind, BLOCK_N=block_n, **LAUNCH,
+        )  # fmt: skip
     return out
 
 
@@ -311,7 +334,8 @@ def quantized_gemv(
         raise ValueError(f"the blocks do not hold a {out_features}×{in_features} weight")
     x, blocks = _vector(x, in_features, "x"), blocks.contiguous()
     out = torch.empty(out_features, dtype=torch.float32, device=x.device)
-    quantized_gemv_kernel[(triton.cdiv(out_features, block_n),)](
-        x, blocks, out, out_features, in_features, GGML_TYPE=kind, BLOCK_N=block_n, **LAUNCH
-    )
+    with launch_range(f"quantized_gemv_{GGMLQuantizationType(kind).name.lower()}"):
+        quantized_gemv_kernel[(triton.cdiv(out_features, block_n),)](
+            x, blocks, out, out_features, in_features, GGML_TYPE=kind, BLOCK_N=block_n, **LAUNCH
+        )
     return out

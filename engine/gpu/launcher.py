@@ -282,8 +282,11 @@ class CubinKernel:
         self.driver.check(self.name, "cuFuncSetAttribute", set_limit)
 
     def __call__(self, grid, *args, stream=None) -> None:
-        """Launch on `stream` (torch's current stream by default); returns at once."""
+        """Launch on `stream` (torch's current stream by default); returns at once. A range of
+        torch's profiler while it records (`launch_ranges`: how a step's count sees the launch)."""
         import torch
+
+        from engine.gpu.launch_ranges import launch_range
 
         current = torch.cuda.current_device()
         if current != self.device:
@@ -294,7 +297,8 @@ class CubinKernel:
         values = pack_args(self.name, self.params, args)
         if stream is None:
             stream = torch.cuda.current_stream(self.device).cuda_stream
-        self.launch(grid, values, getattr(stream, "cuda_stream", stream))
+        with launch_range(self.name):
+            self.launch(grid, values, getattr(stream, "cuda_stream", stream))
 
     def launch(self, grid, values: list, stream: int) -> None:
         """Launch with `pack_args`' values on the stream handle `stream`, unchecked (an empty grid

@@ -42,12 +42,24 @@ SMOKE = KernelSpec(
 
 # more warps where four leave a thread too much live state: Q6_K's gate_up spilled on sm_80
 _WARPS = {("moe_gate_up", "q6_k"): 8}
+FIELD_ALIGN = 16  # bytes: what the K-quant kernels assume of pool rows and fields (their `aligned`)
+KQUANT_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0)  # the GGML types engine.gpu.kquant_moe reads
+KQUANT_BLOCK_N = 8  # rows a program in the built kernels: their launch grids divide by it
+KQUANT_DTYPES = ("fp32", "bf16")  # the activations' dtypes the kernels are built for
+
+
+def kquant_name(kernel: str, ggml_type: int, x_dtype: str) -> str:
+    """The registered name of `kernel` ("moe_gate_up", "moe_down", "quantized_gemv") for blocks of
+    `ggml_type` and activations in `x_dtype` ("fp32", "bf16"): `CubinKernel.load`'s key."""
+    return f"{kernel}_{QT(ggml_type).name.lower()}_{x_dtype}"
 
 
 def kquant_specs(x_dtype: str = "fp32") -> tuple[KernelSpec, ...]:
     """engine.gpu.kquant_moe's kernels, one entry per kernel and GGML type (8 rows a program, as
-    its JIT wrappers launch them): x, act, weights and out in `x_dtype`, the pool and the blocks
-    bytes, the slot table and the top-k ids int64 (what the device cache and torch.topk give)."""
+    its JIT wrappers launch them): x, the routing weights and `moe_down`'s out in `x_dtype` (the
+    kernel rounds its float32 sums once, as it stores them), act and the GEMV's out float32, the
+    pool and the blocks bytes, the slot table and the top-k ids int64 (what the device cache and
+    torch.topk give)."""
     ints = {"expert_nbytes": "i32", "field_offset": "i32"}
     kernels = {
         "moe_gate_up": {"x_ptr": f"*{x_dtype}", "pool_ptr": "*u8", "table_ptr": "*i64", "ids_ptr": "*i64"}
@@ -55,7 +67,7 @@ def kquant_specs(x_dtype: str = "fp32") -> tuple[KernelSpec, ...]:
         "moe_down": {"act_ptr": "*fp32", "pool_ptr": "*u8", "table_ptr": "*i64", "ids_ptr": "*i64"}
         | {
             "weights_ptr": f"*{x_dtype}",
-            "out_ptr": "*fp32",
+            "out_ptr": f"*{x_dtype}",
             **ints,
             "hidden": "i32",
             "inter": "i32",
@@ -66,19 +78,19 @@ def kquant_specs(x_dtype: str = "fp32") -> tuple[KernelSpec, ...]:
     }
     return tuple(
         KernelSpec(
-            name=f"{kernel}_{ggml_name}_{x_dtype}",
+            name=kquant_name(kernel, ggml_type, x_dtype),
             function=f"engine.gpu.kquant_moe:{kernel}_kernel",
             signature=params | {"GGML_TYPE": "constexpr", "BLOCK_N": "constexpr"},
-            constexprs={"GGML_TYPE": int(ggml_type), "BLOCK_N": 8},
+            constexprs={"GGML_TYPE": int(ggml_type), "BLOCK_N": KQUANT_BLOCK_N},
             aligned=tuple(name for name, kind in params.items() if kind.startswith("*")),
-            num_warps=_WARPS.get((kernel, ggml_name), 4),
+            num_warps=_WARPS.get((kernel, ggml_type.name.lower()), 4),
         )
         for kernel, params in kernels.items()
-        for ggml_name, ggml_type in (("q4_k", QT.Q4_K), ("q6_k", QT.Q6_K), ("q8_0", QT.Q8_0))
+        for ggml_type in KQUANT_TYPES
     )
 
 
-# engine.gpu.kquant_moe's fused MoE kernels (add `*kquant_specs("bf16")` for bfloat16 activations)
-MOE_KERNELS: tuple[KernelSpec, ...] = kquant_specs("fp32")
+# engine.gpu.kquant_moe's fused MoE kernels, for float32 and bfloat16 activations
+MOE_KERNELS: tuple[KernelSpec, ...] = tuple(spec for dtype in KQUANT_DTYPES for spec in kquant_specs(dtype))
 
 REGISTRY: tuple[KernelSpec, ...] = (SMOKE, *MOE_KERNELS)

@@ -13,7 +13,8 @@ sums whatever the run).
 Where the cache holds every expert (`ExpertCache.holds_all`), a one-token step goes further
 (`forward_resident`): its `top_k_index` is looked up in the layer's slot table on the device and
 the K experts are gathered, computed and summed without the host reading which they are — no
-host synchronisation a layer, the same kernels for every route.
+host synchronisation a layer, the same kernels for every route; GGUF experts the fused kernels
+read go through them instead (`engine.moe.fused_experts`: two launches a layer).
 
 Each expert's values are the ones `OffloadedExperts.expert_forward` computes, weighted as
 transformers weights them; only the summation order of the final combine differs (floating-point
@@ -69,9 +70,21 @@ def forward_resident(
     module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, table: torch.Tensor
 ) -> torch.Tensor:
     """One token's experts (`hidden [1, H]`, `top_k_index` and `top_k_weights [1, K]`) from the
-    slots `table [E]` gives (`ExpertCache.slot_table`): looked up, gathered and computed as one
-    group on the device, summed over K — the host never reads which experts they are, and the
-    kernels are the same whatever the route. Returns `[1, H]` in `hidden`'s dtype."""
+    slots `table [E]` gives (`ExpertCache.slot_table`), summed over K, the host never reading which
+    experts they are: through the layer's fused kernels where it has them (`module.fused`,
+    `engine.moe.fused_experts`: two launches), else in torch (`resident_in_torch`). Returns
+    `[1, H]` in `hidden`'s dtype."""
+    fused = module.fused
+    if fused is not None:
+        return fused(hidden, top_k_index, top_k_weights, table)
+    return resident_in_torch(module, hidden, top_k_index, top_k_weights, table)
+
+
+def resident_in_torch(
+    module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, table: torch.Tensor
+) -> torch.Tensor:
+    """`forward_resident` in torch: the experts looked up, gathered and computed as one group on the
+    device — the kernels are the same whatever the route."""
     top_k = top_k_index.shape[1]
     layout = module.cache.store.layout_of(module.layer)
     weights = gathered_weights(module.cache.pool, table[top_k_index[0]], layout, hidden.dtype)

@@ -44,6 +44,10 @@ class ExpertControl:
     grouped: bool | None = None
     # one-token steps over a cache holding every expert, replayed as CUDA graphs (opt-in)
     graphs: ExpertGraphs | None = None
+    # those steps through the fused kernels (`engine.moe.fused_experts`) where they apply; None: on
+    # CUDA; True: on the CPU too, through Triton's interpreter (tests, counting); False: in torch.
+    # Read once per layer, at its first such step.
+    fused: bool | None = None
 
     @contextmanager
     def installed(self, **changes) -> Iterator[ExpertControl]:

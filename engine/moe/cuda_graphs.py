@@ -6,7 +6,8 @@ matmuls and a sum — about 55 kernels a layer for a Q4_K_M file, each launched 
 host synchronisation. Nothing in it depends on the host knowing the route, so it can be captured:
 `ExpertGraphs.forward` captures each layer's computation once as a CUDA graph over static input
 buffers, then copies the step's hidden state, routes and weights in, replays the graph and clones
-its output: five launches a layer.
+its output: five launches a layer. Where the layer has the fused kernels (`moe.fused_experts`: two
+launches, its `[K, I]` buffer allocated before the capture and kept), the graph holds those.
 
 Captures share one memory pool: a layer's intermediates (the dequantized experts, ~200 MB at
 Qwen3-30B-A3B's shapes) are dead once its replay ends, replays run one at a time on one stream, and

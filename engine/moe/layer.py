@@ -21,7 +21,8 @@ brings them in and computes them in groups instead (`pipeline.ready_together`,
 `engine.moe.batched_experts`): a few batched kernels a layer rather than a few an expert. With
 every expert on the device (`ExpertCache.holds_all`), a one-token step skips route, plan and bring
 in: its experts are looked up in the layer's slot table on the device
-(`batched_experts.forward_resident`; `cuda_graphs` replays it).
+(`batched_experts.forward_resident`: through the fused kernels where they apply, `fused_experts`;
+`cuda_graphs` replays it).
 
 `ExpertControl` (engine.moe.control) is the one object every layer of a model shares: what a run
 installs for its duration, always through `ExpertControl.installed`, which restores on exit —
@@ -52,6 +53,7 @@ from engine.model.adapters.base import Architecture
 from engine.model.hf_calls import decoder_of
 from engine.moe.batched_experts import accumulate_in_groups, forward_resident, groups_asked, in_groups
 from engine.moe.control import DraftRouting, ExpertControl
+from engine.moe.fused_experts import FusedExperts
 from engine.moe.routing_trace import RoutingTrace
 from engine.store.host_store import ExpertStore
 
@@ -251,6 +253,12 @@ class OffloadedExperts(nn.Module):
         }
         gate_up = fields["gate_up_proj" if self.has_gate else "up_proj"]
         return self.cache.store.layer_buffer(self.layer), gate_up, fields["down_proj"]
+
+    @functools.cached_property
+    def fused(self) -> FusedExperts | None:
+        """The fused kernels computing this layer's one-token steps over a cache holding every
+        expert (`engine.moe.fused_experts`), or None: decided once, at its first such step."""
+        return FusedExperts.of(self)
 
     @functools.cached_property
     def swiglu_in_ggml(self) -> bool:

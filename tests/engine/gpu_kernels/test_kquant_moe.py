@@ -8,10 +8,6 @@ order (1e-7 to 2.5e-7 of the output here), and 1e-6 leaves room for that and not
 """
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,16 +18,10 @@ from gguf import GGMLQuantizationType as QT
 from engine.errors import UnsupportedQuantizationError
 from engine.formats.gguf.blocks import dequantize
 from engine.gpu.check import random_blocks
+from tests.engine.gpu_kernels.interpreter import in_the_interpreter, run_in_child_interpreter
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton", allow_module_level=True)
-
-# `triton.jit` (Triton's own library included) picks the interpreter when it decorates, from the
-# environment at that moment, for the whole process: set here, it would turn every later triton
-# kernel of the test session into an interpreted one (the ahead-of-time build compiles these very
-# kernels). So the session runs this module again in a child process started in interpreter mode.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-in_the_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the child interpreter")
 
 HIDDEN, INTER, EXPERTS, SLOTS = 512, 256, 6, 8
 IDS = [4, 1, 4]  # top-k with a repeat, their slots out of order
@@ -44,19 +34,9 @@ PAIR_IDS = [f"{g.name}-{d.name}" for g, d in TYPE_PAIRS]
 
 
 def test_the_kernels_in_a_child_interpreter():
-    """This module's tests, run by pytest in a process with TRITON_INTERPRET=1 from its start."""
-    if INTERPRETED:
-        pytest.skip("in the interpreter already")
-    root = Path(__file__).resolve().parents[3]
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    """This module's tests, run by pytest in a process with TRITON_INTERPRET=1 from its start
+    (tests/engine/gpu_kernels/interpreter.py says why)."""
+    run_in_child_interpreter(__file__)
 
 
 @pytest.fixture(scope="module")

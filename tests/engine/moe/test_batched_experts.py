@@ -46,7 +46,7 @@ def _module() -> SimpleNamespace:
     """The flags and activation of Qwen3-MoE's experts, as `OffloadedExperts` holds them."""
     experts = build_tiny_model("qwen3_moe").model.layers[0].mlp.experts
     return SimpleNamespace(
-        has_gate=True, has_bias=False, is_transposed=False, scales_input=False, template=experts
+        has_gate=True, has_bias=False, is_transposed=False, scales_input=False, template=experts, fused=None
     )
 
 
