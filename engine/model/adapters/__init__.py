@@ -4,8 +4,8 @@ the families it accepts.
 `get_architecture(model_type)` gives an `Architecture` (engine.model.adapters.base) holding the
 family's override entry (engine.model.adapters.overrides); the loader completes it from the model
 itself (engine.model.adapters.generic.bind); MoE blocks that are not on transformers' experts
-interface are rewritten onto it (engine.model.adapters.rewrites). This package imports neither torch nor transformers
-(the GUI reads `SUPPORTED_MODEL_TYPES`).
+interface are rewritten onto it (engine.model.adapters.rewrites). This package imports neither
+torch nor transformers (the GUI reads `SUPPORTED_MODEL_TYPES`).
 
 `SUPPORTED_MODEL_TYPES` are the MoE families of transformers' registry the generic adapter
 accepts: every one not listed in `NOT_SUPPORTED` with its reason. tests/engine/model/

@@ -57,7 +57,7 @@ def test_logits_and_greedy_tokens_equal_transformers_gguf_loading(tiny_gguf):
 def test_experts_computed_in_groups_equal_transformers_gguf_loading(tiny_gguf, monkeypatch):
     """The grouped path (CUDA's default; forced here) dequantizes a group's blocks at once: the same
     logits and greedy tokens. On the CPU Q4_K and Q6_K fields are repacked for its kernels (one
-    expert at a time), so those files are checked on CUDA (tests/engine/gpu/test_gpu.py)."""
+    expert at a time), so those files are checked on CUDA (tests/engine/cuda/test_gpu.py)."""
     import engine.moe.batched_experts as grouped
 
     groups = []

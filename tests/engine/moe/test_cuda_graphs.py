@@ -1,6 +1,6 @@
 """`ExpertGraphs` (one CUDA graph a MoE layer) without a GPU: a stand-in capture whose replay
 recomputes the step from the static inputs, as a CUDA graph's kernels do, so the buffer plumbing,
-recapture and fallback are what is tested. The real capture runs in tests/engine/gpu/test_gpu.py."""
+recapture and fallback are what is tested. The real capture runs in tests/engine/cuda/test_gpu.py."""
 
 from __future__ import annotations
 

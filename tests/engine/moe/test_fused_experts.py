@@ -1,7 +1,7 @@
 """Where the fused expert kernels apply (`engine.moe.fused_experts`), decided once a layer, and the
 torch path wherever they do not. The kernels themselves run in Triton's interpreter in a child
-process (tests/engine/gpu_kernels/test_fused_experts_model.py) and on a GPU
-(tests/engine/gpu/test_gpu_fused_experts.py)."""
+process (tests/engine/gpu/test_fused_experts_model.py) and on a GPU
+(tests/engine/cuda/test_gpu_fused_experts.py)."""
 
 from __future__ import annotations
 

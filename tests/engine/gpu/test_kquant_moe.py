@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as QT
 from engine.errors import UnsupportedQuantizationError
 from engine.formats.gguf.blocks import dequantize
 from engine.gpu.check import random_blocks
-from tests.engine.gpu_kernels.interpreter import in_the_interpreter, run_in_child_interpreter
+from tests.engine.gpu.interpreter import in_the_interpreter, run_in_child_interpreter
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton", allow_module_level=True)
@@ -35,7 +35,7 @@ PAIR_IDS = [f"{g.name}-{d.name}" for g, d in TYPE_PAIRS]
 
 def test_the_kernels_in_a_child_interpreter():
     """This module's tests, run by pytest in a process with TRITON_INTERPRET=1 from its start
-    (tests/engine/gpu_kernels/interpreter.py says why)."""
+    (tests/engine/gpu/interpreter.py says why)."""
     run_in_child_interpreter(__file__)
 
 

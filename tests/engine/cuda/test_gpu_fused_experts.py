@@ -2,7 +2,7 @@
 a tiny Q4_K/Q6_K GGUF model the GPU holds whole gives the torch path's logits and transformers'
 greedy tokens, with two kernel launches a MoE layer, no host read and no synchronisation a step;
 bfloat16 goes through its own cubins, rounded once; CUDA graphs capture the launches.
-The same steps run in Triton's interpreter on the CPU: tests/engine/gpu_kernels/test_fused_experts_model.py.
+The same steps run in Triton's interpreter on the CPU: tests/engine/gpu/test_fused_experts_model.py.
 """
 
 from __future__ import annotations

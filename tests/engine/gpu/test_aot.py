@@ -6,7 +6,7 @@ parsers read real and made-up cuobjdump output, and the launcher's argument pack
 choice are checked as the pure functions they are. The `gpu` tests load the committed cubins
 through the CUDA driver and launch them, in a CUDA graph too:
 
-    python -m pytest -q -p no:cacheprovider tests/engine/gpu_kernels/test_aot.py -m gpu
+    python -m pytest -q -p no:cacheprovider tests/engine/gpu/test_aot.py -m gpu
 """
 
 import ctypes
@@ -37,7 +37,7 @@ SMOKE_PARAMS = [
 ]
 HOARDING = KernelSpec(
     name="hoarding",
-    function="tests.engine.gpu_kernels.aot_kernels:hoarding_kernel",
+    function="tests.engine.gpu.aot_kernels:hoarding_kernel",
     signature={"x_ptr": "*fp32", "out_ptr": "*fp32", "BLOCK": "constexpr"},
     constexprs={"BLOCK": 8192},
     num_warps=1,
@@ -420,7 +420,7 @@ def test_the_moe_cubins_match_the_reference():
     from gguf import GGMLQuantizationType as QT
 
     from engine.formats.gguf.blocks import dequantize
-    from tests.engine.gpu_kernels.test_kquant_moe import HIDDEN, INTER, Pool, assert_close, random_blocks
+    from tests.engine.gpu.test_kquant_moe import HIDDEN, INTER, Pool, assert_close, random_blocks
 
     rng = np.random.default_rng(0)
     pool, ids = Pool((QT.Q8_0, QT.Q8_0), rng), [4, 1, 4]

@@ -1,4 +1,4 @@
-"""Kernels for tests/engine/gpu_kernels/test_aot.py's builds (imported only where triton is)."""
+"""Kernels for tests/engine/gpu/test_aot.py's builds (imported only where triton is)."""
 
 import triton
 import triton.language as tl

@@ -2,7 +2,7 @@
 (`engine.moe.fused_experts`), run by Triton's interpreter on the CPU with CUDA's layout emulated (the
 file's blocks as stored, a slot for every expert, the slot tables): the torch path's logits and
 greedy tokens, nothing read on the host, two kernel launches a MoE layer, each layer's choice made
-once. Interpreted in a child process (tests/engine/gpu_kernels/interpreter.py says why).
+once. Interpreted in a child process (tests/engine/gpu/interpreter.py says why).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from engine.moe.cuda_graphs import ExpertGraphs
 from engine.moe.fused_experts import FusedExperts
 from engine.prompts import greedy
 from engine.tiny.gguf_writer import write_tiny_gguf
-from tests.engine.gpu_kernels.interpreter import in_the_interpreter, run_in_child_interpreter
+from tests.engine.gpu.interpreter import in_the_interpreter, run_in_child_interpreter
 from tests.engine.moe.test_cuda_graphs import stand_in_capture
 from tests.engine.moe.test_fused_experts import experts_of, load_emulating_cuda
 
@@ -119,7 +119,7 @@ def test_a_layer_s_experts_are_one_allocation_and_two_launches(models) -> None:
 def test_half_precision_hidden_states_come_back_in_their_dtype(models, dtype) -> None:
     """bfloat16 goes to the kernels as it is, float16 through float32 (as on CUDA, whose kernels are
     built for float32 and bfloat16): the float32 sums of the rounded inputs, rounded once — to
-    nearest on a GPU (tests/engine/gpu checks it bit for bit), while Triton's interpreter truncates
+    nearest on a GPU (tests/engine/cuda checks it bit for bit), while Triton's interpreter truncates
     a float32 it stores into bfloat16 (within one step of bfloat16's 8 bits here)."""
     fused, _ = models
     experts = experts_of(fused)[1]
