@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 from engine.config import OffloadConfig
 from engine.decode import whole_step
+from engine.decode.captured_step import CapturedStep
 from engine.decode.lean import LeanDecode
 from engine.decode.paths import Step, StepPaths
 from engine.device_cache.expert_cache import ExpertCache
@@ -106,7 +107,9 @@ class OffloadedModel:
         self.lean = LeanDecode.of(hf_model)  # decode steps without transformers' wrappers, or None
         # with ggml's kernels, its layers' ends and head as ggml graphs, and a step in one graph
         whole = whole_step.attach(self.lean) if config.kernels == "ggml" else None
-        self.paths = StepPaths.of(hf_model, self.lean, whole)  # the one place a step's path is chosen
+        # on CUDA, a one-token step over a cache holding every expert as one CUDA graph
+        self.captured = CapturedStep.of(self)
+        self.paths = StepPaths.of(hf_model, self.lean, whole, self.captured)  # where a step's path is chosen
         log.debug("Decode-step paths: %s", ", ".join(self.paths.names))
 
     @property

@@ -9,10 +9,13 @@ that fails or runs out of time is recorded with its error; the next one still ru
                   correctness against torch's reference and its GB/s against the card's
                   memory bandwidth (skipped where the package has none yet)
     pytest        `pytest -m gpu`: the GPU tests' summary line and failures
+    graphs        the whole decode step as one CUDA graph on the tiny model of every family
+                  it takes (`python -m engine.bench.graph_check`): greedy tokens and max |Δlogits|
+                  against the eager step, captures, why a capture failed
     shapes        the 16- then 48-layer Qwen3-30B-A3B-shaped Q4_K_M file, every expert
-                  resident: tok/s, kernel launches and host syncs a token, plain (the fused
-                  expert kernels), with the experts in torch and with expert CUDA graphs
-                  (`python -m engine.bench --count-ops [--fused-experts off | --expert-graphs]`)
+                  resident: tok/s, kernel launches and host syncs a token, plain (the step as one
+                  CUDA graph, the fused expert kernels), the step eager, the experts in torch
+                  (`python -m engine.bench --count-ops [--step-graph off | --fused-experts off]`)
 
 Nothing here is simulated: each figure is this card's. Stages run as child processes where
 they load models, so a crash or an out-of-memory in one is that stage's error, not the end.
@@ -43,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         ("environment", 30, environment),
         ("kernels", 60, kernels),
         ("pytest", 150, lambda out, limit: gpu_tests(out, limit)),
+        ("graphs", 60, graph_stage),
         ("shapes", 10_000, lambda out, limit: shapes(out, limit, args.layers)),
     ]
     for name, limit, stage in stages:
@@ -132,6 +136,14 @@ def gpu_tests(out: Path, limit: float) -> dict:
     return done
 
 
+def graph_stage(out: Path, limit: float) -> dict:
+    """engine.bench.graph_check in a child: its JSON, or why there is none."""
+    json_out = out / "graph_check.json"
+    command = [sys.executable, "-m", "engine.bench.graph_check", str(json_out)]
+    done = _child(command, out / "graph_check.log", limit)
+    return json.loads(json_out.read_text()) | {"rc": done["rc"]} if json_out.exists() else done
+
+
 def shapes(out: Path, limit: float, depths: list[int]) -> dict:
     """Each depth's Q4_K_M file written (if missing) and benched resident, in each of `VARIANTS`."""
     deadline, results = time.monotonic() + limit, {}
@@ -159,7 +171,7 @@ def shapes(out: Path, limit: float, depths: list[int]) -> dict:
 
 
 # each shape file's bench runs: (name, its options)
-VARIANTS = {"": [], "torch experts": ["--fused-experts", "off"], "expert graphs": ["--expert-graphs"]}
+VARIANTS = {"": [], "eager step": ["--step-graph", "off"], "torch experts": ["--fused-experts", "off"]}
 
 
 def _bench(path: Path, out: Path, variant: str, options: list[str], limit: float) -> dict:
@@ -177,7 +189,7 @@ def _bench(path: Path, out: Path, variant: str, options: list[str], limit: float
             "prefill_tokens_per_s": row.get("prefill_tokens_per_s"),
             "step_path": row.get("step_path"),
             "op_counts": found.get("op_counts"),
-            "expert_graphs": found.get("expert_graphs"),
+            "step_graph": found.get("step_graph"),
         }
     return done
 

@@ -128,6 +128,8 @@ def run(args: argparse.Namespace) -> dict:
         try:
             model.control.graphs = ExpertGraphs() if args.expert_graphs else None
             model.control.fused = FUSED_EXPERTS[args.fused_experts]
+            if args.step_graph == "off":
+                model.paths = model.paths.without("cuda-graph")
             prompt_ids = [lengthened(ids, args.prompt_tokens) for ids in encode_prompts(model, prompts)]
             if beside and index == len(budgets) - 1:
                 ours, theirs, vs = llama_cpp.side_by_side(args, model, prompt_ids, baseline)
@@ -166,15 +168,15 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _measured_beside(args: argparse.Namespace, model, prompt_ids: list[int]) -> dict:
-    """--count-ops' counts, and --expert-graphs' captures (or why there were none)."""
+    """--count-ops' counts, and the CUDA graphs' captures (or why they were turned off)."""
     from engine.bench.op_counts import count_ops
 
     extras: dict = {}
     if args.count_ops:
         extras["op_counts"] = count_ops(model, prompt_ids, args.new_tokens)
-    graphs = model.control.graphs
-    if graphs is not None:
-        extras["expert_graphs"] = {"captures": graphs.captures, "off_because": graphs.off_because}
+    for name, graphs in (("expert_graphs", model.control.graphs), ("step_graph", model.captured)):
+        if graphs is not None:
+            extras[name] = {"captures": graphs.captures, "off_because": graphs.off_because}
     return extras
 
 
@@ -246,6 +248,14 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="CUDA, a cache holding every expert: replay each MoE layer's one-token step as a CUDA "
         "graph (engine.moe.cuda_graphs; off by default until measured)",
+    )
+    parser.add_argument(
+        "--step-graph",
+        choices=("auto", "off"),
+        default="auto",
+        help="CUDA, a cache holding every expert: one-token steps replayed as one CUDA graph "
+        "(engine.decode.captured_step): auto where the decoder is the standard one; off runs them "
+        "eagerly (to time one against the other)",
     )
     parser.add_argument(
         "--fused-experts",
@@ -325,10 +335,11 @@ def _print_result(result: dict) -> None:
         from engine.bench.op_counts import format_op_counts
 
         print(format_op_counts(result["op_counts"]))
-    if "expert_graphs" in result:
-        graphs = result["expert_graphs"]
-        off = f", turned off: {graphs['off_because']}" if graphs["off_because"] else ""
-        print(f"expert CUDA graphs: {graphs['captures']} MoE layers captured{off}")
+    for name, what in (("expert_graphs", "expert CUDA graphs"), ("step_graph", "the step as one CUDA graph")):
+        if name in result:
+            graphs = result[name]
+            off = f", turned off: {graphs['off_because']}" if graphs["off_because"] else ""
+            print(f"{what}: {graphs['captures']} captures{off}")
     if "and_model" in result:
         other = result["and_model"]
         other_rows = [BenchRow(**r) for r in other["rows"]]

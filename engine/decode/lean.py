@@ -78,7 +78,7 @@ class LeanDecode:
         self.decoder = decoder
         self.layers = [_Layer(layer) for layer in decoder.layers]
         self.apply_rotary = rotary
-        self.rotary = _Rotary(decoder.rotary_emb)
+        self.rotary = RotaryTable(decoder.rotary_emb)
         self.norm = _fused(decoder.norm)
         # the final norm and lm_head on float32 rows in a ggml graph (engine.decode.whole_step):
         # their logits `[n, V]`, or None where it does not take them
@@ -165,8 +165,8 @@ class _Layer:
         self.q_proj, self.k_proj = attention.q_proj, attention.k_proj
         self.v_proj, self.o_proj = attention.v_proj, attention.o_proj
         self.head_dim, self.scaling, self.index = attention.head_dim, attention.scaling, attention.layer_idx
-        self.q_norm = _Norm.of(getattr(attention, "q_norm", None), self.head_dim)
-        self.k_norm = _Norm.of(getattr(attention, "k_norm", None), self.head_dim)
+        self.q_norm = QkNorm.of(getattr(attention, "q_norm", None), self.head_dim)
+        self.k_norm = QkNorm.of(getattr(attention, "k_norm", None), self.head_dim)
         self.ends: AttentionEnds | None = None  # set by engine.decode.layer_graph where it applies
 
     def __call__(
@@ -219,7 +219,7 @@ class AttentionEnds(Protocol):
     def finish(self, attended: torch.Tensor, hidden: torch.Tensor, rows: int) -> torch.Tensor | None: ...
 
 
-class _Rotary:
+class RotaryTable:
     """The rotary module's cos and sin for a run of positions: slices of a table it filled (for as
     many positions as the longest step so far, doubling, up to `TABLE_POSITIONS`), where its
     frequencies are static and a probe shows the slices equal its own outputs bit for bit; else its
@@ -239,7 +239,7 @@ class _Rotary:
         module = self.module
         hooked = module._forward_hooks or module._forward_pre_hooks
         if self.static and not hooked and first + count <= self.TABLE_POSITIONS:
-            table = self._table(hidden, first + count)
+            table = self.table(hidden, first + count)
             if table is not None:
                 return table[0][:, first : first + count], table[1][:, first : first + count]
         return module(hidden, torch.arange(first, first + count, device=hidden.device)[None])
@@ -253,13 +253,15 @@ class _Rotary:
         """cos and sin of positions `first`… in float32 on the CPU as a graph reads them by address:
         `Row`s of the table for one position, else tensors as `__call__` gives them."""
         if count == 1 and first < self.TABLE_POSITIONS and self.tabled():
-            table = self._table(_FLOAT32, first + 1)
+            table = self.table(_FLOAT32, first + 1)
             if table is not None:
                 dim = table[0].shape[-1]
                 return tuple(Row.of(t, first * dim, (1, 1, dim)) for t in table)
         return self(_FLOAT32, first, count)
 
-    def _table(self, hidden: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def table(self, hidden: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and sin `[1, size, D]` of positions 0… (size ≥ `length`) in `hidden`'s dtype and on
+        its device, where a probe shows the table's rows equal the module's own; else None."""
         key = (hidden.dtype, hidden.device)
         table = self._tables.get(key)
         if table is not None and table[0].shape[1] >= length:
@@ -276,7 +278,7 @@ class _Rotary:
         return table
 
 
-class _Norm:
+class QkNorm:
     """A q/k norm where the family puts it: on each head (`[.., D]` weights, Qwen3) or on the whole
     projection before its heads are split (OLMoE); none: the heads as they are."""
 
@@ -284,9 +286,10 @@ class _Norm:
         self.norm, self.per_head = norm, per_head
 
     @classmethod
-    def of(cls, norm: nn.Module | None, head_dim: int) -> _Norm:
+    def of(cls, norm: nn.Module | None, head_dim: int, fuse: bool = True) -> QkNorm:
+        """`fuse`: as torch's one-operator norm where a CPU probe shows the same values."""
         weight = getattr(norm, "weight", None)
-        fused = None if norm is None else _fused(norm)
+        fused = norm if norm is None or not fuse else _fused(norm)
         return cls(fused, weight is not None and weight.numel() == head_dim)
 
     def __call__(self, projected: torch.Tensor, heads: tuple[int, ...]) -> torch.Tensor:
@@ -324,9 +327,15 @@ def _attention_cache(kind: type) -> bool:
 
 def _refusal(hf_model: nn.Module) -> str:
     """Why `hf_model` is not the standard decoder this step reproduces ('' when it is)."""
-    config = hf_model.config
-    if getattr(config, "_attn_implementation", None) != ATTENTION:
+    if getattr(hf_model.config, "_attn_implementation", None) != ATTENTION:
         return "its attention is not the engine's CPU attention"
+    return standard_refusal(hf_model)
+
+
+def standard_refusal(hf_model: nn.Module) -> str:
+    """Why `hf_model` is not the standard pre-norm decoder of the module doc, whatever function
+    its attention calls ('' when it is): engine.decode.captured_step builds on it too."""
+    config = hf_model.config
     if any(getattr(config, name, None) not in (None, 1, 1.0, False) for name in _CHANGES):
         return "its config scales or caps what the standard decoder computes"
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):

@@ -1,12 +1,14 @@
 """The one place that chooses a decode step's path.
 
-Contract: `StepPaths.of(hf_model, lean, whole)` is the model's ordered list of step paths; each
+Contract: `StepPaths.of(hf_model, lean, whole, captured)` is the model's ordered list of step paths; each
 `StepPath` has a `name`, `takes(step)` (whether it may run this `Step` now; where it may not, it
 says why on the step) and `run(step)` (the logits, or None where it finds at run time that it
 cannot: why said on the step too). `StepPaths.run(step)` runs the first path that takes the step
 and does not decline it, and counts the path each step took in `log` (a `StepLog`), with the
 latest reason each faster path gave for leaving a step to the next one. Fastest first:
 
+    cuda-graph    a one-token step over a device cache holding every expert, replayed as one
+                  CUDA graph (engine.decode.captured_step)
     ggml-replay   a one-token step's one ggml graph, prepared on the last token, run again
                   (engine.decode.one_token)
     ggml-whole    a step's layers and head in one ggml graph (engine.decode.whole_step)
@@ -14,8 +16,9 @@ latest reason each faster path gave for leaving a step to the next one. Fastest 
                   (engine.decode.lean); `lean+ggml` where layers do their ends in ggml graphs
     transformers  the model's own forward: takes every step
 
-A path is in the list only where it applies to the model at all (`--kernels ggml` and a
-standard decoder for the first two, a standard decoder for `lean`); what it checks per step is
+A path is in the list only where it applies to the model at all (CUDA and a standard decoder
+for the first, `--kernels ggml` and a standard decoder for the ggml ones, a standard decoder for
+`lean`); what it checks per step is
 what can change between steps: hooks (an MTP drafter's, a prefetch predictor's), a draft's
 routing, the cache's kind and length.
 """
@@ -112,8 +115,8 @@ class StepPaths:
         self.log = StepLog()
 
     @classmethod
-    def of(cls, hf_model: nn.Module, lean, whole) -> StepPaths:
-        paths: list[StepPath] = []
+    def of(cls, hf_model: nn.Module, lean, whole, captured=None) -> StepPaths:
+        paths: list[StepPath] = [] if captured is None else [CapturedPath(captured)]
         if lean is not None and whole is not None:
             paths += [ReplayPath(lean, whole), WholeGraphPath(lean, whole)]
         if lean is not None:
@@ -152,6 +155,28 @@ def _lean_refusal(lean, step: Step) -> str:
     if step._lean_refusal is None:
         step._lean_refusal = lean.refusal(step.kv_cache)
     return step._lean_refusal
+
+
+class CapturedPath:
+    """A one-token step as one CUDA graph (engine.decode.captured_step)."""
+
+    name = "cuda-graph"
+
+    def __init__(self, captured):
+        self.captured = captured
+
+    def takes(self, step: Step) -> bool:
+        if step.token is None:
+            return step.decline(self.name, "a step of several tokens")
+        why = self.captured.refusal(step.kv_cache)
+        return step.decline(self.name, why) if why else True
+
+    def run(self, step: Step) -> torch.Tensor | None:
+        logits = self.captured.step(step.token, step.kv_cache)
+        if logits is None:
+            why = self.captured.off_because or "an expert has not landed, or several sequences"
+            step.decline(self.name, why)
+        return logits
 
 
 class ReplayPath:

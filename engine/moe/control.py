@@ -48,6 +48,9 @@ class ExpertControl:
     # CUDA; True: on the CPU too, through Triton's interpreter (tests, counting); False: in torch.
     # Read once per layer, at its first such step.
     fused: bool | None = None
+    # whether the layers count the hits of steps through a slot table: False while a whole step is
+    # captured as a CUDA graph, whose replays count them after (engine.decode.captured_step)
+    counts_hits: bool = True
 
     @contextmanager
     def installed(self, **changes) -> Iterator[ExpertControl]:

@@ -148,7 +148,8 @@ class OffloadedExperts(nn.Module):
         brings its experts in and computes them (in groups where the step allows)."""
         table = self._slot_table(hidden, draft)
         if table is not None:  # every expert on the device: the host never reads the routing
-            self.cache.count_hits(top_k_index.shape[1])
+            if self.control.counts_hits:
+                self.cache.count_hits(top_k_index.shape[1])
             graphs = self.control.graphs
             compute = forward_resident if graphs is None else graphs.forward
             return compute(self, hidden, top_k_index, top_k_weights, table)

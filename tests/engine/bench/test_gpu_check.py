@@ -22,17 +22,18 @@ def test_every_stage_is_recorded_even_when_one_fails_or_the_budget_runs_out(tmp_
     monkeypatch.setattr(gpu, "environment", fails)
     monkeypatch.setattr(gpu, "kernels", slow)
     monkeypatch.setattr(gpu, "gpu_tests", lambda out, limit: {"summary": "3 passed"})
+    monkeypatch.setattr(gpu, "graph_stage", lambda out, limit: {"families": {}})
     monkeypatch.setattr(gpu, "shapes", lambda out, limit, depths: {"depths": depths})
     assert gpu.main([str(tmp_path), "--budget-s", "100", "--layers", "2"]) == 0
     stages = json.loads((tmp_path / "gpu_check.json").read_text())["stages"]
     assert stages["environment"]["error"] == "RuntimeError: no CUDA device"
     assert stages["kernels"]["ok"] and stages["pytest"]["summary"] == "3 passed"
-    assert stages["shapes"]["depths"] == [2]
+    assert stages["graphs"]["families"] == {} and stages["shapes"]["depths"] == [2]
     assert all(limit <= 100 for _, limit in seen)
 
 
 def test_a_stage_past_the_budget_is_skipped_and_said_so(tmp_path, monkeypatch):
-    for name in ("environment", "kernels", "gpu_tests"):
+    for name in ("environment", "kernels", "gpu_tests", "graph_stage"):
         monkeypatch.setattr(gpu, name, lambda out, limit: {})
     monkeypatch.setattr(gpu, "shapes", lambda out, limit, depths: {})
     gpu.main([str(tmp_path), "--budget-s", "1"])

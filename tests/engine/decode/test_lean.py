@@ -152,7 +152,7 @@ def test_rotary_values_come_from_a_table_equal_to_the_modules_own(model, monkeyp
     table's first size too; frequencies that change with the length, or a module whose values a
     table does not reproduce, are asked of the module at every step."""
     module = model.lean.decoder.rotary_emb
-    rotary = lean_decode._Rotary(module)
+    rotary = lean_decode.RotaryTable(module)
     assert rotary.static
     hidden = torch.zeros(1, 3, model.hf_config.hidden_size)
     for first in (0, 5, 1022, 1500):
@@ -161,7 +161,7 @@ def test_rotary_values_come_from_a_table_equal_to_the_modules_own(model, monkeyp
         assert all(torch.equal(a, b) for a, b in zip(got, wanted, strict=True))
     assert next(iter(rotary._tables.values()))[0].shape[1] == 2048  # doubled once
     monkeypatch.setattr(module, "rope_type", "dynamic")
-    assert not lean_decode._Rotary(module).static
+    assert not lean_decode.RotaryTable(module).static
     monkeypatch.undo()
     calls = []
     forward = module.forward
@@ -172,7 +172,7 @@ def test_rotary_values_come_from_a_table_equal_to_the_modules_own(model, monkeyp
         return cos + position_ids.shape[-1], sin
 
     monkeypatch.setattr(module, "forward", batch_dependent)
-    other = lean_decode._Rotary(module)
+    other = lean_decode.RotaryTable(module)
     got = other(hidden, 4, 3)
     assert not other.static and torch.equal(got[0], module(hidden, torch.arange(4, 7)[None])[0])
     calls.clear()
@@ -184,7 +184,7 @@ def test_one_positions_rotary_values_are_rows_of_the_table_where_a_graph_reads_t
     """`at` gives one position's cos and sin as `Row`s of the table, holding the module's values;
     a run of positions, or a position past the table, as the module's tensors."""
     module = model.lean.decoder.rotary_emb
-    rotary = lean_decode._Rotary(module)
+    rotary = lean_decode.RotaryTable(module)
     hidden = torch.zeros(1, 1, model.hf_config.hidden_size)
     for position in (0, 7, 1500):
         cos, sin = rotary.at(position, 1)
@@ -192,8 +192,8 @@ def test_one_positions_rotary_values_are_rows_of_the_table_where_a_graph_reads_t
         wanted = module(hidden, torch.tensor([[position]]))
         assert torch.equal(cos.tensor(), wanted[0]) and torch.equal(sin.tensor(), wanted[1])
     assert all(isinstance(a, torch.Tensor) for a in rotary.at(3, 2))
-    monkeypatch.setattr(lean_decode._Rotary, "TABLE_POSITIONS", 1024)
-    assert all(isinstance(a, torch.Tensor) for a in lean_decode._Rotary(module).at(1500, 1))
+    monkeypatch.setattr(lean_decode.RotaryTable, "TABLE_POSITIONS", 1024)
+    assert all(isinstance(a, torch.Tensor) for a in lean_decode.RotaryTable(module).at(1500, 1))
 
 
 def test_a_row_is_a_tables_memory_read_as_its_shape():
@@ -211,8 +211,8 @@ def test_a_row_is_a_tables_memory_read_as_its_shape():
 
 def test_rotary_values_past_the_tables_limit_come_from_the_module(model, monkeypatch):
     module = model.lean.decoder.rotary_emb
-    monkeypatch.setattr(lean_decode._Rotary, "TABLE_POSITIONS", 1024)
-    rotary = lean_decode._Rotary(module)
+    monkeypatch.setattr(lean_decode.RotaryTable, "TABLE_POSITIONS", 1024)
+    rotary = lean_decode.RotaryTable(module)
     hidden = torch.zeros(1, 3, model.hf_config.hidden_size)
     for first in (1000, 1500):
         got = rotary(hidden, first, 3)

@@ -1,0 +1,108 @@
+"""The whole decode step as one CUDA graph against the eager step, on the tiny model of every family
+it takes: `python -m engine.bench.graph_check OUT.json [--dtype float32 bfloat16]`.
+
+For each family (`engine.tiny.models`) and dtype: a model holding every expert on the GPU decodes
+`STEPS` greedy tokens after a fixed prompt through the graph (`engine.decode.captured_step`), then
+the same through the eager paths; the JSON says whether the tokens are equal, the largest
+|Δlogits| (and the logits' scale), how many times the step was captured, the path the steps took
+and, where the graph was refused or turned off, why. A family whose decoder is not the standard
+one is listed with the reason. One of the prepared GPU check's stages (`engine.bench.gpu`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine.config import ExpertBudget, OffloadConfig
+
+PROMPT = torch.tensor([3, 5, 7, 9, 11, 13])
+STEPS = 12
+
+
+def greedy(model) -> tuple[list[int], list[torch.Tensor]]:
+    """`STEPS` greedy tokens after PROMPT through `model.decode`, and each step's logits (float32,
+    on the CPU)."""
+    cache = model.new_kv_cache()
+    token = int(model.forward(PROMPT, cache)[-1].argmax())
+    tokens, logits = [token], []
+    for _ in range(STEPS):
+        out = model.decode(token, cache)
+        logits.append(out.to("cpu", torch.float32, copy=True))  # the step rewrites `out`
+        token = int(out.argmax())
+        tokens.append(token)
+    return tokens, logits
+
+
+def check_family(folder: Path, device: str, dtype: str, prepare=None, **options) -> dict:
+    """One family's model decoded through the graph and eagerly; `prepare(model)` (tests: a
+    stand-in capture off CUDA) runs after the load; `options`: more of the `OffloadConfig`."""
+    from engine.loader import load_model
+
+    budget = ExpertBudget(all_experts=True)
+    config = OffloadConfig(device=device, dtype=dtype, expert_budget=budget, **options)
+    model = load_model(folder, config)
+    try:
+        if prepare is not None:
+            prepare(model)
+        if model.captured is None:
+            return {"captured": False, "why": "the decoder is not the standard one (or not on CUDA)"}
+        tokens, logits = greedy(model)
+        ran = model.paths.log.since(None)
+        graphed = model.paths
+        model.paths = graphed.without("cuda-graph")
+        want_tokens, want_logits = greedy(model)
+        model.paths = graphed
+        deltas = [(a - b).abs().max().item() for a, b in zip(logits, want_logits, strict=True)]
+        return {
+            "captured": model.captured.captures > 0,
+            "captures": model.captured.captures,
+            "off_because": model.captured.off_because,
+            "step_paths": ran["step_paths"],
+            "declined": ran["step_path_declined"],
+            "tokens_equal": tokens == want_tokens,
+            "max_abs_delta": max(deltas),
+            "logits_scale": max(b.abs().max().item() for b in want_logits),
+        }
+    finally:
+        model.close()
+
+
+def run(out: Path, device: str, dtypes: list[str], families=None, prepare=None, **options) -> dict:
+    """Every family (or those named) in `dtypes`, the JSON rewritten after each."""
+    from engine.tiny.models import TINY_ARCHITECTURES, make_tiny_model
+
+    report: dict = {"device": device, "steps": STEPS, "families": {}}
+    with tempfile.TemporaryDirectory() as scratch:
+        for family in families or TINY_ARCHITECTURES:
+            folder = make_tiny_model(Path(scratch) / family, family)
+            for dtype in dtypes:
+                try:
+                    found = check_family(folder, device, dtype, prepare, **options)
+                except Exception as err:  # one family's failure is its row, not the end
+                    found = {"error": f"{type(err).__name__}: {err}"}
+                report["families"][f"{family} {dtype}"] = found
+                out.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.bench.graph_check", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("out", type=Path, help="where the JSON goes")
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    report = run(args.out, args.device, args.dtype)
+    for name, found in report["families"].items():
+        print(name, json.dumps(found))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""The whole decode step as one CUDA graph (engine.decode.captured_step), for real: on every tiny
+family with the standard decoder, a model that holds every expert on the GPU decodes through the
+graph (`stats.step_path` "cuda-graph") the same greedy tokens as the eager path, with logits to
+float32 rounding, and a replayed step synchronises nothing with the host.
+
+Every test needs a CUDA device (conftest skips them without one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.bench import graph_check
+from engine.bench.graph_check import check_family
+from engine.config import ExpertBudget, OffloadConfig
+from engine.loader import load_model
+from engine.tiny.models import make_tiny_model
+
+pytestmark = pytest.mark.gpu
+
+PROMPT = torch.tensor([3, 5, 7, 9, 11, 13])
+STANDARD = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "phimoe")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model_type", STANDARD)
+def test_the_graph_decodes_the_eager_tokens(tmp_path, model_type, dtype):
+    found = check_family(make_tiny_model(tmp_path / model_type, model_type), "cuda", dtype)
+    assert found["captured"] and found["off_because"] is None, found
+    assert found["step_paths"] == {"transformers": 1, "cuda-graph": graph_check.STEPS}, found
+    assert found["tokens_equal"], found
+    rtol = 1e-4 if dtype == "float32" else 2e-2
+    assert found["max_abs_delta"] <= rtol * found["logits_scale"], found
+
+
+def test_a_replayed_step_synchronises_nothing(tmp_path):
+    folder = make_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
+    config = OffloadConfig(device="cuda", dtype="bfloat16", expert_budget=ExpertBudget(all_experts=True))
+    model = load_model(folder, config)
+    try:
+        cache = model.new_kv_cache()
+        model.forward(PROMPT, cache)
+        model.decode(17, cache)  # captured here
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for token in (18, 19, 20):
+                model.decode(token, cache)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert model.paths.log.counts["cuda-graph"] == 4
+    finally:
+        model.close()

@@ -1,0 +1,172 @@
+"""engine.decode.captured_step on the CPU: the whole-step graph's body run eagerly by a stand-in
+capture (its "replay" runs the body again over the same static inputs), against the model's own
+steps, on every tiny family whose decoder is the standard one; and under FakeTensorMode, where any
+value read on the host or a shape that depends on one raises (what a CUDA graph cannot hold).
+tests/engine/cuda/test_captured_step.py captures it for real."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from engine.config import ExpertBudget, OffloadConfig
+from engine.decode.captured_step import CapturedStep
+from engine.decode.paths import StepPaths
+from engine.loader import load_model
+from engine.model import kv_cache as kv_cache_module
+from engine.tiny.models import TINY_ARCHITECTURES, make_tiny_model
+
+PROMPT = torch.tensor([3, 5, 7, 9, 11, 13])
+STEPS = 8
+# families whose decoder is the standard one (engine.decode.lean.standard_refusal): every one of
+# them is captured; the others are not (MLA attention, sliding windows with sinks, multipliers)
+STANDARD = {"qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "phimoe"}
+
+
+class EagerGraph:
+    """A stand-in for a CUDA graph: `replay` runs the body again over the captured inputs and
+    writes its logits into the captured output, as a replay rewrites the graph's buffers; and
+    counts no hits, as a replay runs no Python (the step's epilogue counts them)."""
+
+    def __init__(self, fn, inputs, out):
+        self.fn, self.inputs, self.out = fn, inputs, out
+        self.replays = 0
+
+    def replay(self) -> None:
+        control = self.fn.__self__.control  # the CapturedStep's
+        with torch.inference_mode(), control.installed(counts_hits=False):
+            self.out.copy_(self.fn(*self.inputs))
+        self.replays += 1
+
+
+def eager_capture(fn, inputs, pool):
+    out = fn(*inputs).clone()
+    return EagerGraph(fn, inputs, out), out
+
+
+def failing_capture(fn, inputs, pool):
+    raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("captured")
+    return {model_type: make_tiny_model(root / model_type, model_type) for model_type in TINY_ARCHITECTURES}
+
+
+def _loaded(folder):
+    # a simulated link: the experts live in device slots, as on CUDA, not in place in the store
+    config = OffloadConfig(device="cpu", dtype="float32", expert_budget=ExpertBudget(all_experts=True))
+    model = load_model(folder, OffloadConfig(**{**config.__dict__, "sim_link_gbps": 1000.0}))
+    model.control.grouped = True  # CUDA's default, forced on the CPU
+    model.cache.fill()  # as the loader fills a CUDA cache that holds every expert
+    return model
+
+
+def _greedy(model, decode, steps: int = STEPS) -> tuple[list[int], list[torch.Tensor]]:
+    """`steps` greedy tokens after PROMPT, each step's logits, through `decode(token, cache)`."""
+    cache = model.new_kv_cache()
+    token = int(model.forward(PROMPT, cache)[-1].argmax())
+    tokens, logits = [token], []
+    for _ in range(steps):
+        out = decode(token, cache).clone()
+        logits.append(out)
+        token = int(out.argmax())
+        tokens.append(token)
+    return tokens, logits
+
+
+def _with_graph(model, capture=eager_capture) -> CapturedStep | None:
+    captured = CapturedStep.of(model, capture=capture)
+    if captured is not None:
+        model.captured = captured
+        model.paths = StepPaths.of(model.hf_model, model.lean, None, captured)
+    return captured
+
+
+@pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
+def test_the_captured_step_computes_the_models_steps(folders, model_type, monkeypatch):
+    # buffers that grow every few positions: the graph is captured again at each new capacity
+    monkeypatch.setattr(kv_cache_module, "GROW_MIN_POSITIONS", 3)
+    model = _loaded(folders[model_type])
+    try:
+        want_tokens, want_logits = _greedy(model, model.decode)
+        hits_before = model.cache.stats.phases["decode"].hits
+        _greedy(model, model.decode)
+        hits_eager = model.cache.stats.phases["decode"].hits - hits_before
+        captured = _with_graph(model)
+        if model_type not in STANDARD:
+            assert captured is None
+            return
+        assert captured is not None and model.paths.names[0] == "cuda-graph"
+        hits_before = model.cache.stats.phases["decode"].hits
+        tokens, logits = _greedy(model, model.decode)
+        assert model.paths.log.counts["cuda-graph"] == STEPS, model.paths.log.reasons
+        assert captured.captures >= 2  # the buffers grew
+        assert tokens == want_tokens
+        for got, want in zip(logits, want_logits, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        assert model.cache.stats.phases["decode"].hits - hits_before == hits_eager  # the epilogue's count
+        assert set(model.trace.logits) >= set(model.experts)  # the routers' logits, recorded
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("model_type", sorted(STANDARD))
+def test_the_step_body_reads_nothing_on_the_host(folders, model_type):
+    """What the graph holds runs under FakeTensorMode: no host read, no value-dependent shape."""
+    model = _loaded(folders[model_type])
+    try:
+        captured = CapturedStep.of(model, capture=eager_capture)
+        cache = model.new_kv_cache()
+        model.forward(PROMPT, cache)
+        buffers = tuple(layer.room(1) for layer in cache.layers)
+        inputs = captured._inputs(buffers, 17, cache.get_seq_length(), torch.device("cpu"))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            logits = captured._run(*inputs)
+        assert logits.shape == (model.hf_config.vocab_size,)
+    finally:
+        model.close()
+
+
+def test_a_failed_capture_falls_back_and_says_why(folders):
+    model = _loaded(folders["qwen3_moe"])
+    try:
+        want_tokens, _ = _greedy(model, model.decode)
+        captured = _with_graph(model, capture=failing_capture)
+        tokens, _ = _greedy(model, model.decode)
+        assert tokens == want_tokens
+        assert "operation not permitted" in captured.off_because
+        log = model.paths.log
+        assert log.counts["cuda-graph"] == 0 and log.declines["cuda-graph"] == STEPS + 1  # the prefill too
+        assert "turned off after a failed capture" in log.reasons["cuda-graph"]
+    finally:
+        model.close()
+
+
+def test_steps_it_cannot_hold_go_the_eager_way(folders):
+    model = _loaded(folders["qwen3_moe"])
+    try:
+        captured = _with_graph(model)
+        cache = model.new_kv_cache()
+        assert "no prompt yet" in captured.refusal(cache)
+        model.forward(PROMPT, cache)
+        assert captured.refusal(cache) == ""
+        with model.control.installed(observers=(lambda *args: None,)):
+            assert "prefetch predictor" in captured.refusal(cache)
+        stored = model.new_kv_cache()
+        stored.layers[0] = object()
+        assert "not the engine's attention buffers" in captured.refusal(stored)
+        model.forward(torch.tensor([1, 2]), cache)  # a step of several tokens: declined by the path
+        assert model.paths.log.reasons["cuda-graph"] == "a step of several tokens"
+    finally:
+        model.close()
+
+
+def test_no_graph_off_cuda_unless_a_capture_is_given(folders):
+    model = _loaded(folders["qwen3_moe"])
+    try:
+        assert model.captured is None and "cuda-graph" not in model.paths.names
+    finally:
+        model.close()
