@@ -3,9 +3,12 @@ reading quantized bytes once, written in Triton, tested on the CPU in Triton's i
 shipped as ahead-of-time cubins launched through the CUDA driver (no Triton, no compiler on the
 user's machine).
 
-- `kquant_moe` — one token's routed experts from GGUF Q4_K/Q6_K/Q8_0 blocks in the device cache's
-  pool (gate_up + SiLU, down + weight + sum over the top-k), and a quantized GEMV for one matrix
-  (`engine.moe.fused_experts` runs the first two in decode steps);
+- `kquant_moe` — one token's routed experts from GGUF blocks (Q4_K, Q5_K, Q6_K, Q8_0, IQ4_XS,
+  IQ4_NL, MXFP4) in the device cache's pool (gate_up + SiLU, down + weight + sum over the top-k),
+  and a quantized GEMV for one matrix (`engine.moe.fused_experts` runs the first two in decode
+  steps);
+- `ggml_dots` — their device code per type: rows of blocks dequantized as
+  `engine.formats.gguf.blocks` does and dotted with x;
 - `smoke` — a one-line kernel that proves the build and the launcher on a new machine;
 - `registry` — the kernels the build compiles, each with its signature and constexprs;
 - `build` — `python -m engine.gpu.build`: the cubins for sm_80…sm_120 and PTX, each kernel's
@@ -20,5 +23,5 @@ user's machine).
   and their bytes a second against the card's.
 
 May import the engine's base modules, `engine.formats`, torch and triton. Importing this package
-imports no triton (users on a CPU may not have it); `kquant_moe`, `smoke` and `build` need it.
+imports no triton (users on a CPU may not have it); `kquant_moe`, `ggml_dots`, `smoke` and `build` need it.
 """

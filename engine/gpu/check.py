@@ -23,12 +23,22 @@ from engine.formats.gguf.blocks import TYPES, dequantize, row_bytes
 HIDDEN, INTER, EXPERTS, SLOTS, TOP_K = 2048, 768, 16, 24, 8
 ALIGN = 64  # fields start on 64-byte boundaries, as ExpertLayout places them
 BLOCK_N = 8  # rows a program, as the registry builds the kernels
-TYPE_PAIRS = ((QT.Q4_K, QT.Q4_K), (QT.Q4_K, QT.Q6_K), (QT.Q6_K, QT.Q6_K), (QT.Q8_0, QT.Q8_0))
+# (gate_up, down) as files pair them: Q4_K_M and Q5_K_M give down Q6_K in some layers
+TYPE_PAIRS = (
+    (QT.Q4_K, QT.Q4_K),
+    (QT.Q4_K, QT.Q6_K),
+    (QT.Q6_K, QT.Q6_K),
+    (QT.Q8_0, QT.Q8_0),
+    (QT.Q5_K, QT.Q6_K),
+    (QT.IQ4_XS, QT.IQ4_XS),
+    (QT.IQ4_NL, QT.IQ4_NL),
+    (QT.MXFP4, QT.MXFP4),
+)
 
 
 def random_blocks(ggml_type: QT, rows: int, columns: int, rng: np.random.Generator) -> torch.Tensor:
-    """uint8 `[rows, row bytes]`: random codes and scales, float16 fields finite and of moderate size
-    (so that every block counts in the sums), a few of them subnormal."""
+    """uint8 `[rows, row bytes]`: random codes and scales, float16 fields and MXFP4's e8m0 exponents
+    finite and of moderate size (so that every block counts in the sums), a few of them subnormal."""
     traits = TYPES[ggml_type]
     data = rng.integers(0, 256, (rows, row_bytes(ggml_type, columns)), dtype=np.uint8)
     blocks = data.reshape(-1, traits.block_bytes)
@@ -38,6 +48,10 @@ def random_blocks(ggml_type: QT, rows: int, columns: int, rng: np.random.Generat
             values = rng.standard_normal((len(blocks), 1)) * np.exp2(rng.integers(-12, -5, (len(blocks), 1)))
             values[::97] = 3e-6  # a float16 subnormal
             blocks[:, start : start + 2] = values.astype(np.float16).view(np.uint8)
+        elif ggml_type == QT.MXFP4 and field.name == "e":  # scales 2^(e − 128), as the f16 ones
+            exponents = rng.integers(116, 124, len(blocks))
+            exponents[::97], exponents[1::97] = 0, 1  # float32 subnormal scales
+            blocks[:, start] = exponents
         start += field.nbytes
     return torch.from_numpy(data)
 

@@ -1,10 +1,11 @@
-"""One token's routed experts straight from GGUF Q4_K, Q6_K and Q8_0 blocks: fused dequantize + GEMV.
+"""One token's routed experts straight from GGUF blocks: fused dequantize + GEMV, kernels and launches.
 
 Contract: the pool is the device cache's `uint8 [slots, expert_nbytes]`, each expert one packed row
 (`engine.formats.layout.ExpertLayout`); a ggml field of it is `[out rows, bytes per row]` of blocks
 at a byte offset in the row, a row of blocks holding one output row's weights in the file's column
-order. The layer's slot table `[E]` and the token's top-k ids `[K]` stay on the device: the host
-never reads which experts run, so the launches are the same for every route (a CUDA graph).
+order, in one of `engine.gpu.registry.KQUANT_TYPES` (Q4_K, Q5_K, Q6_K, Q8_0, IQ4_XS, IQ4_NL, MXFP4).
+The layer's slot table `[E]` and the token's top-k ids `[K]` stay on the device: the host never
+reads which experts run, so the launches are the same for every route (a CUDA graph).
 
 - `moe_gate_up`: `act [K, I] = silu(gate) · up` of each of the K experts, gate the first I rows of
   its `gate_up_proj` and up the next I (transformers' `_default_apply_gate`, the layout GGUF
@@ -14,13 +15,13 @@ never reads which experts run, so the launches are the same for every route (a C
 - `quantized_gemv`: `W @ x` for one quantized matrix (attention, lm_head), the same inner code.
 
 Each weight is dequantized as `engine.formats.gguf.blocks.dequantize` builds it — the same float32
-operations in the same order (`q · (d · sc) − dmin · m`, `(q − 32) · (d · sc)`, `q · d`) — and the
-dot products accumulate in float32 (their order differs from a BLAS matmul's). On a GPU they are
-compiled with `enable_fp_fusion=False` (`LAUNCH`): contracting `q · s − m` to an FMA would round
-once instead of twice. The kernels take pointers, ints and constexprs only, so they can
-be built ahead of time; the wrappers here launch them through Triton's JIT (and its interpreter,
-`TRITON_INTERPRET=1`, on CPU tensors). The activation is SiLU's, as `torch.nn.functional.silu`
-computes it (`g / (1 + exp(−g))`): families with another activation do not take this path.
+operations in the same order, per type in `engine.gpu.ggml_dots` — and the dot products accumulate
+in float32 (their order differs from a BLAS matmul's). On a GPU they are compiled with
+`enable_fp_fusion=False` (`LAUNCH`): contracting `q · s − m` to an FMA would round once instead of
+twice. The kernels take pointers, ints and constexprs only, so they can be built ahead of time;
+the wrappers here launch them through Triton's JIT (and its interpreter, `TRITON_INTERPRET=1`, on
+CPU tensors). The activation is SiLU's, as `torch.nn.functional.silu` computes it
+(`g / (1 + exp(−g))`): families with another activation do not take this path.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from gguf import GGMLQuantizationType
 
 from engine.errors import UnsupportedQuantizationError
 from engine.formats.gguf.blocks import ggml_type_traits, row_bytes
+from engine.gpu.ggml_dots import _row_bytes, _row_dots
 from engine.gpu.launch_ranges import launch_range
 from engine.gpu.registry import FIELD_ALIGN, KQUANT_BLOCK_N, KQUANT_TYPES
 
@@ -43,115 +45,16 @@ BLOCK_N = KQUANT_BLOCK_N  # output rows a program
 LAUNCH = {"num_warps": 4, "enable_fp_fusion": False}
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
-Q8_0: tl.constexpr = tl.constexpr(int(GGMLQuantizationType.Q8_0))
-Q4_K: tl.constexpr = tl.constexpr(int(GGMLQuantizationType.Q4_K))
-Q6_K: tl.constexpr = tl.constexpr(int(GGMLQuantizationType.Q6_K))
 SUPPORTED = KQUANT_TYPES
 
 
-# -- device code: one chunk of 256 columns of BLOCK_N rows, dequantized and dotted with x -----------
-
-
-@triton.jit
-def _f16(low, high):
-    """The float16 of little-endian bytes `low`, `high` (any shape), as float32 (exact)."""
-    bits = low.to(tl.uint16) | (high.to(tl.uint16) << 8)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _q4_k_dot(block, x_ptr):
-    """`block [BN, 1, 1]`: each row's Q4_K super-block (d | dmin | scales[12] | qs[128]);
-    `x_ptr` its 256 columns of x. Sub-block j = 2g + h is nibble h of qs[32g .. 32g + 31]."""
-    sub = tl.arange(0, 8)[None, :, None]  # [1, 8, 1]
-    lane = tl.arange(0, 32)[None, None, :]  # [1, 1, 32]
-    d = _f16(tl.load(block), tl.load(block + 1))
-    dmin = _f16(tl.load(block + 2), tl.load(block + 3))
-    # 8 six-bit scales and mins in 12 bytes (gguf.blocks.k_scale_min): a = byte j, b = byte j + 4,
-    # c = byte j - 4 (for the upper four)
-    a = tl.load(block + 4 + sub).to(tl.int32)
-    b = tl.load(block + 8 + sub).to(tl.int32)
-    c = tl.load(block + 4 + (sub & 3)).to(tl.int32)
-    lower = sub < 4
-    sc = tl.where(lower, a & 63, (b & 15) | ((c >> 2) & 48)).to(tl.float32)
-    mn = tl.where(lower, b & 63, (b >> 4) | ((a >> 2) & 48)).to(tl.float32)
-    qs = tl.load(block + 16 + 32 * (sub // 2) + lane).to(tl.int32)  # [BN, 8, 32]
-    q = ((qs >> (4 * (sub % 2))) & 15).to(tl.float32)
-    w = q * (d * sc) - dmin * mn
-    x = tl.load(x_ptr + 32 * sub + lane).to(tl.float32)
-    return tl.sum(tl.sum(w * x, axis=2), axis=1)
-
-
-@triton.jit
-def _q6_k_dot(block, x_ptr, BLOCK_N: tl.constexpr):
-    """`block [BN, 1, 1]`: each row's Q6_K super-block (ql[128] | qh[64] | scales:i8[16] | d), a half
-    of 128 weights at a time (half the registers); weight r of half h takes nibble r // 64 of
-    ql[64h + r % 64] and bits 2(r // 32) of qh[32h + r % 32]; 16 sub-blocks of 16."""
-    d = _f16(tl.load(block + 208), tl.load(block + 209))
-    sub = tl.arange(0, 8)[None, :, None]  # [1, 8, 1]: the half's sub-blocks
-    r = 16 * sub + tl.arange(0, 16)[None, None, :]  # [1, 8, 16]
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for half in range(2):
-        ql = tl.load(block + 64 * half + r % 64).to(tl.int32)
-        qh = tl.load(block + 128 + 32 * half + r % 32).to(tl.int32)
-        q = (((ql >> (4 * (r // 64))) & 15) | (((qh >> (2 * (r // 32))) & 3) << 4)).to(tl.float32)
-        sc = tl.load(block + 192 + 8 * half + sub).to(tl.int8, bitcast=True).to(tl.float32)
-        w = (q - 32.0) * (d * sc)
-        x = tl.load(x_ptr + 128 * half + r).to(tl.float32)
-        acc += tl.sum(tl.sum(w * x, axis=2), axis=1)
-    return acc
-
-
-@triton.jit
-def _q8_0_dot(row, chunk, x_ptr, n_blocks):
-    """`row [BN, 1, 1]`: each row's first Q8_0 block (d | qs:i8[32]); blocks 8·chunk .. 8·chunk + 7
-    of `n_blocks` (a row need not fill the last chunk) dotted with x."""
-    blk = 8 * chunk + tl.arange(0, 8)[None, :, None]  # [1, 8, 1]
-    lane = tl.arange(0, 32)[None, None, :]
-    valid = blk < n_blocks
-    block = row + 34 * blk
-    d = _f16(tl.load(block, mask=valid, other=0), tl.load(block + 1, mask=valid, other=0))
-    q = tl.load(block + 2 + lane, mask=valid, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    w = q * d
-    x = tl.load(x_ptr + 32 * blk + lane, mask=valid, other=0.0).to(tl.float32)
-    return tl.sum(tl.sum(w * x, axis=2), axis=1)
-
-
-@triton.jit
-def _row_dots(rows, x_ptr, n_cols, GGML_TYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`rows [BLOCK_N]`: byte pointers to rows of `n_cols` weights in `GGML_TYPE` blocks; each
-    row · x[:n_cols], float32, accumulated a chunk of 256 columns at a time in column order."""
-    row = rows[:, None, None]
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if GGML_TYPE == Q8_0:
-        n_blocks = n_cols // 32
-        for chunk in range(0, tl.cdiv(n_blocks, 8)):
-            acc += _q8_0_dot(row, chunk, x_ptr, n_blocks)
-    elif GGML_TYPE == Q4_K:
-        for chunk in range(0, n_cols // 256):
-            acc += _q4_k_dot(row + 144 * chunk, x_ptr + 256 * chunk)
-    else:
-        tl.static_assert(GGML_TYPE == Q6_K, "a Q4_K, Q6_K or Q8_0 type")
-        for chunk in range(0, n_cols // 256):
-            acc += _q6_k_dot(row + 210 * chunk, x_ptr + 256 * chunk, BLOCK_N)
-    return acc
-
-
-@triton.jit
-def _row_bytes(n_cols, GGML_TYPE: tl.constexpr):
-    """Bytes of a row of `n_cols` weights (engine.formats.gguf.blocks.row_bytes)."""
-    if GGML_TYPE == Q8_0:
-        return n_cols // 32 * 34
-    elif GGML_TYPE == Q4_K:
-        return n_cols // 256 * 144
-    else:
-        return n_cols // 256 * 210
+# -- device code: the kernels, around engine.gpu.ggml_dots's rows of blocks dotted with x ----------
 
 
 @triton.jit
 def _field_of(pool_ptr, table_ptr, ids_ptr, k, expert_nbytes, field_offset):
     """Byte pointer to the field of the k-th routed expert in the pool: table[ids[k]]'s row. Rows and
-    fields start on 16-byte boundaries (ExpertLayout aligns them to 64): Q4_K's bytes load as vectors."""
+    fields start on 16-byte boundaries (ExpertLayout aligns them to 64): K-quants' bytes load as vectors."""
     slot = tl.load(table_ptr + tl.load(ids_ptr + k)).to(tl.int64)
     return tl.multiple_of(pool_ptr + slot * expert_nbytes + field_offset, 16)
 
@@ -215,10 +118,16 @@ def _checked_type(ggml_type: GGMLQuantizationType | int, columns: int) -> int:
     traits = ggml_type_traits(ggml_type)  # UnsupportedQuantizationError for no ggml type at all
     if traits.ggml_type not in SUPPORTED:
         raise UnsupportedQuantizationError(
-            f"The fused GPU kernels read Q4_K, Q6_K and Q8_0 blocks, not {traits.name}."
+            f"The fused GPU kernels read {_type_names()} blocks, not {traits.name}."
         )
     row_bytes(traits.ggml_type, columns)  # ValueError unless whole blocks
     return int(traits.ggml_type)
+
+
+def _type_names() -> str:
+    """The types the kernels read, as a message lists them: "Q4_K, …, IQ4_NL and MXFP4"."""
+    names = [GGMLQuantizationType(t).name for t in SUPPORTED]
+    return f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _check_field(pool: torch.Tensor, field_offset: int, nbytes: int) -> None:

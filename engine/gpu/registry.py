@@ -43,7 +43,8 @@ SMOKE = KernelSpec(
 # more warps where four leave a thread too much live state: Q6_K's gate_up spilled on sm_80
 _WARPS = {("moe_gate_up", "q6_k"): 8}
 FIELD_ALIGN = 16  # bytes: what the K-quant kernels assume of pool rows and fields (their `aligned`)
-KQUANT_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0)  # the GGML types engine.gpu.kquant_moe reads
+# the GGML types engine.gpu.kquant_moe reads (engine.gpu.ggml_dots: one dot function each)
+KQUANT_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.IQ4_XS, QT.IQ4_NL, QT.MXFP4)
 KQUANT_BLOCK_N = 8  # rows a program in the built kernels: their launch grids divide by it
 KQUANT_DTYPES = ("fp32", "bf16")  # the activations' dtypes the kernels are built for
 

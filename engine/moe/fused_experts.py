@@ -11,9 +11,10 @@ host, the same launches whatever the route: a CUDA graph (`moe.cuda_graphs`) cap
 captures the torch path.
 
 `FusedExperts.of(module)` decides once per layer, at its first such step (`OffloadedExperts.fused`),
-whether they apply: the experts' `gate_up_proj` and `down_proj` are GGUF blocks as the file stores
-them (Q4_K, Q6_K or Q8_0; not repacked for the CPU), the experts gate as SwiGLU (gate rows first)
-with no biases, and the routing weight does not scale their input; and whether the kernels run: on
+whether they apply: the experts' `gate_up_proj` and `down_proj` are ggml blocks as the store keeps
+them (`engine.gpu.registry.KQUANT_TYPES`: Q4_K, Q5_K, Q6_K, Q8_0, IQ4_XS, IQ4_NL or MXFP4; not
+repacked for the CPU), the experts gate as SwiGLU (gate rows first) with no biases, and the routing
+weight does not scale their input; and whether the kernels run: on
 CUDA, their cubins load (`engine.gpu.launcher`; built for float32 and bfloat16 activations, another
 dtype is computed in float32, cast before and after); on the CPU only when asked
 (`ExpertControl.fused = True`), through Triton's JIT in its interpreter (`TRITON_INTERPRET=1`
@@ -33,6 +34,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from gguf import GGMLQuantizationType as QT
 
 from engine.formats.fields import GgmlBlocks
 from engine.formats.layout import ExpertField
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 
 INTERPRETED_BLOCK_N = 512  # rows a program in Triton's interpreter: its time goes by programs, not rows
 CUBIN_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the built kernels' activations
+_KQUANT_NAMES = ", ".join(QT(t).name for t in KQUANT_TYPES)
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ def _unfit_field(field: ExpertField) -> str | None:
     if field.packing is not None:
         return f"{field.name} is repacked for the CPU's kernels ({field.packing})"
     if field.ggml_type not in KQUANT_TYPES:
-        return f"{field.name} is {field.format.label}: the fused kernels read Q4_K, Q6_K and Q8_0"
+        return f"{field.name} is {field.format.label}: the fused kernels read {_KQUANT_NAMES}"
     if field.offset % FIELD_ALIGN:
         return f"{field.name} does not start on a {FIELD_ALIGN}-byte boundary"
     return None

@@ -23,7 +23,7 @@ checkpoint). `gguf_config` is transformers' config for a file with its misreadin
   every other matrix `other_type`.
 - no Q/K permutation: the converter permutes attn_q/attn_k only for llama-arch models, and
   transformers' TensorProcessor for qwen2moe/qwen3moe undoes none.
-Q4_K and Q6_K blocks come from engine.tiny.kquant_encode (gguf-py cannot quantize K-quants).
+K-quant blocks come from engine.tiny.kquant_encode (gguf-py cannot quantize K-quants).
 """
 
 from __future__ import annotations

@@ -2,11 +2,13 @@
 (`engine.moe.fused_experts`), run by Triton's interpreter on the CPU with CUDA's layout emulated (the
 file's blocks as stored, a slot for every expert, the slot tables): the torch path's logits and
 greedy tokens, nothing read on the host, two kernel launches a MoE layer, each layer's choice made
-once. Interpreted in a child process (tests/engine/gpu/interpreter.py says why).
+once; and a Q5_K/Q6_K one's logits. Interpreted in a child process (tests/engine/gpu/interpreter.py
+says why).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 
@@ -43,14 +45,22 @@ def gguf_path(tmp_path_factory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("fused"), expert_type=QT.Q4_K, down_type=QT.Q6_K)
 
 
+@contextlib.contextmanager
+def fused_and_torch(path: Path, monkeypatch):
+    """The same file twice, CUDA's layout emulated: (fused kernels forced on, the torch path)."""
+    fused, in_torch = (load_emulating_cuda(path, monkeypatch) for _ in range(2))
+    fused.control.fused, in_torch.control.fused = True, False
+    try:
+        yield fused, in_torch
+    finally:
+        fused.close()
+        in_torch.close()
+
+
 @pytest.fixture
 def models(gguf_path, monkeypatch):
-    """The same file twice, CUDA's layout emulated: (fused kernels forced on, the torch path)."""
-    fused, in_torch = (load_emulating_cuda(gguf_path, monkeypatch) for _ in range(2))
-    fused.control.fused, in_torch.control.fused = True, False
-    yield fused, in_torch
-    fused.close()
-    in_torch.close()
+    with fused_and_torch(gguf_path, monkeypatch) as pair:
+        yield pair
 
 
 def decode_logits(model) -> torch.Tensor:
@@ -151,3 +161,13 @@ def test_count_ops_counts_the_fused_launches_and_no_host_read_but_the_token(mode
     counts = count_ops(fused, PROMPT, 3)
     assert counts["kernels"] == 2 * len(fused.store.layer_indices)
     assert counts["host_syncs"] == 1  # the sampled token
+
+
+@in_the_interpreter
+def test_q5_k_experts_give_the_torch_path_s_logits(tmp_path, monkeypatch) -> None:
+    """Q5_K gate and up, Q6_K down (a Q5_K_M file's experts): each layer's fused kernels read them."""
+    path = write_tiny_gguf(tmp_path, expert_type=QT.Q5_K, down_type=QT.Q6_K)
+    with fused_and_torch(path, monkeypatch) as (fused, in_torch):
+        assert_close(decode_logits(fused), decode_logits(in_torch))
+        chosen = [experts.fused for experts in experts_of(fused)]
+        assert all(isinstance(c, FusedExperts) and c.gate_up.ggml_type == QT.Q5_K for c in chosen)

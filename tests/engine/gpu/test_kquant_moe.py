@@ -28,8 +28,18 @@ IDS = [4, 1, 4]  # top-k with a repeat, their slots out of order
 ALIGN = 64  # fields start on 64-byte boundaries, as ExpertLayout places them
 RTOL = 1e-6
 BLOCK_N = 64  # rows a program: the interpreter's time goes by ops, not by their size
-# (gate_up, down): Q4_K_M files give down projections Q4_K or Q6_K
-TYPE_PAIRS = [(QT.Q4_K, QT.Q4_K), (QT.Q4_K, QT.Q6_K), (QT.Q6_K, QT.Q6_K), (QT.Q8_0, QT.Q8_0)]
+# (gate_up, down): Q4_K_M files give down projections Q4_K or Q6_K, Q5_K_M ones Q5_K or Q6_K
+TYPE_PAIRS = [
+    (QT.Q4_K, QT.Q4_K),
+    (QT.Q4_K, QT.Q6_K),
+    (QT.Q6_K, QT.Q6_K),
+    (QT.Q8_0, QT.Q8_0),
+    (QT.Q5_K, QT.Q6_K),
+    (QT.IQ4_XS, QT.IQ4_XS),
+    (QT.IQ4_NL, QT.IQ4_NL),
+    (QT.MXFP4, QT.MXFP4),
+]
+TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.IQ4_XS, QT.IQ4_NL, QT.MXFP4]
 PAIR_IDS = [f"{g.name}-{d.name}" for g, d in TYPE_PAIRS]
 
 
@@ -106,7 +116,7 @@ def rng() -> np.random.Generator:
 
 
 @in_the_interpreter
-@pytest.mark.parametrize("ggml_type", [QT.Q4_K, QT.Q6_K, QT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_a_one_hot_x_reads_the_reference_weight_bit_for_bit(kq, ggml_type, rng):
     rows, columns = 12, 512
     blocks = random_blocks(ggml_type, rows, columns, rng)
@@ -120,7 +130,15 @@ def test_a_one_hot_x_reads_the_reference_weight_bit_for_bit(kq, ggml_type, rng):
 @in_the_interpreter
 @pytest.mark.parametrize(
     ("ggml_type", "rows", "columns"),
-    [(QT.Q4_K, 100, 512), (QT.Q6_K, 37, 768), (QT.Q8_0, 45, 320)],  # spare rows; Q8_0 in part-chunks
+    [
+        (QT.Q4_K, 100, 512),
+        (QT.Q5_K, 70, 768),
+        (QT.Q6_K, 37, 768),
+        (QT.IQ4_XS, 45, 512),
+        (QT.Q8_0, 45, 320),  # spare rows; blocks of 32 in part-chunks
+        (QT.IQ4_NL, 45, 320),
+        (QT.MXFP4, 45, 352),
+    ],
     ids=lambda v: getattr(v, "name", str(v)),
 )
 def test_quantized_gemv_is_f_linear_on_dequantize(kq, ggml_type, rows, columns, rng):
@@ -184,9 +202,9 @@ def test_gates_far_below_zero_give_zero_activations(kq, rng):
 
 @in_the_interpreter
 def test_types_without_a_kernel_are_refused(kq, rng):
-    blocks = random_blocks(QT.Q5_K, 4, 256, rng)
-    with pytest.raises(UnsupportedQuantizationError, match="Q5_K"):
-        kq.quantized_gemv(torch.zeros(256), blocks, QT.Q5_K, 4, 256)
+    blocks = random_blocks(QT.Q3_K, 4, 256, rng)
+    with pytest.raises(UnsupportedQuantizationError, match=r"read Q4_K, Q5_K, .* and MXFP4 blocks, not Q3_K"):
+        kq.quantized_gemv(torch.zeros(256), blocks, QT.Q3_K, 4, 256)
 
 
 @in_the_interpreter

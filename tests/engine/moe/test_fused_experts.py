@@ -68,7 +68,7 @@ def _module(layout: ExpertLayout, device: str = "cpu", fused: bool | None = True
 @pytest.mark.parametrize(
     ("module", "reason"),
     [
-        (_module(_layout(gate_up=QT.Q5_K)), "gate_up_proj is Q5_K: the fused kernels read Q4_K, Q6_K"),
+        (_module(_layout(gate_up=QT.Q3_K)), "gate_up_proj is Q3_K: the fused kernels read Q4_K, Q5_K"),
         (_module(_layout(down_packing=Q6_K_INT8)), "down_proj is repacked for the CPU's kernels (q6_k_int8)"),
         (_module(_layout(down_packing=GGML)), "down_proj is repacked for the CPU's kernels"),
         (_module(_layout(bias=True), has_bias=True), "the experts have biases"),
@@ -80,7 +80,7 @@ def _module(layout: ExpertLayout, device: str = "cpu", fused: bool | None = True
         (_module(_layout(), fused=False), "turned off"),
         (_module(_layout(), device="meta"), "no fused kernels run on meta"),
     ],
-    ids=["Q5_K", "Q6_K repacked", "ggml rows", "biases", "a bias field", "scaled input", "no SwiGLU",
+    ids=["Q3_K", "Q6_K repacked", "ggml rows", "biases", "a bias field", "scaled input", "no SwiGLU",
          "native", "cpu unasked", "off", "another device"],
 )  # fmt: skip
 def test_each_layout_the_kernels_do_not_read_is_declined_with_its_reason(module, reason) -> None:
