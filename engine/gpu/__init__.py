@@ -6,6 +6,9 @@ user's machine).
 - `kquant_moe` — one token's routed experts from GGUF Q4_K/Q6_K/Q8_0 blocks in the device cache's
   pool (gate_up + SiLU, down + weight + sum over the top-k), and a quantized GEMV for one matrix
   (`engine.moe.fused_experts` runs the first two in decode steps);
+- `decoder_kernels` — the standard decoder's one-token work around attention and the experts, the
+  position read on the device (a CUDA graph of the step): add + RMS norm, q/k norms + rotary + KV
+  write, the router's softmax and top-k;
 - `smoke` — a one-line kernel that proves the build and the launcher on a new machine;
 - `registry` — the kernels the build compiles, each with its signature and constexprs;
 - `build` — `python -m engine.gpu.build`: the cubins for sm_80…sm_120 and PTX, each kernel's
@@ -20,5 +23,6 @@ user's machine).
   and their bytes a second against the card's.
 
 May import the engine's base modules, `engine.formats`, torch and triton. Importing this package
-imports no triton (users on a CPU may not have it); `kquant_moe`, `smoke` and `build` need it.
+imports no triton (users on a CPU may not have it); `kquant_moe`, `decoder_kernels`,
+`smoke` and `build` need it.
 """
