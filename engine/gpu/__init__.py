@@ -9,6 +9,8 @@ user's machine).
 - `decoder_kernels` — the standard decoder's one-token work around attention and the experts, the
   position read on the device (a CUDA graph of the step): add + RMS norm, q/k norms + rotary + KV
   write, the router's softmax and top-k;
+- `decode_attention` — one query token's attention over a static KV cache, flash-decoding style
+  (positions split across programs by the capacity, the length read on the device);
 - `smoke` — a one-line kernel that proves the build and the launcher on a new machine;
 - `registry` — the kernels the build compiles, each with its signature and constexprs;
 - `build` — `python -m engine.gpu.build`: the cubins for sm_80…sm_120 and PTX, each kernel's
@@ -24,5 +26,5 @@ user's machine).
 
 May import the engine's base modules, `engine.formats`, torch and triton. Importing this package
 imports no triton (users on a CPU may not have it); `kquant_moe`, `decoder_kernels`,
-`smoke` and `build` need it.
+`decode_attention`, `smoke` and `build` need it.
 """
