@@ -215,4 +215,4 @@ DECODER_KERNELS: tuple[KernelSpec, ...] = tuple(
     for spec in (*decoder_specs(dtype), *(s for d in DECODER_HEAD_DIMS for s in head_specs(dtype, d)))
 )
 
-REGISTRY: tuple[KernelSpec, ...] = (SMOKE, *MOE_KERNELS)
+REGISTRY: tuple[KernelSpec, ...] = (SMOKE, *MOE_KERNELS, *DECODER_KERNELS)
