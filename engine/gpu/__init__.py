@@ -9,6 +9,11 @@ user's machine).
   steps);
 - `ggml_dots` — their device code per type: rows of blocks dequantized as
   `engine.formats.gguf.blocks` does and dotted with x;
+- `decoder_kernels` — the standard decoder's one-token work around attention and the experts, the
+  position read on the device (a CUDA graph of the step): add + RMS norm, q/k norms + rotary + KV
+  write, the router's softmax and top-k;
+- `decode_attention` — one query token's attention over a static KV cache, flash-decoding style
+  (positions split across programs by the capacity, the length read on the device);
 - `smoke` — a one-line kernel that proves the build and the launcher on a new machine;
 - `registry` — the kernels the build compiles, each with its signature and constexprs;
 - `build` — `python -m engine.gpu.build`: the cubins for sm_80…sm_120 and PTX, each kernel's
@@ -23,5 +28,6 @@ user's machine).
   and their bytes a second against the card's.
 
 May import the engine's base modules, `engine.formats`, torch and triton. Importing this package
-imports no triton (users on a CPU may not have it); `kquant_moe`, `ggml_dots`, `smoke` and `build` need it.
+imports no triton (users on a CPU may not have it); `kquant_moe`, `ggml_dots`, `decoder_kernels`,
+`decode_attention`, `smoke` and `build` need it.
 """

@@ -94,4 +94,126 @@ def kquant_specs(x_dtype: str = "fp32") -> tuple[KernelSpec, ...]:
 # engine.gpu.kquant_moe's fused MoE kernels, for float32 and bfloat16 activations
 MOE_KERNELS: tuple[KernelSpec, ...] = tuple(spec for dtype in KQUANT_DTYPES for spec in kquant_specs(dtype))
 
-REGISTRY: tuple[KernelSpec, ...] = (SMOKE, *MOE_KERNELS)
+
+# -- the standard decoder's one-token step: engine.gpu.decoder_kernels and engine.gpu.decode_attention --
+
+DECODER_DTYPES = ("fp32", "bf16")  # the hidden states' (and KV cache's) dtypes they are built for
+DECODER_HEAD_DIMS = (128,)  # head widths built (Qwen3-MoE, Mixtral, OLMoE, Qwen1.5-MoE, Phi-3.5-MoE)
+NORM_BLOCK = 1024  # columns a norm program reads at a time (it loops over wider rows)
+ATTENTION_BLOCK_H = 16  # query heads of one KV head a program (tl.dot's least rows; fewer masked)
+ATTENTION_BLOCK_T = 32  # cached positions a step of a program's loop
+ATTENTION_MAX_SPLITS = 64  # programs a KV head at most: the reduce kernel reads their partials at once
+ATTENTION_WARPS = 8  # the split kernel's: with four, a thread holds too much of its tensor-core operands
+ROUTER_BLOCK_E = 512  # experts at most
+ROUTER_MAX_K = 16  # top-k at most
+
+
+def _decoder_kernel(
+    name: str, function: str, signature: dict[str, str], aligned: str, num_warps: int = 4, **constexprs
+) -> KernelSpec:
+    """An entry of the decoder's kernels; `aligned` names the arguments promised divisible by 16
+    (the bulk tensors: torch allocates them so, and the launcher refuses a pointer that is not)."""
+    return KernelSpec(
+        name=name,
+        function=function,
+        signature=signature | dict.fromkeys(constexprs, "constexpr"),
+        constexprs=constexprs,
+        aligned=tuple(aligned.split()),
+        num_warps=num_warps,
+    )
+
+
+def decoder_specs(dtype: str = "fp32") -> tuple[KernelSpec, ...]:
+    """The norms and the router for hidden states, norm weights, router logits and routing weights
+    in `dtype` ("fp32", "bf16"); the top-k ids int64. Names end in `_{dtype}`."""
+    act, kernels = f"*{dtype}", "engine.gpu.decoder_kernels"
+    norm = {
+        "x_ptr": act,
+        "residual_ptr": act,
+        "weight_ptr": act,
+        "out_ptr": act,
+        "width": "i32",
+        "eps": "fp32",
+    }
+    router = {"logits_ptr": act, "ids_ptr": "*i64", "weights_ptr": act, "experts": "i32"}
+    router |= {"top_k": "i32", "renormalize": "i32"}
+    rows = "x_ptr residual_ptr weight_ptr out_ptr width"
+    return (
+        *(
+            _decoder_kernel(
+                f"{'add_' if add else ''}rms_norm_{dtype}",
+                f"{kernels}:rms_norm_kernel",
+                norm,
+                rows,
+                ADD=add,
+                BLOCK=NORM_BLOCK,
+            )
+            for add in (True, False)
+        ),
+        _decoder_kernel(
+            f"router_top_k_{dtype}",
+            f"{kernels}:router_top_k_kernel",
+            router,
+            "logits_ptr",
+            BLOCK_E=ROUTER_BLOCK_E,
+            MAX_K=ROUTER_MAX_K,
+        ),
+    )
+
+
+def head_specs(dtype: str = "fp32", head_dim: int = 128) -> tuple[KernelSpec, ...]:
+    """The per-head kernels (rotary and KV write, with and without q/k norms; the attention's two
+    passes) for heads of `head_dim` in `dtype`, the position an int64 on the device, the attention's
+    partials float32. Names end in `_d{head_dim}_{dtype}`."""
+    act, kernels, attention = f"*{dtype}", "engine.gpu.decoder_kernels", "engine.gpu.decode_attention"
+    rope = {"q_ptr": act, "k_ptr": act, "v_ptr": act, "q_norm_ptr": act, "k_norm_ptr": act}
+    rope |= {"cos_ptr": act, "sin_ptr": act, "pos_ptr": "*i64", "q_out_ptr": act}
+    rope |= {"key_cache_ptr": act, "value_cache_ptr": act, "heads": "i32", "kv_heads": "i32"}
+    rope |= {"capacity": "i32", "table_rows": "i32", "eps": "fp32"}
+    split = {"q_ptr": act, "key_cache_ptr": act, "value_cache_ptr": act, "pos_ptr": "*i64"}
+    split |= {"partial_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "group": "i32"}
+    split |= {"capacity": "i32", "split_len": "i32", "splits": "i32", "scaling": "fp32"}
+    reduce = {"partial_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "out_ptr": act, "splits": "i32"}
+    rope_rows = " ".join(name for name, kind in rope.items() if kind == act)  # not the position
+    suffix = f"d{head_dim}_{dtype}"
+    return (
+        *(
+            _decoder_kernel(
+                f"rope_kv_write{'_qk_norm' if qk_norm else ''}_{suffix}",
+                f"{kernels}:rope_kv_write_kernel",
+                rope,
+                rope_rows,
+                QK_NORM=qk_norm,
+                HEAD_DIM=head_dim,
+            )
+            for qk_norm in (False, True)
+        ),
+        _decoder_kernel(
+            f"decode_attention_split_{suffix}",
+            f"{attention}:decode_attention_split_kernel",
+            split,
+            "q_ptr key_cache_ptr value_cache_ptr partial_ptr",
+            num_warps=ATTENTION_WARPS,
+            HEAD_DIM=head_dim,
+            BLOCK_H=ATTENTION_BLOCK_H,
+            BLOCK_T=ATTENTION_BLOCK_T,
+        ),
+        _decoder_kernel(
+            f"decode_attention_reduce_{suffix}",
+            f"{attention}:decode_attention_reduce_kernel",
+            reduce,
+            "partial_ptr out_ptr",
+            HEAD_DIM=head_dim,
+            MAX_SPLITS=ATTENTION_MAX_SPLITS,
+        ),
+    )
+
+
+# the decoder's kernels, for float32 and bfloat16 hidden states
+DECODER_KERNELS: tuple[KernelSpec, ...] = tuple(
+    spec
+    for dtype in DECODER_DTYPES
+    for spec in (*decoder_specs(dtype), *(s for d in DECODER_HEAD_DIMS for s in head_specs(dtype, d)))
+)
+
+REGISTRY: tuple[KernelSpec, ...] = (SMOKE, *MOE_KERNELS, *DECODER_KERNELS)
