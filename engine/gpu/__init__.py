@@ -6,6 +6,13 @@ user's machine).
 - `kquant_moe` — one token's routed experts from GGUF Q4_K/Q6_K/Q8_0 blocks in the device cache's
   pool (gate_up + SiLU, down + weight + sum over the top-k), and a quantized GEMV for one matrix
   (`engine.moe.fused_experts` runs the first two in decode steps);
+- `fp8_moe` — the same three from FP8 e4m3 values and their float32 block, row or tensor scales;
+- `int4_moe` — the same three from GPTQ, AWQ and compressed-tensors int4 words, zeros, scales and
+  act-order's g_idx;
+- `routed` — the device code the FP8 and int4 kernels share: an expert's pool row from the slot
+  table and the top-k ids, SiLU · up;
+- `projections` — what a kernel family reads of one projection of the experts in a pool row, one
+  object per stored type (its fields' offsets, its shape, its cubins), made from the ExpertLayout;
 - `smoke` — a one-line kernel that proves the build and the launcher on a new machine;
 - `registry` — the kernels the build compiles, each with its signature and constexprs;
 - `build` — `python -m engine.gpu.build`: the cubins for sm_80…sm_120 and PTX, each kernel's
@@ -20,5 +27,6 @@ user's machine).
   and their bytes a second against the card's.
 
 May import the engine's base modules, `engine.formats`, torch and triton. Importing this package
-imports no triton (users on a CPU may not have it); `kquant_moe`, `smoke` and `build` need it.
+imports no triton (users on a CPU may not have it); `kquant_moe`, `fp8_moe`, `int4_moe`, `routed`,
+`smoke` and `build` need it.
 """
