@@ -107,7 +107,9 @@ INT4_FIELD_INTS = ("field_offset", "qzeros_offset", "scales_offset", "g_idx_offs
 INT4_FIELD_INTS += ("part_rows", "group_size", "scales_bf16")
 # (format, act order) of the int4 kernels built: AWQ has no g_idx
 INT4_VARIANTS = tuple((fmt, act) for fmt in INT4_FORMATS for act in (False, True) if not (fmt == AWQ and act))
-_FP8_INT4_WARPS: dict[str, int] = {}  # kernel name without its dtype → warps, where four spill
+# warps a program: with four, a thread holds 16 of a chunk's 8 × 256 weights and several kernels
+# (FP8's down, int4's GPTQ and act-order ones) need more than 128 registers on sm_80
+FP8_INT4_WARPS = 8
 
 
 def fp8_name(kernel: str, x_dtype: str) -> str:
@@ -150,7 +152,7 @@ def _spec(name: str, function: str, params: dict[str, str], constexprs: dict) ->
         signature=params | dict.fromkeys(constexprs, "constexpr"),
         constexprs=constexprs,
         aligned=tuple(arg for arg, kind in params.items() if kind.startswith("*")),
-        num_warps=_FP8_INT4_WARPS.get(name.rsplit("_", 1)[0], 8),
+        num_warps=FP8_INT4_WARPS,
     )
 
 
@@ -190,4 +192,4 @@ FP8_INT4_KERNELS: tuple[KernelSpec, ...] = tuple(
     spec for dtype in KQUANT_DTYPES for spec in (*fp8_specs(dtype), *int4_specs(dtype))
 )
 
-REGISTRY: tuple[KernelSpec, ...] = (SMOKE, *MOE_KERNELS)
+REGISTRY: tuple[KernelSpec, ...] = (SMOKE, *MOE_KERNELS, *FP8_INT4_KERNELS)
