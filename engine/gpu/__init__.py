@@ -9,6 +9,13 @@ user's machine).
   steps);
 - `ggml_dots` — their device code per type: rows of blocks dequantized as
   `engine.formats.gguf.blocks` does and dotted with x;
+- `fp8_moe` — the same three from FP8 e4m3 values and their float32 block, row or tensor scales;
+- `int4_moe` — the same three from GPTQ, AWQ and compressed-tensors int4 words, zeros, scales and
+  act-order's g_idx;
+- `routed` — the device code the FP8 and int4 kernels share: an expert's pool row from the slot
+  table and the top-k ids, SiLU · up;
+- `projections` — what a kernel family reads of one projection of the experts in a pool row, one
+  object per stored type (its fields' offsets, its shape, its cubins), made from the ExpertLayout;
 - `decoder_kernels` — the standard decoder's one-token work around attention and the experts, the
   position read on the device (a CUDA graph of the step): add + RMS norm, q/k norms + rotary + KV
   write, the router's softmax and top-k;
@@ -28,6 +35,6 @@ user's machine).
   and their bytes a second against the card's.
 
 May import the engine's base modules, `engine.formats`, torch and triton. Importing this package
-imports no triton (users on a CPU may not have it); `kquant_moe`, `ggml_dots`, `decoder_kernels`,
-`decode_attention`, `smoke` and `build` need it.
+imports no triton (users on a CPU may not have it); `kquant_moe`, `ggml_dots`, `fp8_moe`, `int4_moe`,
+`routed`, `decoder_kernels`, `decode_attention`, `smoke` and `build` need it.
 """

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 from gguf import GGMLQuantizationType as QT
 
+from engine.formats.int4 import AWQ
+from engine.formats.int4 import FORMATS as INT4_FORMATS
+
 
 @dataclass(frozen=True)
 class KernelSpec:
@@ -216,4 +219,100 @@ DECODER_KERNELS: tuple[KernelSpec, ...] = tuple(
     for spec in (*decoder_specs(dtype), *(s for d in DECODER_HEAD_DIMS for s in head_specs(dtype, d)))
 )
 
-REGISTRY: tuple[KernelSpec, ...] = (SMOKE, *MOE_KERNELS, *DECODER_KERNELS)
+
+# -- FP8 and int4 experts (engine.gpu.fp8_moe, engine.gpu.int4_moe) --------------------------------
+
+FP8_BLOCK_N = INT4_BLOCK_N = 8  # rows a program in the built kernels: their launch grids divide by it
+# the ints each family reads of its projection's fields, after the pool row's size
+# (engine.gpu.projections: `ints`)
+FP8_FIELD_INTS = ("field_offset", "scale_offset", "block_rows", "block_cols")
+INT4_FIELD_INTS = ("field_offset", "qzeros_offset", "scales_offset", "g_idx_offset")
+INT4_FIELD_INTS += ("part_rows", "group_size", "scales_bf16")
+# (format, act order) of the int4 kernels built: AWQ has no g_idx
+INT4_VARIANTS = tuple((fmt, act) for fmt in INT4_FORMATS for act in (False, True) if not (fmt == AWQ and act))
+# warps a program: with four, a thread holds 16 of a chunk's 8 × 256 weights and several kernels
+# (FP8's down, int4's GPTQ and act-order ones) need more than 128 registers on sm_80
+FP8_INT4_WARPS = 8
+
+
+def fp8_name(kernel: str, x_dtype: str) -> str:
+    """The registered name of engine.gpu.fp8_moe's `kernel` for activations in `x_dtype`."""
+    return f"{kernel}_fp8_{x_dtype}"
+
+
+def int4_variant(fmt: str, act_order: bool) -> str:
+    """`int4_<format>[_g_idx]`: words in `fmt` (one of engine.formats.int4.FORMATS), with act-order's
+    g_idx or without."""
+    slug = fmt.replace("compressed-tensors", "ct").replace("-", "_")
+    return f"int4_{slug}{'_g_idx' if act_order else ''}"
+
+
+def int4_name(kernel: str, fmt: str, act_order: bool, x_dtype: str) -> str:
+    """The registered name of engine.gpu.int4_moe's `kernel` for `int4_variant(fmt, act_order)` and
+    activations in `x_dtype`."""
+    return f"{kernel}_{int4_variant(fmt, act_order)}_{x_dtype}"
+
+
+def _routed_signatures(x_dtype: str, field_ints: tuple[str, ...]) -> dict[str, dict[str, str]]:
+    """`moe_gate_up`'s and `moe_down`'s arguments, their projection's `field_ints` between the pool
+    row's size and the shape (as K-quants' `field_offset` lies there)."""
+    ints = {"expert_nbytes": "i32"} | dict.fromkeys(field_ints, "i32")
+    routed = {"pool_ptr": "*u8", "table_ptr": "*i64", "ids_ptr": "*i64"}
+    return {
+        "moe_gate_up": {"x_ptr": f"*{x_dtype}", **routed, "act_ptr": "*fp32"}
+        | ints
+        | {"inter": "i32", "hidden": "i32"},
+        "moe_down": {"act_ptr": "*fp32", **routed, "weights_ptr": f"*{x_dtype}", "out_ptr": f"*{x_dtype}"}
+        | ints
+        | {"hidden": "i32", "inter": "i32", "top_k": "i32"},
+    }
+
+
+def _spec(name: str, function: str, params: dict[str, str], constexprs: dict) -> KernelSpec:
+    return KernelSpec(
+        name=name,
+        function=function,
+        signature=params | dict.fromkeys(constexprs, "constexpr"),
+        constexprs=constexprs,
+        aligned=tuple(arg for arg, kind in params.items() if kind.startswith("*")),
+        num_warps=FP8_INT4_WARPS,
+    )
+
+
+def fp8_specs(x_dtype: str = "fp32") -> tuple[KernelSpec, ...]:
+    """engine.gpu.fp8_moe's kernels for activations in `x_dtype`: the routed pair and the GEMV (the
+    e4m3 bytes `*u8`, their scales `*fp32`); the block of the scales is an argument."""
+    kernels = _routed_signatures(x_dtype, FP8_FIELD_INTS) | {
+        "quantized_gemv": {"x_ptr": f"*{x_dtype}", "weights_ptr": "*u8", "scales_ptr": "*fp32"}
+        | {"out_ptr": "*fp32", "out_features": "i32", "in_features": "i32"}
+        | {"block_rows": "i32", "block_cols": "i32"}
+    }
+    return tuple(
+        _spec(
+            fp8_name(kernel, x_dtype), f"engine.gpu.fp8_moe:{kernel}_kernel", params, {"BLOCK_N": FP8_BLOCK_N}
+        )
+        for kernel, params in kernels.items()
+    )
+
+
+def int4_specs(x_dtype: str = "fp32") -> tuple[KernelSpec, ...]:
+    """engine.gpu.int4_moe's routed pair for activations in `x_dtype`, one per format and act order
+    (INT4_VARIANTS: their `FORMAT` is the format's index in engine.formats.int4.FORMATS)."""
+    return tuple(
+        _spec(
+            int4_name(kernel, fmt, act_order, x_dtype),
+            f"engine.gpu.int4_moe:{kernel}_kernel",
+            params,
+            {"FORMAT": INT4_FORMATS.index(fmt), "ACT_ORDER": act_order, "BLOCK_N": INT4_BLOCK_N},
+        )
+        for kernel, params in _routed_signatures(x_dtype, INT4_FIELD_INTS).items()
+        for fmt, act_order in INT4_VARIANTS
+    )
+
+
+# engine.gpu.fp8_moe's and engine.gpu.int4_moe's kernels, for float32 and bfloat16 activations
+FP8_INT4_KERNELS: tuple[KernelSpec, ...] = tuple(
+    spec for dtype in KQUANT_DTYPES for spec in (*fp8_specs(dtype), *int4_specs(dtype))
+)
+
+REGISTRY: tuple[KernelSpec, ...] = (SMOKE, *MOE_KERNELS, *FP8_INT4_KERNELS, *DECODER_KERNELS)

@@ -13,8 +13,9 @@ sums whatever the run).
 Where the cache holds every expert (`ExpertCache.holds_all`), a one-token step goes further
 (`forward_resident`): its `top_k_index` is looked up in the layer's slot table on the device and
 the K experts are gathered, computed and summed without the host reading which they are — no
-host synchronisation a layer, the same kernels for every route; GGUF experts the fused kernels
-read go through them instead (`engine.moe.fused_experts`: two launches a layer).
+host synchronisation a layer, the same kernels for every route; experts the fused kernels read
+(GGUF blocks, FP8, int4 words) go through them instead (`engine.moe.fused_experts`: two launches a
+layer), which is how FP8 and int4 experts take this path at all (`resident_asked`).
 
 Each expert's values are the ones `OffloadedExperts.expert_forward` computes, weighted as
 transformers weights them; only the summation order of the final combine differs (floating-point
@@ -45,14 +46,29 @@ def groupable(layout: ExpertLayout) -> bool:
     return layout.quant is None and all(as_stored)
 
 
-def groups_asked(module) -> bool:
-    """Whether `module` (an `OffloadedExperts`) computes its experts in groups where a step allows:
-    asked for (`ExpertControl.grouped`; None: on CUDA), a device pool, a layout of native or ggml
-    fields."""
+def _together_asked(module) -> bool:
+    """Whether `module` (an `OffloadedExperts`) is asked to compute its experts together
+    (`ExpertControl.grouped`; None: on CUDA) and has a device pool to gather them from."""
     cache, grouped = module.cache, module.control.grouped
     if grouped is None:
         grouped = cache.device.type == "cuda"
-    return grouped and cache.pool is not None and groupable(cache.store.layout_of(module.layer))
+    return bool(grouped) and cache.pool is not None
+
+
+def groups_asked(module) -> bool:
+    """Whether `module` computes its experts in groups where a step allows: asked for
+    (`_together_asked`), a layout of native or ggml fields."""
+    return _together_asked(module) and groupable(module.cache.store.layout_of(module.layer))
+
+
+def resident_asked(module) -> bool:
+    """Whether a one-token step over a cache holding every expert looks them up in the slot table
+    (`forward_resident`): where `module` computes in groups, or where its layout is one torch's
+    gather does not read (FP8, int4 words) but its fused kernels do (`module.fused`, decided at
+    the layer's first such step)."""
+    if not _together_asked(module):
+        return False
+    return groupable(module.cache.store.layout_of(module.layer)) or module.fused is not None
 
 
 def in_groups(module, step, experts: Sequence[int], streaming: bool) -> bool:

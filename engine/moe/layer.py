@@ -51,7 +51,7 @@ from engine.formats.gguf.repack import GGML_PACKINGS
 from engine.ggml import kernels as ggml_kernels
 from engine.model.adapters.base import Architecture
 from engine.model.hf_calls import decoder_of
-from engine.moe.batched_experts import accumulate_in_groups, forward_resident, groups_asked, in_groups
+from engine.moe.batched_experts import accumulate_in_groups, forward_resident, in_groups, resident_asked
 from engine.moe.control import DraftRouting, ExpertControl
 from engine.moe.fused_experts import FusedExperts
 from engine.moe.routing_trace import RoutingTrace
@@ -169,8 +169,9 @@ class OffloadedExperts(nn.Module):
         return step.out
 
     def _slot_table(self, hidden: torch.Tensor, draft: DraftRouting | None) -> torch.Tensor | None:
-        """The layer's `ExpertCache.slot_table`, for a one-token target step computed in groups."""
-        if hidden.shape[0] != 1 or draft is not None or not self.cache.holds_all or not groups_asked(self):
+        """The layer's `ExpertCache.slot_table`, for a one-token target step computed in groups or
+        by the fused kernels (`resident_asked`)."""
+        if hidden.shape[0] != 1 or draft is not None or not self.cache.holds_all or not resident_asked(self):
             return None
         return self.cache.slot_table(self.layer)
 

@@ -14,9 +14,12 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine.config import ExpertBudget, OffloadConfig
+from engine.formats.fp8_experts import fp8_layout
 from engine.formats.gguf.blocks import row_bytes
 from engine.formats.gguf.experts import GgufFormat, ggml_layout
 from engine.formats.gguf.repack import GGML, Q6_K_INT8
+from engine.formats.int4 import CT, GPTQ
+from engine.formats.int4_experts import int4_layout
 from engine.formats.layout import ExpertLayout
 from engine.loader import load_model
 from engine.moe import fused_experts
@@ -93,6 +96,28 @@ def test_on_the_cpu_they_need_triton_s_interpreter() -> None:
     the kernels decline, saying why."""
     chosen = FusedExperts.choose(_module(_layout(QT.Q8_0, QT.Q8_0)))
     assert isinstance(chosen, str) and ("interpreter is off" in chosen or "triton is not installed" in chosen)
+
+
+FP8 = fp8_layout([("gate_up_proj", (2 * INTER, H), (128, 128)), ("down_proj", (H, INTER), (128, 128))])
+GPTQ_ACT_ORDER = int4_layout(
+    [("gate_up_proj", (2 * INTER, H), GPTQ, 2, 2), ("down_proj", (H, INTER), GPTQ, 4, 1)], torch.float16
+)
+CT_FLOAT32_SCALES = int4_layout(
+    [("gate_up_proj", (2 * INTER, H), CT, 2, 0), ("down_proj", (H, INTER), CT, 4, 0)], torch.float32
+)
+
+
+@pytest.mark.parametrize("layout", [FP8, GPTQ_ACT_ORDER], ids=["fp8", "gptq act-order"])
+def test_fp8_and_int4_experts_with_their_companions_are_read(layout) -> None:
+    """Their layouts pass (scales, zeros, g_idx are companions, not weights): what stops them here
+    is the interpreter, as for GGUF blocks."""
+    chosen = FusedExperts.choose(_module(layout))
+    assert isinstance(chosen, str) and ("interpreter is off" in chosen or "triton is not installed" in chosen)
+
+
+def test_a_projection_no_kernel_reads_is_declined_with_its_reason() -> None:
+    chosen = FusedExperts.choose(_module(CT_FLOAT32_SCALES))
+    assert chosen == "gate_up_proj's int4 scales are torch.float32: the kernels read float16 and bfloat16"
 
 
 @pytest.fixture(scope="module")
