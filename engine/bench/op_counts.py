@@ -7,8 +7,11 @@ kernel launch on a GPU and one call through the dispatcher on the CPU), `kernels
 engine's own kernels, `engine.gpu`: Triton's, or its cubins through the CUDA driver, which torch's
 profiler sees only as the ranges `engine.gpu.launch_ranges` opens; one launch each, the operators
 inside a range left out — on the CPU they are Triton's interpreter copying its arguments),
-`host_syncs` (the host reading a tensor's values — `.item()`, `.tolist()`, `nonzero` — each a wait
-for the device on a GPU; on the CPU it counts where those waits would be) and, on CUDA, the
+`launches` (the operators and kernels that launch work on a GPU: the deepest operator of each
+call that is not a view or an allocation — a matmul whose leaves are conjugation checks counts
+once, a view or an empty tensor not at all — plus `kernels`), `host_syncs` (the host reading a
+tensor's values — `.item()`, `.tolist()`, `nonzero` — each a wait for the device on a GPU; on
+the CPU it counts where those waits would be) and, on CUDA, the
 runtime's own `cuda_launches` and `cuda_syncs` (None on the CPU). These are what CUDA graphs, a
 static cache and fused kernels would remove.
 """
@@ -31,6 +34,16 @@ from engine.prompts import greedy
 # greedy argmax on the CPU) dispatch nothing and are counted apart
 HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::equal", "aten::is_nonzero")
 CUDA_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
+# aten operators that launch nothing on a GPU: views, metadata, allocations
+NO_LAUNCH = frozenset(
+    f"aten::{name}"
+    for name in (
+        *("view", "_unsafe_view", "_reshape_alias", "reshape", "as_strided", "alias", "expand", "t"),
+        *("transpose", "permute", "slice", "select", "unsqueeze", "squeeze", "unbind", "split"),
+        *("narrow", "detach", "lift_fresh", "resolve_conj", "resolve_neg", "empty", "empty_strided"),
+        *("empty_like", "contiguous", "to", "_to_copy"),
+    )
+)
 
 
 @contextmanager
@@ -74,10 +87,19 @@ def _counts(model, prompt_ids: list[int], new_tokens: int) -> dict[str, int | No
     return {
         "ops": len(leaves),
         "kernels": sum(e.name.startswith(RANGE_PREFIX) for e in events),
+        "launches": sum(_launches(e) for e in events) + sum(e.name.startswith(RANGE_PREFIX) for e in events),
         "host_syncs": sum(e.name in HOST_READS for e in events) + sum(reads.values()),
         "cuda_launches": sum(e.name in CUDA_LAUNCHES for e in events) if cuda else None,
         "cuda_syncs": sum(e.name.endswith("Synchronize") for e in events) if cuda else None,
     }
+
+
+def _launches(event) -> bool:
+    """Whether `event` is an operator that launches work on a GPU: not a view or an allocation, and
+    none of the operators it calls does (it is the deepest that does)."""
+    if not event.name.startswith("aten::") or event.name in NO_LAUNCH:
+        return False
+    return not any(c.name.startswith("aten::") and c.name not in NO_LAUNCH for c in event.cpu_children)
 
 
 def _inside_kernel(event) -> bool:
@@ -101,7 +123,7 @@ def count_ops(model, prompt_ids: list[int], new_tokens: int) -> dict[str, float 
 def format_op_counts(counts: dict[str, float | None]) -> str:
     line = (
         f"per decode token: {counts['ops']:.0f} operators launched, {counts.get('kernels', 0):.0f} fused "
-        f"kernels, {counts['host_syncs']:.1f} host syncs"
+        f"kernels, {counts.get('launches', 0):.0f} GPU launches in all, {counts['host_syncs']:.1f} host syncs"
     )
     if counts.get("cuda_launches") is not None:
         line += f" (CUDA: {counts['cuda_launches']:.0f} kernel launches, {counts['cuda_syncs']:.1f} syncs)"

@@ -4,7 +4,8 @@
   runs it, and the name of the path each step took (`stats.step_path`);
 - `lean`: `LeanDecode`, the standard pre-norm decoder without transformers' per-call machinery;
 - `captured_step`: `CapturedStep`, a one-token step of that decoder as one CUDA graph, when every
-  expert is on the device;
+  expert is on the device; `fused_decoder`: its norms, rotary + KV write, attention and routers in
+  the fused kernels (`engine.gpu`) where a probe shows they compute what the modules do;
 - `cpu_attention`: decode attention on the CPU, query heads folded per key head;
 - `fused_norms`: RMS norms as torch's one operator where a probe shows the same values;
 - `row_views`: `Row`, a graph input given by its address in a long-lived table;
@@ -13,6 +14,6 @@
 - `graph_chain`: a step's layers chained into one ggml graph; `whole_step`: a step's layers and
   head in that one graph; `one_token`: the one-token step's graph run again on the next token.
 
-May import: every room below it (model, ggml, formats, store, device_cache, moe, resident).
+May import: every room below it (model, ggml, formats, gpu, store, device_cache, moe, resident).
 Never `engine.offloaded_model` (which owns the paths), speculation or anything above.
 """

@@ -35,12 +35,15 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.decode.fused_decoder import FusedDecoder, epsilon, qk_norm_weights
 from engine.decode.lean import QkNorm, RotaryTable, standard_refusal
 from engine.model.hf_calls import decoder_of
 from engine.model.kv_cache import GrowingLayer
@@ -53,7 +56,8 @@ Buffers = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 
 class StepBody:
-    """What the graph captures: one token through the standard decoder over static buffers."""
+    """What the graph captures: one token through the standard decoder over static buffers, its
+    pieces in the fused kernels where `fused` (a `FusedDecoder`) takes them."""
 
     def __init__(self, hf_model: nn.Module):
         decoder = decoder_of(hf_model)
@@ -61,6 +65,7 @@ class StepBody:
         self.layers = [_Layer(layer) for layer in decoder.layers]
         self.rotary = RotaryTable(decoder.rotary_emb)
         self.apply_rotary = sys.modules[type(decoder.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self.fused: FusedDecoder | None = None
 
     def __call__(
         self,
@@ -74,16 +79,45 @@ class StepBody:
         """Logits `[V]` of `token [1, 1]` at `position [1]` (int64, on the device), its keys and
         values written into `buffers` there; `positions` is `arange(capacity)`, the tables the
         rotary angles `[1, ≥ capacity, D]`. No value is read on the host."""
-        hidden = self.embed(token)
-        cos, sin = cos_table.index_select(1, position), sin_table.index_select(1, position)
-        mask = (positions <= position)[None, None, None, :]  # the positions written so far, this one's too
-        for layer, (keys, values) in zip(self.layers, buffers, strict=True):
-            hidden = layer(hidden, cos, sin, keys, values, position, mask, self.apply_rotary)
-        return self.head(self.norm(hidden))[0, -1]
+        fused = self.fused
+        at = _At(position, (cos_table[0], sin_table[0]), self.apply_rotary)
+        if fused is None or not fused.rotary:
+            at.cos, at.sin = cos_table.index_select(1, position), sin_table.index_select(1, position)
+        if fused is None or not fused.attention:
+            at.mask = (positions <= position)[None, None, None, :]  # the positions written so far
+        residual = self.embed(token).reshape(1, -1)
+        if fused is not None and fused.norms:
+            residual = residual.clone()  # the kernels add to it in place
+            x = fused.rms_norm(residual, self.layers[0].input_norm.weight, epsilon(self.layers[0].input_norm))
+        else:
+            x = self.layers[0].input_norm(residual)
+        with _routers(fused):
+            norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]  # what follows each
+            for layer, (keys, values), following in zip(self.layers, buffers, norms, strict=True):
+                attended = layer.attend(x, at, keys, values, fused)
+                residual, x = self._add_norm(attended, residual, layer.post_norm)
+                residual, x = self._add_norm(layer.mlp(x.view(1, 1, -1)).view(1, -1), residual, following)
+        return self.head(x)[0]
+
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple:
+        """`residual + x` and its norm: one kernel where the norms are fused (the sum in place)."""
+        if self.fused is not None and self.fused.norms:
+            return residual, self.fused.rms_norm(x, norm.weight, epsilon(norm), residual=residual)
+        residual = residual + x
+        return residual, norm(residual)
+
+
+class _At:
+    """Where a step writes and reads: the device position, the rotary tables `[positions, D]` and
+    the family's rotation; the position's angles and the mask where the modules need them."""
+
+    def __init__(self, position: torch.Tensor, tables: tuple, apply_rotary: Callable):
+        self.position, self.tables, self.apply_rotary = position, tables, apply_rotary
+        self.cos = self.sin = self.mask = None
 
 
 class _Layer:
-    """One standard decoder layer's one-token step over its KV buffers."""
+    """One standard decoder layer's one-token attention over its KV buffers."""
 
     def __init__(self, layer: nn.Module):
         attention = layer.self_attn
@@ -96,21 +130,42 @@ class _Layer:
         self.q_norm = QkNorm.of(getattr(attention, "q_norm", None), self.head_dim, fuse=False)
         self.k_norm = QkNorm.of(getattr(attention, "k_norm", None), self.head_dim, fuse=False)
 
-    def __call__(self, hidden, cos, sin, keys, values, position, mask, apply_rotary) -> torch.Tensor:
-        x = self.input_norm(hidden)
-        heads = (1, 1, -1, self.head_dim)
-        query = self.q_norm(self.q_proj(x), heads).transpose(1, 2)
-        key = self.k_norm(self.k_proj(x), heads).transpose(1, 2)
-        value = self.v_proj(x).view(heads).transpose(1, 2)
-        query, key = apply_rotary(query, key, cos, sin)
-        keys.index_copy_(2, position, key.to(keys.dtype))
-        values.index_copy_(2, position, value.to(values.dtype))
-        grouped = query.shape[1] != keys.shape[1]
-        out = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=grouped
-        )
-        hidden = hidden + self.o_proj(out.transpose(1, 2).reshape(1, 1, -1))
-        return hidden + self.mlp(self.post_norm(hidden))
+    def attend(self, x: torch.Tensor, at: _At, keys, values, fused: FusedDecoder | None) -> torch.Tensor:
+        """o_proj's output `[1, H]` of the normed `x [1, H]`, its key and value written at the position."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if fused is not None and fused.rotary:
+            weights, eps = qk_norm_weights(self)
+            q, k, v = (t.view(-1, self.head_dim) for t in (q, k, v))
+            query = fused.rope_kv_write(q, k, v, at.tables, at.position, keys, values, weights, eps)
+        else:
+            heads = (1, 1, -1, self.head_dim)  # [B, T, heads, D], as the attention views its projections
+            query, key = self.q_norm(q, heads).transpose(1, 2), self.k_norm(k, heads).transpose(1, 2)
+            query, key = at.apply_rotary(query, key, at.cos, at.sin)
+            keys.index_copy_(2, at.position, key.to(keys.dtype))
+            values.index_copy_(2, at.position, v.view(heads).transpose(1, 2).to(values.dtype))
+            query = query[0, :, 0]
+        if fused is not None and fused.attention:
+            out = fused.attend(query.contiguous(), keys, values, at.position, self.scaling)
+        else:
+            grouped = query.shape[0] != keys.shape[1]
+            out = F.scaled_dot_product_attention(
+                query[None, :, None], keys, values, attn_mask=at.mask, scale=self.scaling, enable_gqa=grouped
+            )
+        return self.o_proj(out.reshape(1, -1))
+
+
+@contextmanager
+def _routers(fused: FusedDecoder | None) -> Iterator[None]:
+    """The routers the fused decoder takes computed by `router_top_k` while the body runs (it runs
+    Python only while it is captured)."""
+    routers = {} if fused is None else fused.routers
+    for router, forward in routers.items():
+        router.forward = forward
+    try:
+        yield
+    finally:
+        for router in routers:
+            del router.forward  # the class's forward again
 
 
 @dataclass
@@ -149,6 +204,7 @@ class CapturedStep:
         self._graph: _Graph | None = None
         self.captures = 0
         self.off_because: str | None = None  # why the graph was turned off, once it was
+        self._fused_for: tuple | None = None  # the device and dtype the body's kernels were chosen for
 
     @classmethod
     def of(cls, model, capture: Capture | None = None) -> CapturedStep | None:
@@ -209,6 +265,7 @@ class CapturedStep:
         self._graph = None  # its memory back to the pool before the next capture
         device = buffers[0][0].device
         try:
+            self._fuse(device, buffers[0][0].dtype)
             inputs = self._inputs(buffers, token, past, device)
             hits = self._hits_of(inputs)
             with torch.inference_mode(), self.control.installed(counts_hits=False):
@@ -223,6 +280,16 @@ class CapturedStep:
         routes = {layer: self.trace.logits[layer] for layer in self.moe_layers if layer in self.trace.logits}
         self._graph = _Graph(buffers, tables, graph, inputs[0], inputs[1], logits, hits, routes)
         return self._graph
+
+    def _fuse(self, device: torch.device, dtype: torch.dtype) -> None:
+        """The body's fused kernels for `dtype`, chosen once a dtype (why none: logged)."""
+        if self._fused_for == (device, dtype):
+            return
+        fused = FusedDecoder.of(self.body, device, dtype, self.control.fused)
+        if isinstance(fused, str):
+            log.info("The captured step computes its decoder in torch: %s", fused)
+            fused = None
+        self.body.fused, self._fused_for = fused, (device, dtype)
 
     def _inputs(self, buffers: Buffers, token: int, past: int, device: torch.device) -> tuple:
         capacity, dtype = buffers[0][0].shape[-2], buffers[0][0].dtype
