@@ -4,8 +4,9 @@ it takes: `python -m engine.bench.graph_check OUT.json [--dtype float32 bfloat16
 For each family (`engine.tiny.models`) and dtype: a model holding every expert on the GPU decodes
 `STEPS` greedy tokens after a fixed prompt through the graph (`engine.decode.captured_step`), then
 the same through the eager paths; the JSON says whether the tokens are equal, the largest
-|Δlogits| (and the logits' scale), how many times the step was captured, the path the steps took
-and, where the graph was refused or turned off, why. A family whose decoder is not the standard
+|Δlogits| (and the logits' scale), how many times the step was captured, the path the steps took,
+the pieces of the decoder the fused kernels computed (`engine.decode.fused_decoder`) and, where
+the graph was refused or turned off, why. A family whose decoder is not the standard
 one is listed with the reason. One of the prepared GPU check's stages (`engine.bench.gpu`).
 """
 
@@ -58,7 +59,16 @@ def check_family(folder: Path, device: str, dtype: str, prepare=None, **options)
         want_tokens, want_logits = greedy(model)
         model.paths = graphed
         deltas = [(a - b).abs().max().item() for a, b in zip(logits, want_logits, strict=True)]
+        fused = model.captured.body.fused
         return {
+            "fused_decoder": None
+            if fused is None
+            else {
+                "norms": fused.norms,
+                "rotary": fused.rotary,
+                "attention": fused.attention,
+                "routers": len(fused.routers),
+            },
             "captured": model.captured.captures > 0,
             "captures": model.captured.captures,
             "off_because": model.captured.off_because,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import math
 import re
 from collections.abc import Callable
@@ -41,6 +42,8 @@ from engine.gpu.registry import (
     ROUTER_BLOCK_E,
     ROUTER_MAX_K,
 )
+
+log = logging.getLogger(__name__)
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # what the kernels are built for
 MIN_SPLIT_POSITIONS = 4 * ATTENTION_BLOCK_T  # as engine.gpu.decode_attention splits the positions
@@ -115,13 +118,15 @@ class FusedDecoder:
         # heads of a width with cubins; in the interpreter any, but the attention's tl.dot sums
         # 16-wide heads wrongly there
         built = head_dim in DECODER_HEAD_DIMS or device.type == "cpu"
-        fused = cls(launch, dtype, False, False, head_dim in DECODER_HEAD_DIMS or (head_dim >= 32 and built))
-        fused.norms = _probe_norms(fused, body, device, dtype)
-        fused.rotary = built and _probe_rotary(fused, body, device, dtype)
+        fused = cls(launch, dtype, False, False, False)
+        fused.norms = _tried(_probe_norms, fused, body, device, dtype)
+        fused.rotary = built and _tried(_probe_rotary, fused, body, device, dtype)
+        attends = head_dim in DECODER_HEAD_DIMS or (head_dim >= 32 and built)
+        fused.attention = attends and _tried(_probe_attention, fused, body.layers[0], device, dtype)
         for layer in body.layers:
             router = getattr(layer.mlp, "gate", None)
-            found = _probe_router(fused, router, device, dtype)
-            if found is not None:
+            found = _tried(_probe_router, fused, router, device, dtype)
+            if found:
                 fused.routers[router] = functools.partial(_fused_router, fused, router, *found)
         return fused
 
@@ -196,6 +201,34 @@ def _norm_agrees(fused: FusedDecoder, norm: nn.Module, device, dtype) -> bool:
     x = _probe(weight.numel(), 4, device, dtype, 0)
     with torch.inference_mode():
         return _agrees(fused.rms_norm(x, weight, eps), norm(x))
+
+
+def _tried(probe: Callable, *args):
+    """`probe(*args)`, or False where its kernels cannot run here (a cubin that does not load: the
+    piece stays with the modules; the reason logged)."""
+    try:
+        return probe(*args)
+    except (RuntimeError, OSError, KeyError, ValueError) as err:
+        log.info("A fused decoder kernel does not run here (%s): %s", probe.__name__, err)
+        return False
+
+
+def _probe_attention(fused: FusedDecoder, layer, device, dtype) -> bool:
+    """Whether `decode_attention` gives scaled dot-product attention's output on a probe cache."""
+    heads, kv_heads, capacity, head_dim = 4, 2, 200, layer.head_dim
+    q = _probe(head_dim, heads, device, dtype, 5)
+    keys, values = (
+        _probe(head_dim, kv_heads * capacity, device, dtype, s).view(1, kv_heads, capacity, -1)
+        for s in (6, 7)
+    )
+    position = torch.tensor([150], device=device)
+    mask = (torch.arange(capacity, device=device) <= position)[None, None, None, :]
+    with torch.inference_mode():
+        got = fused.attend(q, keys, values, position, layer.scaling)
+        want = F.scaled_dot_product_attention(
+            q[None, :, None], keys, values, attn_mask=mask, scale=layer.scaling, enable_gqa=True
+        )
+    return _agrees(got, want[0, :, 0])
 
 
 def _probe_norms(fused: FusedDecoder, body, device, dtype) -> bool:

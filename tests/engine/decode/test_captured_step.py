@@ -170,3 +170,25 @@ def test_no_graph_off_cuda_unless_a_capture_is_given(folders):
         assert model.captured is None and "cuda-graph" not in model.paths.names
     finally:
         model.close()
+
+
+def test_kernels_that_cannot_run_leave_their_pieces_to_the_modules(folders, monkeypatch):
+    """A cubin that does not load (here: every launch fails) turns its piece off, not the graph."""
+    from engine.decode import fused_decoder
+
+    def fails(self, name, grid, *args):
+        raise RuntimeError(f"cuModuleLoadData failed for {name}")
+
+    monkeypatch.setattr(fused_decoder.Launcher, "__call__", fails)
+    model = _loaded(folders["qwen3_moe"])
+    try:
+        want_tokens, _ = _greedy(model, model.decode)
+        model.control.fused = True
+        captured = _with_graph(model)
+        tokens, _ = _greedy(model, model.decode)
+        fused = captured.body.fused
+        assert (fused.norms, fused.rotary, fused.attention, fused.routers) == (False, False, False, {})
+        assert tokens == want_tokens and captured.off_because is None
+        assert model.paths.log.counts["cuda-graph"] == STEPS
+    finally:
+        model.close()
