@@ -6,7 +6,8 @@ loader) on `device` and fills it from `checkpoint` under transformers' names and
 skipping the expert tensors in `skip`; what the checkpoint lacks is a `MissingTensorsError`, a
 shape it disagrees on a `CorruptCheckpointError`. A GGUF's big quantized token embedding stays in
 its blocks (engine.resident.ggml_embedding), and with `--kernels ggml` on the CPU its quantized
-matrices too (engine.resident.ggml_linear). On the CPU they lie on huge pages where the system
+matrices too (engine.resident.ggml_linear); on a GPU those of a type the fused GEMV reads
+(engine.resident.device_blocks). On the CPU they lie on huge pages where the system
 gives them (engine.huge_pages).
 """
 
@@ -22,10 +23,13 @@ from engine import huge_pages
 from engine.errors import CorruptCheckpointError, DeviceOutOfMemoryError, MissingTensorsError
 from engine.model.checkpoint import Checkpoint
 from engine.model.gguf_file import GgufCheckpoint
+from engine.resident.device_blocks import fill_blocks, keep_linears_on_device
 from engine.resident.ggml_embedding import fill_embedding, keep_embedding_quantized
 from engine.resident.ggml_linear import fill_linears, keep_linears_quantized
 
 log = logging.getLogger(__name__)
+
+BLOCKS_ON = ("cuda",)  # devices where a GGUF's matrices stay in their blocks (engine.resident.device_blocks)
 
 
 def load_resident(hf_model, checkpoint, skip: set[str], dtype, device, progress, kernels="exact") -> None:
@@ -36,8 +40,14 @@ def load_resident(hf_model, checkpoint, skip: set[str], dtype, device, progress,
     replaced = keep_embedding_quantized(hf_model, embed, dtype)
     ggml = gguf and kernels == "ggml" and device.type == "cpu"
     linears = keep_linears_quantized(hf_model, checkpoint) if ggml else {}
-    _load_resident_weights(hf_model, checkpoint, skip | set(linears) | {replaced} - {None}, device, progress)
+    # on a GPU the matrices of a type the fused GEMV reads stay in their blocks there
+    on_device = keep_linears_on_device(hf_model, checkpoint) if gguf and device.type in BLOCKS_ON else {}
+    skipped = skip | set(linears) | set(on_device) | {replaced} - {None}
+    _load_resident_weights(hf_model, checkpoint, skipped, device, progress)
     fill_linears(hf_model, linears)
+    fill_blocks(hf_model, on_device, device)
+    if on_device:
+        log.info("%d matrices stay in their GGUF blocks on the GPU.", len(on_device))
     if replaced is not None:
         fill_embedding(hf_model, embed)
         log.info("The token embedding stays in its %s blocks (%s).", embed.tensor_type.name, replaced)

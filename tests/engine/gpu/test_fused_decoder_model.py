@@ -14,6 +14,8 @@ from gguf import GGMLQuantizationType as QT
 
 from engine.decode.captured_step import CapturedStep
 from engine.decode.paths import StepPaths
+from engine.resident import weights
+from engine.resident.device_blocks import BlocksLinear
 from engine.tiny.gguf_writer import write_tiny_gguf
 from engine.tiny.models import make_tiny_model
 from tests.engine.decode.test_captured_step import STANDARD, _greedy, _loaded, eager_capture
@@ -71,14 +73,24 @@ def test_the_fused_body_gives_the_models_steps(tmp_path, model_type) -> None:
 
 @in_the_interpreter
 def test_a_gguf_step_launches_few_kernels_a_layer(tmp_path, monkeypatch) -> None:
-    """The fused experts and the fused decoder together: the launches and operators of one
-    replayed step of a Q4_K/Q6_K file, as the graph would hold them."""
+    """The fused experts, the fused decoder and the matrices in their blocks together (as on
+    CUDA): the eager model's greedy tokens, and the launches of one replayed step of a Q4_K/Q6_K
+    file with Q8_0 matrices as the graph would hold them."""
     from engine.bench.op_counts import count_ops
 
-    path = write_tiny_gguf(tmp_path, expert_type=QT.Q4_K, down_type=QT.Q6_K)
+    path = write_tiny_gguf(tmp_path, expert_type=QT.Q4_K, down_type=QT.Q6_K, other_type=QT.Q8_0)
+    plain = load_emulating_cuda(path, monkeypatch)
+    want, _ = _greedy(plain, plain.decode)
+    plain.close()
+    monkeypatch.setattr(weights, "BLOCKS_ON", ("cuda", "cpu"))
     model = load_emulating_cuda(path, monkeypatch)
     try:
+        kept = [m for m in model.hf_model.modules() if isinstance(m, BlocksLinear)]
+        assert kept
+        for module in kept:
+            module.gemv = "interpreted"
         _with_fused_graph(model)
+        assert _greedy(model, model.decode)[0] == want
         counts = count_ops(model, [3, 17, 42, 99, 7, 250], 4)
         layers = model.hf_config.num_hidden_layers
         assert model.paths.log.counts["cuda-graph"] >= 3
