@@ -7,7 +7,8 @@ their table), `memory` (what the process holds against what the model needs), `o
 (`--count-ops`: kernels launched and host syncs a token), `llama_cpp` (`--vs-llama-cpp`: llama.cpp
 on the same file), `side_by_side` (`--and-model`), `multi_turn` (`--multi-turn`), `shapes` (the
 large-shape GGUF files), `gpu` (`python -m engine.bench.gpu`: the one prepared GPU check) and
-`graph_check` (its stage: the decode step as one CUDA graph against the eager step, per family).
+`graph_check` (its stage: the decode step as one CUDA graph against the eager step, per family),
+and `emulated` (`--emulate-cuda`: a CPU run laid out and stepped as on CUDA, for counting).
 
 The top of the engine: it may import every layer; nothing in the engine imports it.
 """

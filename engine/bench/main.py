@@ -14,6 +14,7 @@ Figures measured over a simulated link are simulated: every row says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import statistics
@@ -22,8 +23,9 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from engine.bench import llama_cpp
+from engine.bench import emulated, llama_cpp
 from engine.bench.memory import current_rss_bytes, memory_line
+from engine.bench.op_counts import measured_beside, op_count_lines
 from engine.bench.passes import bench_engine, engine_pass, engine_row
 from engine.bench.rows import BenchRow, format_table, step_path_line
 from engine.bench.side_by_side import bench_other, ratio_line, ratios
@@ -110,8 +112,6 @@ def compare_side_by_side(args, budget: str, prompt_ids, config: OffloadConfig) -
 
 def run(args: argparse.Namespace) -> dict:
     from engine.bench.tuned import calibrated_offload
-    from engine.loader import load_model
-    from engine.moe.cuda_graphs import ExpertGraphs
 
     budgets = [b.strip() for b in (args.expert_budget or "all").split(",")]
     prompts = PROMPTS[: args.prompts]
@@ -121,15 +121,13 @@ def run(args: argparse.Namespace) -> dict:
     # llama.cpp beside the last budget's model, their passes alternated, where memory holds both
     beside = args.vs_llama_cpp and llama_cpp.fits_beside(args.vs_llama_cpp)
     link, calibration = calibrated_offload(args, model_folder(args), offload_config(args, budgets[0]))
+    if args.emulate_cuda:
+        link = replace(link, sim_link_gbps=link.sim_link_gbps or emulated.SIM_LINK_GBPS)
     for index, budget in enumerate(budgets):
         baseline = current_rss_bytes()
         offload = replace(link, expert_budget=ExpertBudget.parse(budget))
-        model = load_model(model_folder(args), offload)
+        model = _loaded(args, offload)
         try:
-            model.control.graphs = ExpertGraphs() if args.expert_graphs else None
-            model.control.fused = FUSED_EXPERTS[args.fused_experts]
-            if args.step_graph == "off":
-                model.paths = model.paths.without("cuda-graph")
             prompt_ids = [lengthened(ids, args.prompt_tokens) for ids in encode_prompts(model, prompts)]
             if beside and index == len(budgets) - 1:
                 ours, theirs, vs = llama_cpp.side_by_side(args, model, prompt_ids, baseline)
@@ -137,7 +135,7 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 rows.append(bench_engine(model, prompt_ids, args.new_tokens, args.repeats, baseline))
             info = model.info()
-            extras = _measured_beside(args, model, prompt_ids[0])  # the last budget's are kept
+            extras = measured_beside(args, model, prompt_ids[0])  # the last budget's are kept
         finally:
             model.close()
         print(format_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
@@ -151,6 +149,8 @@ def run(args: argparse.Namespace) -> dict:
     if calibration is not None:
         result["calibration"] = calibration
     result.update(extras)
+    if args.emulate_cuda:
+        result["emulated"] = "CUDA's layout and step on the CPU (engine.bench.emulated): counts, not speed"
     if args.compare_transformers:
         # The largest cache asked for: with every expert cached, offloading is pure overhead.
         largest = max(zip(rows, budgets, strict=True), key=lambda pair: pair[0].cache_slots)[1]
@@ -167,17 +167,22 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _measured_beside(args: argparse.Namespace, model, prompt_ids: list[int]) -> dict:
-    """--count-ops' counts, and the CUDA graphs' captures (or why they were turned off)."""
-    from engine.bench.op_counts import count_ops
+def _loaded(args: argparse.Namespace, offload: OffloadConfig):
+    """The model with the step's options the bench was given (--emulate-cuda, --expert-graphs,
+    --fused-experts, --step-graph)."""
+    from engine.loader import load_model
+    from engine.moe.cuda_graphs import ExpertGraphs
 
-    extras: dict = {}
-    if args.count_ops:
-        extras["op_counts"] = count_ops(model, prompt_ids, args.new_tokens)
-    for name, graphs in (("expert_graphs", model.control.graphs), ("step_graph", model.captured)):
-        if graphs is not None:
-            extras[name] = {"captures": graphs.captures, "off_because": graphs.off_because}
-    return extras
+    with emulated.cuda_layout() if args.emulate_cuda else contextlib.nullcontext():
+        model = load_model(model_folder(args), offload)
+    if args.emulate_cuda:
+        emulated.step_as_on_cuda(model)  # every fused kernel asked for, unless turned off below
+    model.control.graphs = ExpertGraphs() if args.expert_graphs else None
+    if not args.emulate_cuda or args.fused_experts != "auto":
+        model.control.fused = FUSED_EXPERTS[args.fused_experts]
+    if args.step_graph == "off":
+        model.paths = model.paths.without("cuda-graph")
+    return model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -249,22 +254,17 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
         help="CUDA, a cache holding every expert: replay each MoE layer's one-token step as a CUDA "
         "graph (engine.moe.cuda_graphs; off by default until measured)",
     )
-    parser.add_argument(
-        "--step-graph",
-        choices=("auto", "off"),
-        default="auto",
-        help="CUDA, a cache holding every expert: one-token steps replayed as one CUDA graph "
-        "(engine.decode.captured_step): auto where the decoder is the standard one; off runs them "
-        "eagerly (to time one against the other)",
-    )
+    emulate = "CPU, TRITON_INTERPRET=1: lay out and step the model as on CUDA to count a GPU step's launches"
+    parser.add_argument("--emulate-cuda", action="store_true", help=emulate + " (engine.bench.emulated)")
+    graph = "CUDA, every expert cached: one-token steps as one CUDA graph (auto), or eager (off)"
+    parser.add_argument("--step-graph", choices=("auto", "off"), default="auto", help=graph)
     parser.add_argument(
         "--fused-experts",
         choices=tuple(FUSED_EXPERTS),
         default="auto",
-        help="a cache holding every expert: one-token steps of GGUF Q4_K/Q6_K/Q8_0 experts through the "
-        "fused kernels (engine.moe.fused_experts): auto on CUDA; off computes them in torch (to time "
-        "one against the other); on asks for them on the CPU too (Triton's interpreter, "
-        "TRITON_INTERPRET=1: for --count-ops, not speed)",
+        help="every expert cached: one-token steps' experts through the fused kernels "
+        "(engine.moe.fused_experts): auto on CUDA; off in torch (to time one against the other); on "
+        "the CPU too (Triton's interpreter, TRITON_INTERPRET=1: for --count-ops, not speed)",
     )
 
 
@@ -279,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             "need --new-tokens >= 2, --repeats >= 1, --prompt-tokens >= 0 and "
             f"1 <= --prompts <= {len(PROMPTS)}"
         )
+    if args.emulate_cuda and (args.device != "cpu" or (why := emulated.interpreter_off())):
+        parser.error("--emulate-cuda runs on --device cpu" if args.device != "cpu" else why)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.compare:
         return _main_compare(args)
@@ -331,15 +333,8 @@ def _print_result(result: dict) -> None:
         print(line)
     for line in filter(None, map(step_path_line, rows)):
         print(line)
-    if "op_counts" in result:
-        from engine.bench.op_counts import format_op_counts
-
-        print(format_op_counts(result["op_counts"]))
-    for name, what in (("expert_graphs", "expert CUDA graphs"), ("step_graph", "the step as one CUDA graph")):
-        if name in result:
-            graphs = result[name]
-            off = f", turned off: {graphs['off_because']}" if graphs["off_because"] else ""
-            print(f"{what}: {graphs['captures']} captures{off}")
+    for line in op_count_lines(result):
+        print(line)
     if "and_model" in result:
         other = result["and_model"]
         other_rows = [BenchRow(**r) for r in other["rows"]]

@@ -128,3 +128,27 @@ def format_op_counts(counts: dict[str, float | None]) -> str:
     if counts.get("cuda_launches") is not None:
         line += f" (CUDA: {counts['cuda_launches']:.0f} kernel launches, {counts['cuda_syncs']:.1f} syncs)"
     return line
+
+
+def measured_beside(args, model, prompt_ids: list[int]) -> dict:
+    """--count-ops' counts, and the CUDA graphs' captures (or why they were turned off)."""
+    extras: dict = {}
+    if args.count_ops:
+        extras["op_counts"] = count_ops(model, prompt_ids, args.new_tokens)
+    for name, graphs in (("expert_graphs", model.control.graphs), ("step_graph", model.captured)):
+        if graphs is not None:
+            extras[name] = {"captures": graphs.captures, "off_because": graphs.off_because}
+    return extras
+
+
+def op_count_lines(result: dict) -> list[str]:
+    """The bench's lines for `measured_beside`'s figures in `result`."""
+    lines = [format_op_counts(result["op_counts"])] if "op_counts" in result else []
+    if "emulated" in result:
+        lines.append(f"emulated: {result['emulated']}")
+    for name, what in (("expert_graphs", "expert CUDA graphs"), ("step_graph", "the step as one CUDA graph")):
+        if name in result:
+            graphs = result[name]
+            off = f", turned off: {graphs['off_because']}" if graphs["off_because"] else ""
+            lines.append(f"{what}: {graphs['captures']} captures{off}")
+    return lines

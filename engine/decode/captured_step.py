@@ -14,7 +14,10 @@ capacity with the positions past the device length masked out (one graph a capac
 engine's `GrowingLayer` buffers grow by a quarter, so a conversation captures a few times), o_proj,
 the residual, the post-attention norm and the family's own MoE block (its router, and its
 experts through the layer's slot table: `batched_experts.forward_resident` or the fused kernels,
-which read nothing on the host) — then the final norm and the lm_head. Its inputs are written by
+which read nothing on the host) — then the final norm and the lm_head. Where the fused decoder
+takes a piece (`engine.decode.fused_decoder`: each probed on the device once a dtype), its kernels
+compute it instead: the norms with the residual adds, rotary + KV write, the attention, the
+routers. Its inputs are written by
 two fills (the token id and the position, host ints: no copy from the host, no synchronisation);
 sampling reads the logits on the device, so a token costs one host synchronisation (the sampled id).
 
@@ -24,7 +27,8 @@ that preceded the capture counted), and the routers' latest logits are the graph
 the routing trace. The first step of a capacity runs eagerly once (CUDA's lazy initialisations;
 its KV write is the same the replay does again), then is captured and replayed.
 
-Attention here is `scaled_dot_product_attention` over every buffered position with a mask: the
+Without the fused attention, attention is `scaled_dot_product_attention` over every buffered
+position with a mask (the positions past the length zeroed at the capture: 0 · NaN would not be 0): the
 same softmax over the same keys as the model's attention over its cache (the masked positions add
 exact zeros), summed in another order. tests/engine/decode/test_captured_step.py runs the body
 eagerly on the CPU against the model's own steps (greedy tokens identical, fp32 logits to 1e-5)
@@ -253,7 +257,8 @@ class CapturedStep:
                 return None
         graph.token.fill_(token)
         graph.position.fill_(past)
-        graph.graph.replay()
+        with self.control.installed(counts_hits=False):  # the epilogue counts (a stand-in runs Python)
+            graph.graph.replay()
         for layer in kv_cache.layers:
             layer.written(1)
         if graph.hits:
@@ -318,3 +323,22 @@ class CapturedStep:
         self._run(*inputs)
         hits, counters.hits = counters.hits - before, before
         return hits
+
+
+class EagerGraph:
+    """A stand-in for a CUDA graph off CUDA (`eager_capture`): `replay` runs the body again over the
+    captured inputs and writes its logits into the captured output, as a replay rewrites the
+    graph's buffers. For the bench's CUDA emulation and the tests: what a replay launches, counted."""
+
+    def __init__(self, fn: Callable, inputs: tuple, out: torch.Tensor):
+        self.fn, self.inputs, self.out = fn, inputs, out
+
+    def replay(self) -> None:
+        with torch.inference_mode():
+            self.out.copy_(self.fn(*self.inputs))
+
+
+def eager_capture(fn: Callable, inputs: tuple, pool) -> tuple[EagerGraph, torch.Tensor]:
+    """`Capture`'s contract without CUDA: the body run once, then again at each replay."""
+    out = fn(*inputs).clone()
+    return EagerGraph(fn, inputs, out), out

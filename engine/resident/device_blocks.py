@@ -35,6 +35,7 @@ from engine.gpu.registry import FIELD_ALIGN, KQUANT_BLOCK_N, KQUANT_TYPES, kquan
 log = logging.getLogger(__name__)
 
 GEMV_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the cubins' activations
+INTERPRETED_BLOCK_N = 512  # rows a program in Triton's interpreter
 
 
 class BlocksLinear(nn.Module):
@@ -70,12 +71,12 @@ class BlocksLinear(nn.Module):
         grid = (-(-self.out_features // KQUANT_BLOCK_N),)
         args = (x, self.blocks, out, self.out_features, self.in_features)
         name = kquant_name("quantized_gemv", self.ggml_type, GEMV_DTYPES[x.dtype])
-        if self.gemv == "interpreted":
+        if self.gemv == "interpreted":  # the interpreter's time goes by programs: more rows each
             from engine.gpu import kquant_moe
 
             with launch_range(name):
-                kquant_moe.quantized_gemv_kernel[grid](
-                    *args, GGML_TYPE=self.ggml_type, BLOCK_N=KQUANT_BLOCK_N, **kquant_moe.LAUNCH
+                kquant_moe.quantized_gemv_kernel[(-(-self.out_features // INTERPRETED_BLOCK_N),)](
+                    *args, GGML_TYPE=self.ggml_type, BLOCK_N=INTERPRETED_BLOCK_N, **kquant_moe.LAUNCH
                 )
         else:
             kernel = _cubin(name, x.device.index or 0)

@@ -124,3 +124,15 @@ def test_count_ops_reports_operators_and_one_host_sync_per_moe_layer_and_token(f
     printed = capsys.readouterr().out
     assert "per decode token:" in printed and "expert CUDA graphs: 0 captures" in printed
     assert "tolist" not in torch.Tensor.__dict__  # the counting wrapper is gone afterwards
+
+
+def test_emulating_cuda_needs_the_interpreter_and_the_cpu(monkeypatch, capsys):
+    from engine.bench.main import main
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--emulate-cuda", "--count-ops"])
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--device", "cuda", "--emulate-cuda"])
+    assert "--emulate-cuda runs on --device cpu" in capsys.readouterr().err

@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 
 from engine.bench import graph_check
-from engine.decode.captured_step import CapturedStep
+from engine.decode.captured_step import CapturedStep, eager_capture
 from engine.decode.paths import StepPaths
-from tests.engine.decode.test_captured_step import eager_capture
 
 
 def _as_on_cuda(model) -> None:

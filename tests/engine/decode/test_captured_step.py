@@ -1,7 +1,8 @@
-"""engine.decode.captured_step on the CPU: the whole-step graph's body run eagerly by a stand-in
-capture (its "replay" runs the body again over the same static inputs), against the model's own
-steps, on every tiny family whose decoder is the standard one; and under FakeTensorMode, where any
-value read on the host or a shape that depends on one raises (what a CUDA graph cannot hold).
+"""engine.decode.captured_step on the CPU: the whole-step graph's body run eagerly by the stand-in
+capture (`eager_capture`: its "replay" runs the body again over the same static inputs), against
+the model's own steps, on every tiny family whose decoder is the standard one; and under
+FakeTensorMode, where any value read on the host or a shape that depends on one raises (what a
+CUDA graph cannot hold).
 tests/engine/cuda/test_captured_step.py captures it for real."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from engine.config import ExpertBudget, OffloadConfig
-from engine.decode.captured_step import CapturedStep
+from engine.decode.captured_step import CapturedStep, eager_capture
 from engine.decode.paths import StepPaths
 from engine.loader import load_model
 from engine.model import kv_cache as kv_cache_module
@@ -22,27 +23,6 @@ STEPS = 8
 # families whose decoder is the standard one (engine.decode.lean.standard_refusal): every one of
 # them is captured; the others are not (MLA attention, sliding windows with sinks, multipliers)
 STANDARD = {"qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "phimoe"}
-
-
-class EagerGraph:
-    """A stand-in for a CUDA graph: `replay` runs the body again over the captured inputs and
-    writes its logits into the captured output, as a replay rewrites the graph's buffers; and
-    counts no hits, as a replay runs no Python (the step's epilogue counts them)."""
-
-    def __init__(self, fn, inputs, out):
-        self.fn, self.inputs, self.out = fn, inputs, out
-        self.replays = 0
-
-    def replay(self) -> None:
-        control = self.fn.__self__.control  # the CapturedStep's
-        with torch.inference_mode(), control.installed(counts_hits=False):
-            self.out.copy_(self.fn(*self.inputs))
-        self.replays += 1
-
-
-def eager_capture(fn, inputs, pool):
-    out = fn(*inputs).clone()
-    return EagerGraph(fn, inputs, out), out
 
 
 def failing_capture(fn, inputs, pool):

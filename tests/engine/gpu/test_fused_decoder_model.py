@@ -12,13 +12,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from engine.decode.captured_step import CapturedStep
+from engine.decode.captured_step import CapturedStep, eager_capture
 from engine.decode.paths import StepPaths
 from engine.resident import weights
 from engine.resident.device_blocks import BlocksLinear
 from engine.tiny.gguf_writer import write_tiny_gguf
 from engine.tiny.models import make_tiny_model
-from tests.engine.decode.test_captured_step import STANDARD, _greedy, _loaded, eager_capture
+from tests.engine.decode.test_captured_step import STANDARD, _greedy, _loaded
 from tests.engine.gpu.interpreter import in_the_interpreter, run_in_child_interpreter
 from tests.engine.moe.test_fused_experts import load_emulating_cuda
 
@@ -98,3 +98,23 @@ def test_a_gguf_step_launches_few_kernels_a_layer(tmp_path, monkeypatch) -> None
         assert counts["host_syncs"] <= 1.0, counts
     finally:
         model.close()
+
+
+@in_the_interpreter
+def test_the_bench_counts_an_emulated_gpu_step(tmp_path, capsys) -> None:
+    """`python -m engine.bench --emulate-cuda --count-ops`: the step's launches, labelled emulated."""
+    import json
+
+    from engine.bench.main import main
+
+    path = write_tiny_gguf(tmp_path, expert_type=QT.Q4_K, down_type=QT.Q6_K, other_type=QT.Q8_0)
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(path), "--device", "cpu", "--expert-budget", "all", "--emulate-cuda"]
+    argv += ["--count-ops", "--prompts", "1", "--new-tokens", "4", "--repeats", "1", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert "emulated" in result and result["step_graph"]["captures"] >= 1
+    assert result["rows"][-1]["step_path"] == "cuda-graph"
+    layers = result["model"]["num_layers"]
+    assert result["op_counts"]["launches"] / layers <= 25
+    assert "emulated: CUDA's layout" in capsys.readouterr().out
