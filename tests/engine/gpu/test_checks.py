@@ -1,9 +1,9 @@
 """engine.gpu.checks without a GPU: every registered kernel has a check; each check's launches pass
 arguments its manifest entry takes (their count, dtypes, alignment, ranges — `pack_args`, what a
 cubin launch packs); the references are transformers' modules; and Triton's interpreter, running
-the registry's own JIT kernels with the checks' very launches, meets the checks' tolerances (in a
-child process: tests/engine/gpu/interpreter.py says why). What is left for the GPU is its own
-rounding and speed: `python -m engine.bench.gpu`.
+the registry's own JIT kernels with the checks' very launches, meets the checks' tolerances (every
+case but most bfloat16 expert ones; in a child process: tests/engine/gpu/interpreter.py says why).
+What is left for the GPU is its own rounding and speed: `python -m engine.bench.gpu`.
 """
 
 from __future__ import annotations
@@ -27,19 +27,27 @@ from tests.engine.gpu.interpreter import in_the_interpreter, run_in_child_interp
 SMALL = Shapes(
     hidden=512,
     inter=256,
-    experts=4,
+    experts=3,
     top_k=2,
     router_experts=64,
     tokens=2,
     heads=8,
     kv_heads=2,
     capacity=300,
-    gemv_rows=64,
+    gemv_rows=16,
     group_size=64,
     timing_bytes=0,
 )
 SPECS = {spec.name: spec for spec in REGISTRY}
 IDS = [spec.label for spec in stage.CASES]
+# a bfloat16 expert case launches what its float32 one does in another dtype (the packing test
+# checks each): the interpreter runs one of a family, and every other case
+BF16_EXPERTS = ("Q4_K bf16", "FP8 per-tensor bf16", "int4_ct_g_idx bf16")
+INTERPRETED = [
+    spec
+    for spec in stage.CASES
+    if "bf16" not in spec.label or spec.label in BF16_EXPERTS or "moe_" not in spec.kernels[0]
+]
 
 
 def test_every_registered_kernel_has_a_check_and_one_entry_a_check():
@@ -154,6 +162,7 @@ def test_the_references_are_transformers_modules():
 # -- Triton's interpreter ----------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(600)  # some 80 seconds on two cores
 def test_the_checks_in_a_child_interpreter():
     """This module's interpreter tests, run by pytest in a process with TRITON_INTERPRET=1."""
     if importlib.util.find_spec("triton") is None:
@@ -176,7 +185,7 @@ def interpreted(name: str):
 
 
 @in_the_interpreter
-@pytest.mark.parametrize("spec", stage.CASES, ids=IDS)
+@pytest.mark.parametrize("spec", INTERPRETED, ids=[spec.label for spec in INTERPRETED])
 def test_the_interpreter_meets_each_check(spec):
     case = spec.build(SMALL, "cpu", np.random.default_rng(0))
     entries = run_case(case, interpreted)
