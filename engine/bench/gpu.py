@@ -120,12 +120,12 @@ def _pinned_h2d_gbps(torch) -> float:
 
 
 def kernels(out: Path, limit: float) -> dict:
-    """The ahead-of-time kernels' own check (engine.gpu.check), where the package has one."""
+    """The ahead-of-time kernels' own check (engine.gpu.checks), where the package has one."""
     try:
-        from engine.gpu import check
+        from engine.gpu.checks import stage
     except ImportError as err:
         return {"skipped": f"no ahead-of-time kernel check here ({err})"}
-    return check.run(limit)
+    return stage.run(limit)
 
 
 def gpu_tests(out: Path, limit: float) -> dict:

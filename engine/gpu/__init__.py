@@ -31,8 +31,8 @@ user's machine).
   current stream (capturable in a CUDA graph);
 - `launch_ranges` — each launch a range of torch's profiler while it records, what
   `python -m engine.bench --count-ops` counts the kernels by;
-- `check` — the kernels proven on a GPU (`python -m engine.bench.gpu`): against torch's reference,
-  and their bytes a second against the card's.
+- `checks` — every registered kernel proven on a GPU (`python -m engine.bench.gpu`): its cubin
+  against torch's reference, and its bytes a second against the card's.
 
 May import the engine's base modules, `engine.formats`, torch and triton. Importing this package
 imports no triton (users on a CPU may not have it); `kquant_moe`, `ggml_dots`, `fp8_moe`, `int4_moe`,

@@ -17,7 +17,7 @@ float32 ones (each operand split in two TF32 parts: about 2⁻²¹ of each produ
 (p split so). Triton's interpreter multiplies in float32: the CPU tests check the algorithm, the
 tensor cores' rounding is the GPU check's.
 
-Two launches, their grids fixed by the capacity (`attention_splits`), not by the length:
+Two launches, their grids fixed by the capacity (`registry.attention_splits`), not by the length:
 
 - `decode_attention_split_kernel`, grid `(kv_heads · cdiv(group, BLOCK_H), splits)`: a program
   takes one KV head's query heads (up to BLOCK_H of them) and one split of `split_len` positions,
@@ -33,19 +33,19 @@ by `engine.gpu.registry.head_specs`, with `enable_fp_fusion=False` as `LAUNCH` h
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from engine.gpu import registry
 from engine.gpu.decoder_kernels import FLOATS, check_device, check_head_dim, rounded
 from engine.gpu.launch_ranges import launch_range
 from engine.gpu.registry import ATTENTION_BLOCK_H, ATTENTION_BLOCK_T, ATTENTION_MAX_SPLITS, ATTENTION_WARPS
 
 LAUNCH = {"num_warps": 4, "enable_fp_fusion": False}  # as the build compiles them (the reduce kernel)
 SPLIT_LAUNCH = LAUNCH | {"num_warps": ATTENTION_WARPS}
-MIN_SPLIT_POSITIONS = 4 * ATTENTION_BLOCK_T  # fewer positions a program would cost more to reduce
+# the grids come from the capacity alone (`registry.attention_splits`: the cubins' launches
+# compute them where triton is not installed)
 
 
 HEAD_CHUNK: tl.constexpr = tl.constexpr(32)  # a head's values a q·k product takes at a time
@@ -138,21 +138,12 @@ def decode_attention_reduce_kernel(
     tl.store(out_ptr + head * HEAD_DIM + d, rounded(tl.math.div_rn(acc, total), out_ptr.dtype.element_ty))
 
 
-def attention_splits(capacity: int) -> tuple[int, int]:
-    """`(splits, split_len)` for a cache of `capacity` positions: each KV head's positions in
-    `splits` ≤ ATTENTION_MAX_SPLITS runs of `split_len` (a multiple of the loop's block, at least
-    MIN_SPLIT_POSITIONS). From the capacity alone: the same launches at every length."""
-    per_split = max(MIN_SPLIT_POSITIONS, math.ceil(capacity / ATTENTION_MAX_SPLITS))
-    split_len = math.ceil(per_split / ATTENTION_BLOCK_T) * ATTENTION_BLOCK_T
-    return math.ceil(capacity / split_len), split_len
-
-
 def attention_workspace(
     heads: int, capacity: int, head_dim: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split kernel's outputs, float32: partial sums `[heads, splits, D]`, maxes and sums of
     exponentials `[heads, splits]`."""
-    splits, _ = attention_splits(capacity)
+    splits, _ = registry.attention_splits(capacity)
     partial = torch.empty((heads, splits, head_dim), dtype=torch.float32, device=device)
     maxes = torch.empty((heads, splits), dtype=torch.float32, device=device)
     return partial, maxes, torch.empty_like(maxes)
@@ -175,7 +166,7 @@ def _check_attention(q, key_cache, value_cache, pos, workspace) -> tuple[int, in
             raise ValueError(f"{name} is contiguous [1, {kv_heads}, {capacity}, {head_dim}] {q.dtype}")
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} KV heads evenly")
-    splits, _ = attention_splits(capacity)
+    splits, _ = registry.attention_splits(capacity)
     want = ((heads, splits, head_dim), (heads, splits), (heads, splits))
     if tuple(tuple(t.shape) for t in workspace) != want or any(
         t.dtype != torch.float32 or not t.is_contiguous() for t in workspace
@@ -204,7 +195,7 @@ def decode_attention(
     elif out.shape != q.shape or out.dtype not in FLOATS or not out.is_contiguous() or out.device != q.device:
         raise ValueError(f"out is a contiguous float tensor {tuple(q.shape)} on {q.device}")
     group = heads // kv_heads
-    splits, split_len = attention_splits(capacity)
+    splits, split_len = registry.attention_splits(capacity)
     partial, maxes, sums = workspace
     grid = (kv_heads * triton.cdiv(group, ATTENTION_BLOCK_H), splits)
     with launch_range("decode_attention_split"):

@@ -4,6 +4,7 @@ name, so reading this table imports no triton. A kernel's launch wrapper finds i
 entry's name (`engine.gpu.launcher.CubinKernel.load(name)`).
 """
 
+import math
 from dataclasses import dataclass, field
 
 from gguf import GGMLQuantizationType as QT
@@ -107,8 +108,19 @@ ATTENTION_BLOCK_H = 16  # query heads of one KV head a program (tl.dot's least r
 ATTENTION_BLOCK_T = 32  # cached positions a step of a program's loop
 ATTENTION_MAX_SPLITS = 64  # programs a KV head at most: the reduce kernel reads their partials at once
 ATTENTION_WARPS = 8  # the split kernel's: with four, a thread holds too much of its tensor-core operands
+MIN_SPLIT_POSITIONS = 4 * ATTENTION_BLOCK_T  # fewer positions a program would cost more to reduce
 ROUTER_BLOCK_E = 512  # experts at most
 ROUTER_MAX_K = 16  # top-k at most
+
+
+def attention_splits(capacity: int) -> tuple[int, int]:
+    """`(splits, split_len)` of the attention's launches for a cache of `capacity` positions: each KV
+    head's positions in `splits` ≤ ATTENTION_MAX_SPLITS runs of `split_len` (a multiple of the loop's
+    block, at least MIN_SPLIT_POSITIONS). From the capacity alone: the same launches at every length
+    (here, not in `decode_attention`, so that the cubins' launches need no triton)."""
+    per_split = max(MIN_SPLIT_POSITIONS, math.ceil(capacity / ATTENTION_MAX_SPLITS))
+    split_len = math.ceil(per_split / ATTENTION_BLOCK_T) * ATTENTION_BLOCK_T
+    return math.ceil(capacity / split_len), split_len
 
 
 def _decoder_kernel(

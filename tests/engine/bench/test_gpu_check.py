@@ -50,3 +50,8 @@ def test_a_child_that_runs_too_long_is_stopped_with_its_output_kept(tmp_path):
 def test_without_a_gpu_the_environment_says_so(tmp_path):
     found = gpu.environment(tmp_path, 30)
     assert found["torch"] and ("error" in found or found.get("device"))
+
+
+def test_without_a_gpu_the_kernels_stage_says_so(tmp_path):
+    """The stage reaches engine.gpu.checks (an import error would read "skipped")."""
+    assert gpu.kernels(tmp_path, 30) == {"error": "no CUDA device"}

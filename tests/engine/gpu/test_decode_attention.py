@@ -124,10 +124,12 @@ def test_bfloat16_caches_are_attended_in_float32_and_rounded_once(da, position, 
 
 @pytest.mark.parametrize("capacity", [1, 100, 128, 300, 4096, 8192, 40000, 131072])
 def test_the_splits_cover_the_capacity_in_whole_blocks(capacity):
-    from engine.gpu.registry import ATTENTION_BLOCK_T, ATTENTION_MAX_SPLITS
-
-    pytest.importorskip("triton")
-    from engine.gpu.decode_attention import MIN_SPLIT_POSITIONS, attention_splits
+    from engine.gpu.registry import (
+        ATTENTION_BLOCK_T,
+        ATTENTION_MAX_SPLITS,
+        MIN_SPLIT_POSITIONS,
+        attention_splits,
+    )
 
     splits, split_len = attention_splits(capacity)
     assert 1 <= splits <= ATTENTION_MAX_SPLITS and split_len % ATTENTION_BLOCK_T == 0

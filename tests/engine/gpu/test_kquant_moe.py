@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as QT
 
 from engine.errors import UnsupportedQuantizationError
 from engine.formats.gguf.blocks import dequantize
-from engine.gpu.check import random_blocks
+from engine.gpu.checks.experts import random_blocks
 from tests.engine.gpu.interpreter import in_the_interpreter, run_in_child_interpreter
 
 if importlib.util.find_spec("triton") is None:

@@ -119,7 +119,7 @@ FAKE_DRIVER = r"""
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
-int major = 9, minor = 0, launches = 0;
+int major = 9, minor = 0, launches = 0, optin = 232448, func_attribute = -1, func_value = -1;
 unsigned grid[3], block, shared;
 void *stream, *current;
 int cuInit(unsigned flags) { return 0; }
@@ -128,7 +128,10 @@ int cuGetErrorName(int r, const char **s) {
     return *s ? 0 : 1;
 }
 int cuDeviceGet(int *d, int ordinal) { *d = ordinal; return 0; }
-int cuDeviceGetAttribute(int *v, int a, int d) { *v = a == 75 ? major : a == 76 ? minor : 0; return 0; }
+int cuDeviceGetAttribute(int *v, int a, int d) {
+    *v = a == 75 ? major : a == 76 ? minor : a == 97 ? optin : 0;
+    return 0;
+}
 int cuDevicePrimaryCtxRetain(void **c, int d) { *c = (void *)0x1234; return 0; }
 int cuCtxGetCurrent(void **c) { *c = current; return 0; }
 int cuCtxSetCurrent(void *c) { current = c; return 0; }
@@ -142,9 +145,9 @@ int cuModuleLoadDataEx(void **m, const char *ptx, unsigned n, int *options, void
 }
 int cuModuleGetFunction(void **f, void *m, const char *name) {
     *f = (void *)2;
-    return strcmp(name, "scaled_add_kernel") ? 500 : 0;
+    return strcmp(name, "scaled_add_kernel") && strcmp(name, "decode_attention_split_kernel") ? 500 : 0;
 }
-int cuFuncSetAttribute(void *f, int a, int v) { return 0; }
+int cuFuncSetAttribute(void *f, int a, int v) { func_attribute = a, func_value = v; return 0; }
 int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                    unsigned sh, void *st, void **p, void **extra) {
     if (current != (void *)0x1234) return 201;
@@ -198,6 +201,24 @@ def test_the_launcher_drives_the_cuda_driver(fake_driver):
     ctypes.c_int.in_dll(fake_driver, "major").value = 7
     with pytest.raises(RuntimeError, match=r"kernel smoke_scaled_add: nothing runs on this GPU \(sm_71\)"):
         launcher.CubinKernel.load("smoke_scaled_add", device=0)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the stand-in driver is a Linux shared library")
+def test_a_kernel_past_48_kib_of_shared_memory_opts_in_to_it(fake_driver):
+    """The attention's float32 split kernel holds its 3xTF32 operands in 68 KiB: the manifest
+    records it, and the load raises the function's dynamic shared memory limit to it."""
+    name = "decode_attention_split_d128_fp32"
+    shared = mf.read_manifest()["kernels"][name]["cubins"]["sm_90"]["shared"]
+    assert shared > launcher.STATIC_SHARED_LIMIT
+    kernel = launcher.CubinKernel.load(name, device=0)
+    attribute = ctypes.c_int.in_dll(fake_driver, "func_attribute").value
+    assert (kernel.shared, attribute) == (shared, launcher.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
+    assert ctypes.c_int.in_dll(fake_driver, "func_value").value == shared
+    ctypes.c_int.in_dll(fake_driver, "optin").value = 64 * 1024
+    with pytest.raises(
+        RuntimeError, match=f"{name}: needs {shared} bytes of shared memory; this GPU gives 65536"
+    ):
+        launcher.CubinKernel.load(name, device=0)
 
 
 def test_the_shipped_manifest_lists_what_the_launcher_needs():
