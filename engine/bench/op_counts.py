@@ -1,9 +1,10 @@
 """How many kernels a decode step launches and how often it waits on the device (`--count-ops`).
 
 Contract: `count_ops(model, prompt_ids, new_tokens)` generates greedily twice under torch's
-profiler, once with one new token (the prefill and its first token) and once with `new_tokens`,
-and returns the difference per further token: `ops` (leaf aten operators dispatched, each one
-kernel launch on a GPU and one call through the dispatcher on the CPU), `kernels` (launches of the
+profiler, once with two new tokens (the prefill's and one decode step's: a first step prepares what
+later ones reuse) and once with `new_tokens`, and returns the difference per further token: `ops`
+(leaf aten operators dispatched, each one kernel launch on a GPU and one call through the
+dispatcher on the CPU), `kernels` (launches of the
 engine's own kernels, `engine.gpu`: Triton's, or its cubins through the CUDA driver, which torch's
 profiler sees only as the ranges `engine.gpu.launch_ranges` opens; one launch each, the operators
 inside a range left out — on the CPU they are Triton's interpreter copying its arguments),
@@ -113,11 +114,15 @@ def _inside_kernel(event) -> bool:
 
 
 def count_ops(model, prompt_ids: list[int], new_tokens: int) -> dict[str, float | None]:
-    """Per decode token after the first: operators launched and host synchronisations."""
+    """Per decode token after the first decode step (where one is left to count): operators launched
+    and host synchronisations. A reply's first decode step prepares what the others reuse (a ggml
+    graph, a CUDA graph's capture over the new KV buffers): both runs take it, so it cancels."""
     generate_text(model, prompt_ids, greedy(2))  # warm-up: first-call allocations are not counted
-    first = _counts(model, prompt_ids, 1)
+    settled = 2 if new_tokens >= 3 else 1  # tokens of the first run: the prefill's, then one step's
+    first = _counts(model, prompt_ids, settled)
     full = _counts(model, prompt_ids, new_tokens)
-    return {key: None if full[key] is None else (full[key] - first[key]) / (new_tokens - 1) for key in full}
+    steps = new_tokens - settled
+    return {key: None if full[key] is None else (full[key] - first[key]) / steps for key in full}
 
 
 def format_op_counts(counts: dict[str, float | None]) -> str:

@@ -284,13 +284,14 @@ def _probe_router(fused: FusedDecoder, router, device, dtype) -> tuple[bool, tor
             return None
         if not isinstance(want, tuple) or len(want) != 3:
             return None
+        logits = F.linear(x, weight)
+        probs = logits.float().softmax(dim=-1)
         for renormalize in (True, False):
-            ids, weights = fused.top_k(F.linear(x, weight), top_k, renormalize, want[1].dtype)
-            if (
-                torch.equal(ids, want[2])
-                and _agrees(weights, want[1])
-                and _agrees(F.linear(x, weight), want[0])
-            ):
+            ids, weights = fused.top_k(logits, top_k, renormalize, want[1].dtype)
+            # the same experts, but for the order of exactly tied ones (the kernel takes the lowest
+            # first; torch's order of ties is its own): the same probabilities taken
+            taken = torch.equal(probs.gather(-1, ids), probs.gather(-1, want[2]))
+            if taken and _agrees(weights, want[1]) and _agrees(logits, want[0]):
                 return renormalize, want[1].dtype
     return None
 
