@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as QT
 from torch import nn
 
 from engine.formats.gguf.blocks import dequantize
-from engine.gpu.check import random_blocks
+from engine.gpu.checks.experts import random_blocks
 from engine.resident.device_blocks import BlocksLinear
 from tests.engine.gpu.interpreter import in_the_interpreter, run_in_child_interpreter
 
