@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from engine.formats.fp8 import Fp8Weight, scale_shape
-from engine.gpu.kquant_moe import LAUNCH, _check_field, _check_indices, _output, _vector
+from engine.gpu.kquant_moe import LAUNCH, _vector, routed_down, routed_gate_up
 from engine.gpu.launch_ranges import launch_range
 from engine.gpu.projections import LANES, Fp8Projection
 from engine.gpu.registry import FP8_BLOCK_N
@@ -127,11 +127,6 @@ def quantized_gemv_kernel(
 # -- host side: checks and launches through Triton's JIT -------------------------------------------
 
 
-def _check_projection(pool: torch.Tensor, projection: Fp8Projection) -> None:
-    for offset, nbytes in projection.spans:
-        _check_field(pool, offset, nbytes)
-
-
 def moe_gate_up(
     x: torch.Tensor,
     pool: torch.Tensor,
@@ -144,18 +139,7 @@ def moe_gate_up(
     """`act [K, I]` float32: silu(gate) · up of each expert `ids [K]` (its pool row `table[ids[k]]`),
     from its FP8 `gate_up_proj` (`projection`: 2I rows of H columns) and `x [H]` (or `[1, H]`);
     written into `act` where given (`K · I` float32 values). Reads nothing on the host."""
-    if projection.rows % 2:
-        raise ValueError(f"gate_up_proj holds gate and up rows, an even count; got {projection.rows}")
-    _check_projection(pool, projection)
-    _check_indices(table, ids)
-    x, top_k, inter = _vector(x, projection.columns, "x"), ids.numel(), projection.rows // 2
-    act = _output(act, (top_k, inter), "act", x.device, (torch.float32,))
-    with launch_range("moe_gate_up_fp8"):
-        moe_gate_up_kernel[(triton.cdiv(inter, block_n), top_k)](
-            x, pool, table, ids, act, pool.shape[1], *projection.ints, inter, projection.columns,
-            BLOCK_N=block_n, **LAUNCH,
-        )  # fmt: skip
-    return act
+    return routed_gate_up(moe_gate_up_kernel, "fp8", {}, x, pool, table, ids, projection, block_n, act)
 
 
 def moe_down(
@@ -172,18 +156,7 @@ def moe_down(
     expert's FP8 `down_proj` (`projection`: H rows of I columns) and `act [K, I]` (`moe_gate_up`'s);
     written into `out` where given (H float values, the float32 sums rounded once to its dtype).
     Reads nothing on the host."""
-    _check_projection(pool, projection)
-    _check_indices(table, ids)
-    top_k, rows, columns = ids.numel(), projection.rows, projection.columns
-    act = _vector(act, top_k * columns, "act")
-    weights = _vector(weights, top_k, "the routing weights")
-    out = _output(out, (rows,), "out", act.device)
-    with launch_range("moe_down_fp8"):
-        moe_down_kernel[(triton.cdiv(rows, block_n),)](
-            act, pool, table, ids, weights, out, pool.shape[1], *projection.ints, rows, columns, top_k,
-            BLOCK_N=block_n, **LAUNCH,
-        )  # fmt: skip
-    return out
+    return routed_down(moe_down_kernel, "fp8", {}, act, pool, table, ids, weights, projection, block_n, out)
 
 
 def quantized_gemv(x: torch.Tensor, weight: Fp8Weight, block_n: int = BLOCK_N) -> torch.Tensor:

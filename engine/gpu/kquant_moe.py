@@ -248,3 +248,43 @@ def quantized_gemv(
             x, blocks, out, out_features, in_features, GGML_TYPE=kind, BLOCK_N=block_n, **LAUNCH
         )
     return out
+
+
+# -- the FP8 and int4 families' launches: a projection object gives their fields' ints ---------------
+
+
+def routed_gate_up(kernel, label: str, constexprs: dict, x, pool, table, ids, projection, block_n, act):
+    """`moe_gate_up` of a family whose `projection` (engine.gpu.projections) gives its fields as
+    `ints` and `spans`: the same checks and launch for FP8 and int4, `kernel` their JIT kernel."""
+    if projection.rows % 2:
+        raise ValueError(f"gate_up_proj holds gate and up rows, an even count; got {projection.rows}")
+    for offset, nbytes in projection.spans:
+        _check_field(pool, offset, nbytes)
+    _check_indices(table, ids)
+    x, top_k, inter = _vector(x, projection.columns, "x"), ids.numel(), projection.rows // 2
+    act = _output(act, (top_k, inter), "act", x.device, (torch.float32,))
+    with launch_range(f"moe_gate_up_{label}"):
+        kernel[(triton.cdiv(inter, block_n), top_k)](
+            x, pool, table, ids, act, pool.shape[1], *projection.ints, inter, projection.columns,
+            **constexprs, BLOCK_N=block_n, **LAUNCH,
+        )  # fmt: skip
+    return act
+
+
+def routed_down(
+    kernel, label: str, constexprs: dict, act, pool, table, ids, weights, projection, block_n, out
+):
+    """`moe_down` of such a family (see `routed_gate_up`)."""
+    for offset, nbytes in projection.spans:
+        _check_field(pool, offset, nbytes)
+    _check_indices(table, ids)
+    top_k, rows, columns = ids.numel(), projection.rows, projection.columns
+    act = _vector(act, top_k * columns, "act")
+    weights = _vector(weights, top_k, "the routing weights")
+    out = _output(out, (rows,), "out", act.device)
+    with launch_range(f"moe_down_{label}"):
+        kernel[(triton.cdiv(rows, block_n),)](
+            act, pool, table, ids, weights, out, pool.shape[1], *projection.ints, rows, columns, top_k,
+            **constexprs, BLOCK_N=block_n, **LAUNCH,
+        )  # fmt: skip
+    return out

@@ -31,6 +31,7 @@ from torch import nn
 from engine.formats.gguf.blocks import dequantize
 from engine.gpu.launch_ranges import launch_range
 from engine.gpu.registry import FIELD_ALIGN, KQUANT_BLOCK_N, KQUANT_TYPES, kquant_name
+from engine.resident.ggml_linear import quantized_linears
 
 log = logging.getLogger(__name__)
 
@@ -107,23 +108,14 @@ def keep_linears_on_device(hf_model: nn.Module, checkpoint, gemv: str = "cubin")
     """Put a `BlocksLinear` in `hf_model` (on the meta device) for each linear layer whose weight the
     GGUF `checkpoint` stores in a block type the fused GEMV reads; {the weight name it replaces
     (not to be loaded): the file's reader tensor}."""
-    tied = hf_model.config.get_text_config().tie_word_embeddings
-    head = hf_model.get_output_embeddings()
     kept = {}
-    for parent_name, parent in list(hf_model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or (tied and child is head):
-                continue
-            weight_name = f"{parent_name}.{name}.weight".lstrip(".")
-            tensor = checkpoint.quantized_tensor(weight_name)
-            if tensor is None or int(tensor.tensor_type) not in KQUANT_TYPES:
-                continue
-            if tensor.data.shape[0] != child.out_features:
-                continue
-            with torch.device("meta"):
-                linear = BlocksLinear(child, int(tensor.tensor_type), int(tensor.data.shape[-1]), gemv)
-            setattr(parent, name, linear)
-            kept[weight_name] = tensor
+    for parent, name, child, weight_name, tensor in quantized_linears(hf_model, checkpoint):
+        if int(tensor.tensor_type) not in KQUANT_TYPES:
+            continue
+        with torch.device("meta"):
+            linear = BlocksLinear(child, int(tensor.tensor_type), int(tensor.data.shape[-1]), gemv)
+        setattr(parent, name, linear)
+        kept[weight_name] = tensor
     return kept
 
 

@@ -50,21 +50,28 @@ def keep_linears_quantized(hf_model: nn.Module, checkpoint) -> dict[str, object]
     """Put a `GgmlLinear` in `hf_model` (on the meta device) for each linear layer whose weight the
     GGUF `checkpoint` stores quantized; {the weight name it replaces (not to be loaded): the file's
     reader tensor}."""
+    kept = {}
+    for parent, name, child, weight_name, tensor in quantized_linears(hf_model, checkpoint, GGML_FLOATS):
+        with torch.device("meta"):
+            setattr(parent, name, GgmlLinear(child, int(tensor.tensor_type), int(tensor.data.shape[-1])))
+        kept[weight_name] = tensor
+    return kept
+
+
+def quantized_linears(hf_model: nn.Module, checkpoint, also: frozenset = frozenset()):
+    """`(parent, attribute, linear, weight name, the file's reader tensor)` of each `nn.Linear` of
+    `hf_model` whose weight the GGUF `checkpoint` stores as rows of quantized blocks (or of a float
+    type in `also`); a head tied to the embedding left out."""
     tied = hf_model.config.get_text_config().tie_word_embeddings
     head = hf_model.get_output_embeddings()
-    kept = {}
     for parent_name, parent in list(hf_model.named_modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or (tied and child is head):
                 continue
             weight_name = f"{parent_name}.{name}.weight".lstrip(".")
-            tensor = checkpoint.quantized_tensor(weight_name, also=GGML_FLOATS)
-            if tensor is None or tensor.data.shape[0] != child.out_features:
-                continue
-            with torch.device("meta"):
-                setattr(parent, name, GgmlLinear(child, int(tensor.tensor_type), int(tensor.data.shape[-1])))
-            kept[weight_name] = tensor
-    return kept
+            tensor = checkpoint.quantized_tensor(weight_name, also=also)
+            if tensor is not None and tensor.data.shape[0] == child.out_features:
+                yield parent, name, child, weight_name, tensor
 
 
 def fill_linears(hf_model: nn.Module, kept: dict[str, object]) -> None:
