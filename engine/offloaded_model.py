@@ -199,8 +199,10 @@ class OffloadedModel:
     def new_kv_cache(self, rewindable: bool = False) -> DynamicCache:
         """The model's own KV cache (linear-attention and Mamba state included); `rewindable` keeps
         every position of sliding-window layers so speculative decoding can crop rejected drafts;
-        keys and values in --kv-dtype."""
-        return new_kv_cache(self.hf_config, rewindable, self.kv_dtype)
+        keys and values in --kv-dtype. Where the decode step is a CUDA graph through the model's
+        own modules, sliding-window layers keep every position too (the graph masks the window)."""
+        whole = rewindable or (self.captured is not None and self.captured.needs_every_position)
+        return new_kv_cache(self.hf_config, whole, self.kv_dtype)
 
     def decode(self, token: int, kv_cache: DynamicCache) -> torch.Tensor:
         """The logits `[V]` of one token id after `kv_cache`'s positions: `forward`'s of `[token]`,

@@ -9,9 +9,9 @@ that fails or runs out of time is recorded with its error; the next one still ru
                   correctness against torch's reference and its GB/s against the card's
                   memory bandwidth (skipped where the package has none yet)
     pytest        `pytest -m gpu`: the GPU tests' summary line and failures
-    graphs        the whole decode step as one CUDA graph on the tiny model of every family
-                  it takes (`python -m engine.bench.graph_check`): greedy tokens and max |Δlogits|
-                  against the eager step, captures, why a capture failed
+    graphs        the whole decode step as one CUDA graph on the tiny model of every supported
+                  family (`python -m engine.bench.graph_check`): greedy tokens and max |Δlogits|
+                  against the eager step, captures, the body captured, why a capture failed
     shapes        the 16- then 48-layer Qwen3-30B-A3B-shaped Q4_K_M file, every expert
                   resident: tok/s, kernel launches and host syncs a token, plain (the step as one
                   CUDA graph, the fused expert kernels), the step eager, the experts in torch
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         ("environment", 30, environment),
         ("kernels", 60, kernels),
         ("pytest", 150, lambda out, limit: gpu_tests(out, limit)),
-        ("graphs", 60, graph_stage),
+        ("graphs", 90, graph_stage),
         ("shapes", 10_000, lambda out, limit: shapes(out, limit, args.layers)),
     ]
     for name, limit, stage in stages:

@@ -1,13 +1,14 @@
-"""The whole decode step as one CUDA graph against the eager step, on the tiny model of every family
-it takes: `python -m engine.bench.graph_check OUT.json [--dtype float32 bfloat16]`.
+"""The whole decode step as one CUDA graph against the eager step, on the tiny model of every
+supported family: `python -m engine.bench.graph_check OUT.json [--dtype float32 bfloat16]`.
 
 For each family (`engine.tiny.models`) and dtype: a model holding every expert on the GPU decodes
 `STEPS` greedy tokens after a fixed prompt through the graph (`engine.decode.captured_step`), then
 the same through the eager paths; the JSON says whether the tokens are equal, the largest
 |Δlogits| (and the logits' scale), how many times the step was captured, the path the steps took,
 the pieces of the decoder the fused kernels computed (`engine.decode.fused_decoder`) and, where
-the graph was refused or turned off, why. A family whose decoder is not the standard
-one is listed with the reason. One of the prepared GPU check's stages (`engine.bench.gpu`).
+the graph was refused or turned off, why, and which body it captured (the standard decoder's,
+or the model's own modules). A family whose steps the graph cannot hold is listed with the
+reason. One of the prepared GPU check's stages (`engine.bench.gpu`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ExpertBudget, OffloadConfig
+from engine.decode.module_step import module_refusal
 
 PROMPT = torch.tensor([3, 5, 7, 9, 11, 13])
 STEPS = 12
@@ -51,7 +53,7 @@ def check_family(folder: Path, device: str, dtype: str, prepare=None, **options)
         if prepare is not None:
             prepare(model)
         if model.captured is None:
-            return {"captured": False, "why": "the decoder is not the standard one (or not on CUDA)"}
+            return {"captured": False, "why": module_refusal(model.hf_config) or f"not on CUDA ({device})"}
         tokens, logits = greedy(model)
         ran = model.paths.log.since(None)
         graphed = model.paths
@@ -61,6 +63,7 @@ def check_family(folder: Path, device: str, dtype: str, prepare=None, **options)
         deltas = [(a - b).abs().max().item() for a, b in zip(logits, want_logits, strict=True)]
         fused = model.captured.body.fused
         return {
+            "body": type(model.captured.body).__name__,
             "fused_decoder": None
             if fused is None
             else {
@@ -83,12 +86,16 @@ def check_family(folder: Path, device: str, dtype: str, prepare=None, **options)
 
 
 def run(out: Path, device: str, dtypes: list[str], families=None, prepare=None, **options) -> dict:
-    """Every family (or those named) in `dtypes`, the JSON rewritten after each."""
+    """Every supported family (or those named) in `dtypes`, the JSON rewritten after each: the
+    hand-tuned tiny families first (the standard decoder's, with the fused kernels), then the
+    others (the model's own modules in the graph, or why not)."""
+    from engine.model.adapters import SUPPORTED_MODEL_TYPES
     from engine.tiny.models import TINY_ARCHITECTURES, make_tiny_model
 
     report: dict = {"device": device, "steps": STEPS, "families": {}}
+    others = sorted(set(SUPPORTED_MODEL_TYPES) - set(TINY_ARCHITECTURES))
     with tempfile.TemporaryDirectory() as scratch:
-        for family in families or TINY_ARCHITECTURES:
+        for family in families or (*TINY_ARCHITECTURES, *others):
             folder = make_tiny_model(Path(scratch) / family, family)
             for dtype in dtypes:
                 try:

@@ -3,9 +3,11 @@
 - `paths`: the ordered list of decode-step paths (`takes`/`run`), the first that takes a step
   runs it, and the name of the path each step took (`stats.step_path`);
 - `lean`: `LeanDecode`, the standard pre-norm decoder without transformers' per-call machinery;
-- `captured_step`: `CapturedStep`, a one-token step of that decoder as one CUDA graph, when every
-  expert is on the device; `fused_decoder`: its norms, rotary + KV write, attention and routers in
-  the fused kernels (`engine.gpu`) where a probe shows they compute what the modules do;
+- `captured_step`: `CapturedStep`, a one-token step as one CUDA graph, when every expert is on the
+  device; `fused_decoder`: the standard decoder's norms, rotary + KV write, attention and routers
+  in the fused kernels (`engine.gpu`) where a probe shows they compute what the modules do;
+  `module_step`: another family's own modules in the graph, over a cache written at the device
+  position;
 - `cpu_attention`: decode attention on the CPU, query heads folded per key head;
 - `fused_norms`: RMS norms as torch's one operator where a probe shows the same values;
 - `row_views`: `Row`, a graph input given by its address in a long-lived table;

@@ -1,12 +1,19 @@
 """A one-token decode step as one CUDA graph, when every expert is on the device.
 
-Contract: `CapturedStep.of(model)` is the whole-step graph of an `OffloadedModel` whose decoder is
-the standard one (`engine.decode.lean.standard_refusal`), or None; `refusal(kv_cache)` says why a
-step may not go this way now ('' when it may); `step(token, kv_cache)` is the logits `[V]` of
-`token` after the cache's positions, or None where the step could not be captured (why in
-`off_because`; the next path computes it and the graph is not tried again).
+Contract: `CapturedStep.of(model)` is the whole-step graph of an `OffloadedModel`, or None where
+its steps cannot be held (why: logged); `refusal(kv_cache)` says why a step may not go this way
+now ('' when it may); `step(token, kv_cache)` is the logits `[V]` of `token` after the cache's
+positions, or None where the step could not be captured (why in `off_because`; the next path
+computes it and the graph is not tried again); `needs_every_position`: the model's caches must
+keep every position of their sliding-window layers for the graph to take their steps.
 
-What the graph holds (`StepBody`): the token's row from a device id, the rotary angles gathered
+The body: `StepBody` (below) where the decoder is the standard one
+(`engine.decode.lean.standard_refusal`), its pieces in the fused decoder kernels where they apply;
+else `ModuleBody` (engine.decode.module_step): transformers' own forward over a cache that writes
+at the device position, every module of the family inside the graph (MLA, sinks, soft caps,
+multipliers, sliding windows), where every layer's cache is attention positions.
+
+What the standard body holds: the token's row from a device id, the rotary angles gathered
 at a device position from a table of the capacity's positions, and each layer as the standard
 decoder computes it — input norm, q/k/v, q/k norms, rotation, the new key and value written into the
 layer's KV buffers at the device position (`index_copy_`), attention over the buffers' whole
@@ -49,6 +56,7 @@ from torch import nn
 
 from engine.decode.fused_decoder import FusedDecoder, epsilon, qk_norm_weights
 from engine.decode.lean import QkNorm, RotaryTable, standard_refusal
+from engine.decode.module_step import ModuleBody, module_refusal, windowed_layers
 from engine.model.hf_calls import decoder_of
 from engine.model.kv_cache import GrowingLayer
 from engine.moe.cuda_graphs import Capture, cuda_capture
@@ -62,6 +70,8 @@ Buffers = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 class StepBody:
     """What the graph captures: one token through the standard decoder over static buffers, its
     pieces in the fused kernels where `fused` (a `FusedDecoder`) takes them."""
+
+    needs_every_position = False  # no layer attends over a window
 
     def __init__(self, hf_model: nn.Module):
         decoder = decoder_of(hf_model)
@@ -102,6 +112,24 @@ class StepBody:
                 residual, x = self._add_norm(attended, residual, layer.post_norm)
                 residual, x = self._add_norm(layer.mlp(x.view(1, 1, -1)).view(1, -1), residual, following)
         return self.head(x)[0]
+
+    def choose_fused(self, device: torch.device, dtype: torch.dtype, wanted) -> None:
+        """The fused kernels for `dtype` (`wanted`: the model's `control.fused`), probed on the
+        device; why none: logged."""
+        fused = FusedDecoder.of(self, device, dtype, wanted)
+        if isinstance(fused, str):
+            log.info("The captured step computes its decoder in torch: %s", fused)
+            fused = None
+        self.fused = fused
+
+    def extras(self, buffers: Buffers, device: torch.device) -> tuple:
+        """The inputs besides the token, the position and the buffers: `arange(capacity)` and the
+        rotary tables of the capacity's positions."""
+        capacity, dtype = buffers[0][0].shape[-2], buffers[0][0].dtype
+        tables = self.rotary.table(torch.empty(0, dtype=dtype, device=device), capacity)
+        if tables is None or tables[0].shape[1] < capacity:
+            raise ValueError(f"no rotary table of {capacity} positions (dynamic frequencies, or too long)")
+        return (torch.arange(capacity, device=device), *tables)
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple:
         """`residual + x` and its norm: one kernel where the norms are fused (the sum in place)."""
@@ -198,8 +226,8 @@ class _Graph:
 class CapturedStep:
     """The whole-step graph of one model (see the module doc)."""
 
-    def __init__(self, model, capture: Capture = cuda_capture):
-        self.body = StepBody(model.hf_model)
+    def __init__(self, model, body: StepBody | ModuleBody, capture: Capture = cuda_capture):
+        self.body = body
         self.hf_model, self.decoder = model.hf_model, decoder_of(model.hf_model)
         self.cache, self.control, self.trace = model.cache, model.control, model.trace
         self.moe_layers = sorted(model.experts)
@@ -213,14 +241,27 @@ class CapturedStep:
     @classmethod
     def of(cls, model, capture: Capture | None = None) -> CapturedStep | None:
         """The graph of `model` (an `OffloadedModel`) on CUDA (elsewhere only given a `capture`:
-        tests), where its decoder is the standard one and it has MoE layers; else None."""
+        tests), where it has MoE layers and its steps can be held: through the standard decoder's
+        body, else through its own modules (engine.decode.module_step); else None."""
         if capture is None and model.device.type != "cuda":
             return None
-        reason = standard_refusal(model.hf_model) or ("" if model.experts else "no MoE layer")
-        if reason:
-            log.info("Decode steps are not captured as one CUDA graph: %s", reason)
+        if not model.experts:
+            log.info("Decode steps are not captured as one CUDA graph: no MoE layer")
             return None
-        return cls(model, capture or cuda_capture)
+        nonstandard = standard_refusal(model.hf_model)
+        if not nonstandard:
+            return cls(model, StepBody(model.hf_model), capture or cuda_capture)
+        why = module_refusal(model.hf_config)
+        if why:
+            log.info("Decode steps are not captured as one CUDA graph: %s", why)
+            return None
+        log.info("Decode steps are captured through the model's own modules: %s", nonstandard)
+        body = ModuleBody(model.hf_model, windowed_layers(model.hf_config))
+        return cls(model, body, capture or cuda_capture)
+
+    @property
+    def needs_every_position(self) -> bool:
+        return self.body.needs_every_position
 
     def refusal(self, kv_cache) -> str:
         """Why a one-token step over `kv_cache` may not be a replay now ('' when it may)."""
@@ -236,7 +277,7 @@ class CapturedStep:
         if not self.cache.holds_all:
             return "the device cache does not hold every expert"
         layers = getattr(kv_cache, "layers", ())
-        if len(layers) != len(self.body.layers) or any(type(layer) is not GrowingLayer for layer in layers):
+        if len(layers) != len(self.decoder.layers) or any(type(x) is not GrowingLayer for x in layers):
             return "a layer cache that is not the engine's attention buffers (or keeps another dtype)"
         if not kv_cache.get_seq_length():
             return "the KV cache holds no prompt yet (a prefill)"
@@ -287,32 +328,24 @@ class CapturedStep:
         return self._graph
 
     def _fuse(self, device: torch.device, dtype: torch.dtype) -> None:
-        """The body's fused kernels for `dtype`, chosen once a dtype (why none: logged)."""
-        if self._fused_for == (device, dtype):
-            return
-        fused = FusedDecoder.of(self.body, device, dtype, self.control.fused)
-        if isinstance(fused, str):
-            log.info("The captured step computes its decoder in torch: %s", fused)
-            fused = None
-        self.body.fused, self._fused_for = fused, (device, dtype)
+        """The body's fused kernels for `dtype`, chosen once a dtype."""
+        if self._fused_for != (device, dtype):
+            self.body.choose_fused(device, dtype, self.control.fused)
+            self._fused_for = (device, dtype)
 
     def _inputs(self, buffers: Buffers, token: int, past: int, device: torch.device) -> tuple:
-        capacity, dtype = buffers[0][0].shape[-2], buffers[0][0].dtype
         with torch.inference_mode():  # the buffers are inference tensors (the steps' own)
             for buffer in (buffer for pair in buffers for buffer in pair):
                 # the attention weighs the positions past the length by exact zeros: they must
                 # hold finite values (a new buffer's memory may hold NaN, and 0 · NaN is NaN)
                 buffer[..., past:, :].zero_()
-        tables = self.body.rotary.table(torch.empty(0, dtype=dtype, device=device), capacity)
-        if tables is None or tables[0].shape[1] < capacity:
-            raise ValueError(f"no rotary table of {capacity} positions (dynamic frequencies, or too long)")
         token_ = torch.full((1, 1), token, dtype=torch.int64, device=device)
         position = torch.full((1,), past, dtype=torch.int64, device=device)
-        return (token_, position, buffers, torch.arange(capacity, device=device), *tables)
+        return (token_, position, buffers, *self.body.extras(buffers, device))
 
-    def _run(self, token, position, buffers, positions, cos_table, sin_table) -> torch.Tensor:
+    def _run(self, *inputs) -> torch.Tensor:
         with torch.inference_mode():
-            return self.body(token, position, buffers, positions, cos_table, sin_table)
+            return self.body(*inputs)
 
     def _hits_of(self, inputs: tuple) -> int:
         """The hits the device cache counts in one step: the step run eagerly once (before its

@@ -16,11 +16,10 @@ latest reason each faster path gave for leaving a step to the next one. Fastest 
                   (engine.decode.lean); `lean+ggml` where layers do their ends in ggml graphs
     transformers  the model's own forward: takes every step
 
-A path is in the list only where it applies to the model at all (CUDA and a standard decoder
-for the first, `--kernels ggml` and a standard decoder for the ggml ones, a standard decoder for
-`lean`); what it checks per step is
-what can change between steps: hooks (an MTP drafter's, a prefetch predictor's), a draft's
-routing, the cache's kind and length.
+A path is in the list only where it applies to the model at all (CUDA and caches that hold
+only attention positions for the first, `--kernels ggml` and a standard decoder for the ggml
+ones, a standard decoder for `lean`); what it checks per step is what can change between steps:
+hooks (an MTP drafter's, a prefetch predictor's), a draft's routing, the cache's kind and length.
 """
 
 from __future__ import annotations

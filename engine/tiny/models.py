@@ -37,6 +37,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
@@ -45,7 +46,7 @@ from transformers import (
 from transformers.utils.hub import convert_file_size_to_int
 
 from engine.model.adapters import SUPPORTED_MODEL_TYPES
-from engine.tiny.registry import shrunk_config
+from engine.tiny.registry import is_multimodal, shrunk_config
 
 logger = logging.getLogger(__name__)
 
@@ -208,17 +209,33 @@ def _make_weights_telling(model: PreTrainedModel, std: float) -> None:
                 tensor.add_(torch.randn_like(tensor) * std)
 
 
-def build_tiny_model(
-    model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
+def published_tiny_model(
+    model_type: str, seed: int = 0, telling: bool = False, **overrides
 ) -> PreTrainedModel:
-    """Random tiny model of `model_type` in eval mode, reproducible from `seed`."""
+    """A random tiny `model_type` model (`tiny_config`), reproducible from `seed`, in the class its
+    checkpoints are published as: a vision-language family's as that, whose saved folder
+    transformers' causal-LM class reads back as its language model. `telling`: weights that catch
+    loader and routing bugs (`_make_weights_telling`); else as the class draws them."""
     config = tiny_config(model_type, **overrides)
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream alone
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        _make_weights_telling(model, std=config.initializer_range)
+        model = _published(model_type).from_config(config, dtype=torch.float32)
+        if telling:
+            _make_weights_telling(model, std=config.get_text_config().initializer_range)
+    return model.eval()
+
+
+def build_tiny_model(
+    model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
+) -> PreTrainedModel:
+    """Random tiny model of `model_type` in eval mode with telling weights, reproducible from `seed`."""
+    model = published_tiny_model(model_type, seed, telling=True, **overrides)
     # Drawn in fp32 and then cast, so one seed gives the same weights in every dtype.
-    return _with_dtype(model, dtype).eval()
+    return _with_dtype(model, dtype)
+
+
+def _published(model_type: str) -> type:
+    return AutoModelForImageTextToText if is_multimodal(model_type) else AutoModelForCausalLM
 
 
 def _with_dtype(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
@@ -229,7 +246,7 @@ def _with_dtype(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
     if model.dtype == dtype:
         return model
     with torch.random.fork_rng(devices=[]):  # from_config draws random weights we then overwrite
-        cast = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=dtype)
+        cast = _published(model.config.model_type).from_config(copy.deepcopy(model.config), dtype=dtype)
     cast.load_state_dict(model.state_dict())
     return cast.eval()
 

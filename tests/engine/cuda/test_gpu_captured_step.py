@@ -1,5 +1,6 @@
 """The whole decode step as one CUDA graph (engine.decode.captured_step), for real: on every tiny
-family with the standard decoder, a model that holds every expert on the GPU decodes through the
+family with the standard decoder and on three whose modules the graph holds (MLA, sinks with
+sliding windows, multipliers), a model that holds every expert on the GPU decodes through the
 graph (`stats.step_path` "cuda-graph") the same greedy tokens as the eager path, with logits to
 float32 rounding, and a replayed step synchronises nothing with the host.
 
@@ -20,10 +21,11 @@ pytestmark = pytest.mark.gpu
 
 PROMPT = torch.tensor([3, 5, 7, 9, 11, 13])
 STANDARD = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "phimoe")
+MODULES = ("deepseek_v3", "gpt_oss", "granitemoe")  # the rest: `python -m engine.bench.graph_check`
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("model_type", STANDARD)
+@pytest.mark.parametrize("model_type", STANDARD + MODULES)
 def test_the_graph_decodes_the_eager_tokens(tmp_path, model_type, dtype):
     found = check_family(make_tiny_model(tmp_path / model_type, model_type), "cuda", dtype)
     assert found["captured"] and found["off_because"] is None, found

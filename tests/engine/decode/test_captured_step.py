@@ -1,9 +1,9 @@
 """engine.decode.captured_step on the CPU: the whole-step graph's body run eagerly by the stand-in
 capture (`eager_capture`: its "replay" runs the body again over the same static inputs), against
-the model's own steps, on every tiny family whose decoder is the standard one; and under
-FakeTensorMode, where any value read on the host or a shape that depends on one raises (what a
-CUDA graph cannot hold).
-tests/engine/cuda/test_captured_step.py captures it for real."""
+the model's own steps, on the tiny model of every supported family whose steps it can hold (the
+standard decoder's body on the standard families, the model's own modules on the others); and
+under FakeTensorMode, where any value read on the host or a shape that depends on one raises
+(what a CUDA graph cannot hold). tests/engine/cuda/test_captured_step.py captures it for real."""
 
 from __future__ import annotations
 
@@ -12,27 +12,55 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from engine.config import ExpertBudget, OffloadConfig
-from engine.decode.captured_step import CapturedStep, eager_capture
+from engine.decode.captured_step import CapturedStep, StepBody, eager_capture
+from engine.decode.module_step import ModuleBody
 from engine.decode.paths import StepPaths
 from engine.loader import load_model
 from engine.model import kv_cache as kv_cache_module
-from engine.tiny.models import TINY_ARCHITECTURES, make_tiny_model
+from engine.model.adapters import SUPPORTED_MODEL_TYPES
+from engine.tiny.models import make_tiny_model
+from tests.engine.standard_families import STANDARD_FAMILIES
 
 PROMPT = torch.tensor([3, 5, 7, 9, 11, 13])
-STEPS = 8
-# families whose decoder is the standard one (engine.decode.lean.standard_refusal): every one of
-# them is captured; the others are not (MLA attention, sliding windows with sinks, multipliers)
-STANDARD = {"qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "phimoe"}
+STEPS = 8  # past the tiny families' sliding window (8 positions) with the prompt
+FAMILIES = sorted(SUPPORTED_MODEL_TYPES)
+STANDARD = STANDARD_FAMILIES  # the standard body takes their steps, with the fused decoder kernels
+# families whose caches hold more than attention positions: their steps stay eager
+NOT_CAPTURED = {
+    # a sparse-attention indexer's keys
+    "axk2",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "hy_v4",
+    # linear-attention or Mamba state
+    "granitemoehybrid",
+    "inkling_text",
+    "lfm2_moe",
+    "nemotron_h",
+    "qwen3_5_moe",
+    "qwen3_next",
+}
 
 
 def failing_capture(fn, inputs, pool):
     raise RuntimeError("operation not permitted when stream is capturing")
 
 
+class _Folders(dict):
+    """Each family's tiny checkpoint, made when a test first asks for it."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, model_type):
+        self[model_type] = make_tiny_model(self.root / model_type, model_type)
+        return self[model_type]
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("captured")
-    return {model_type: make_tiny_model(root / model_type, model_type) for model_type in TINY_ARCHITECTURES}
+    return _Folders(tmp_path_factory.mktemp("captured"))
 
 
 def _loaded(folder):
@@ -65,7 +93,7 @@ def _with_graph(model, capture=eager_capture) -> CapturedStep | None:
     return captured
 
 
-@pytest.mark.parametrize("model_type", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_the_captured_step_computes_the_models_steps(folders, model_type, monkeypatch):
     # buffers that grow every few positions: the graph is captured again at each new capacity
     monkeypatch.setattr(kv_cache_module, "GROW_MIN_POSITIONS", 3)
@@ -76,10 +104,11 @@ def test_the_captured_step_computes_the_models_steps(folders, model_type, monkey
         _greedy(model, model.decode)
         hits_eager = model.cache.stats.phases["decode"].hits - hits_before
         captured = _with_graph(model)
-        if model_type not in STANDARD:
+        if model_type in NOT_CAPTURED:
             assert captured is None
             return
-        assert captured is not None and model.paths.names[0] == "cuda-graph"
+        body = StepBody if model_type in STANDARD else ModuleBody
+        assert type(captured.body) is body and model.paths.names[0] == "cuda-graph"
         hits_before = model.cache.stats.phases["decode"].hits
         tokens, logits = _greedy(model, model.decode)
         assert model.paths.log.counts["cuda-graph"] == STEPS, model.paths.log.reasons
@@ -93,19 +122,19 @@ def test_the_captured_step_computes_the_models_steps(folders, model_type, monkey
         model.close()
 
 
-@pytest.mark.parametrize("model_type", sorted(STANDARD))
+@pytest.mark.parametrize("model_type", sorted(set(FAMILIES) - NOT_CAPTURED))
 def test_the_step_body_reads_nothing_on_the_host(folders, model_type):
     """What the graph holds runs under FakeTensorMode: no host read, no value-dependent shape."""
     model = _loaded(folders[model_type])
     try:
         captured = CapturedStep.of(model, capture=eager_capture)
-        cache = model.new_kv_cache()
+        cache = model.new_kv_cache(rewindable=captured.needs_every_position)
         model.forward(PROMPT, cache)
         buffers = tuple(layer.room(1) for layer in cache.layers)
         inputs = captured._inputs(buffers, 17, cache.get_seq_length(), torch.device("cpu"))
         with FakeTensorMode(allow_non_fake_inputs=True):
             logits = captured._run(*inputs)
-        assert logits.shape == (model.hf_config.vocab_size,)
+        assert logits.shape == (model.hf_config.get_text_config().vocab_size,)
     finally:
         model.close()
 

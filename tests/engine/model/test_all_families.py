@@ -19,7 +19,7 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoModelForCausalLM
 
 from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import InvalidRequestError
@@ -29,10 +29,11 @@ from engine.loader import load_model
 from engine.model.adapters import NOT_SUPPORTED, SUPPORTED_MODEL_TYPES
 from engine.model.adapters.families import NO_SPECULATION
 from engine.model.hf_calls import with_cache
-from engine.tiny.models import TINY_ARCHITECTURES, save_tiny_model, tiny_config
-from engine.tiny.registry import is_multimodal, moe_model_types, shrunk_config
+from engine.tiny.models import published_tiny_model, save_tiny_model
+from engine.tiny.registry import is_multimodal, moe_model_types
 from tests.engine.exactness import assert_matches_reference
 from tests.engine.speculative.mtp_checkpoints import save_with_mtp
+from tests.engine.standard_families import STANDARD_FAMILIES
 
 # Families whose published checkpoints carry multi-token-prediction layers in a format the engine
 # reads (engine.model.mtp_layer: DeepSeek's nextn, Qwen's mtp.*): `--spec mtp` is checked on each, with
@@ -54,22 +55,8 @@ MTP_FAMILIES = (
 # engine's cache is the model's own, and recurrent state goes back by a saved copy).
 SPEC_XFAIL: dict[str, str] = {}
 
-# Families whose one-token steps go through engine.decode.lean (the standard pre-norm
-# decoder with full attention); the others decode through transformers' forward.
-LEAN_FAMILIES = {
-    "aria_text",
-    "ernie4_5_moe",
-    "glm4_moe",
-    "hy_v3",
-    "minimax_m2",
-    "minimax_m3_vl_text",
-    "mixtral",
-    "olmoe",
-    "phimoe",
-    "qwen2_moe",
-    "qwen3_moe",
-    "solar_open",
-}
+# Families whose one-token steps go through engine.decode.lean (the others: transformers' forward)
+LEAN_FAMILIES = STANDARD_FAMILIES
 
 PROMPT_LENGTH, NEW_TOKENS = 12, 32
 EAGER = {"dtype": torch.float32, "attn_implementation": "eager", "experts_implementation": "eager"}
@@ -85,20 +72,13 @@ def _params(families):
 FAMILIES = sorted({*SUPPORTED_MODEL_TYPES, *NOT_SUPPORTED})
 
 
-def _config(model_type: str):
-    return tiny_config(model_type) if model_type in TINY_ARCHITECTURES else shrunk_config(model_type)
-
-
 @pytest.fixture(scope="module", params=_params(FAMILIES))
 def family(request, tmp_path_factory):
     """(model_type, transformers' reference, the engine's model, a dict the tests share) for one family."""
     model_type = request.param
-    published = AutoModelForImageTextToText if is_multimodal(model_type) else AutoModelForCausalLM
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        reference = published.from_config(_config(model_type), dtype=torch.float32).eval()
+    reference = published_tiny_model(model_type)
     folder = save_tiny_model(reference, tmp_path_factory.mktemp(model_type))
-    if published is not AutoModelForCausalLM:  # a vision-language checkpoint: transformers' own LM of it
+    if is_multimodal(model_type):  # a vision-language checkpoint: transformers' own LM of it
         reference = AutoModelForCausalLM.from_pretrained(folder, **EAGER).eval()
     model = load_model(folder, _quarter_cached(reference))
     yield model_type, reference, model, {}  # the last: what one test leaves the next (plain greedy)
