@@ -12,6 +12,8 @@ reads which experts run, so the launches are the same for every route (a CUDA gr
   experts are packed in); one program a block of `BLOCK_N` rows of one expert.
 - `moe_down`: `out [H] = Σ_k w_k · down_k @ act_k`, the K experts summed in order inside one
   program (no atomics: the same sums every run); one program a block of rows.
+- `moe_gate_up_clamped` / `moe_down_biased`: the same with gpt-oss's experts' biases and gate (its
+  clamped SwiGLU on interleaved gate and up rows), as `engine.moe.fused_experts` launches them.
 - `quantized_gemv`: `W @ x` for one quantized matrix (attention, lm_head), the same inner code.
 
 Each weight is dequantized as `engine.formats.gguf.blocks.dequantize` builds it — the same float32
@@ -108,6 +110,52 @@ def quantized_gemv_kernel(
     row_bytes = _row_bytes(in_features, GGML_TYPE)
     y = _row_dots(blocks_ptr + safe * row_bytes, x_ptr, in_features, GGML_TYPE, BLOCK_N)
     tl.store(out_ptr + rows, y, mask=rows < out_features)
+
+
+@triton.jit
+def moe_gate_up_clamped_kernel(
+    x_ptr, pool_ptr, table_ptr, ids_ptr, act_ptr,
+    expert_nbytes, field_offset, bias_offset, inter, hidden, alpha, limit,
+    GGML_TYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Grid `(cdiv(inter, BLOCK_N), K)`: gpt-oss's gate of expert ids[k] — gate and up the
+    interleaved rows 2i and 2i + 1 of `gate_up_proj`, each plus its bias (in x's dtype, at
+    `bias_offset` in the expert's row), gate capped at `limit`, up clamped to ±`limit`, act[k, i] =
+    (up + 1) · gate · sigmoid(alpha · gate)."""
+    k = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    safe = tl.minimum(rows, inter - 1).to(tl.int64)
+    field = _field_of(pool_ptr, table_ptr, ids_ptr, k, expert_nbytes, field_offset)
+    bias = _field_of(pool_ptr, table_ptr, ids_ptr, k, expert_nbytes, bias_offset)
+    bias = bias.to(tl.pointer_type(x_ptr.dtype.element_ty))
+    row_bytes = _row_bytes(hidden, GGML_TYPE)
+    gate = _row_dots(field + 2 * safe * row_bytes, x_ptr, hidden, GGML_TYPE, BLOCK_N)
+    up = _row_dots(field + (2 * safe + 1) * row_bytes, x_ptr, hidden, GGML_TYPE, BLOCK_N)
+    gate = tl.minimum(gate + tl.load(bias + 2 * safe).to(tl.float32), limit)
+    up = tl.minimum(tl.maximum(up + tl.load(bias + 2 * safe + 1).to(tl.float32), -limit), limit)
+    glu = gate / (1.0 + tl.exp(tl.minimum(-gate * alpha, 88.0)))  # the sigmoid as torch's (see SiLU)
+    tl.store(act_ptr + k * inter + rows, (up + 1.0) * glu, mask=rows < inter)
+
+
+@triton.jit
+def moe_down_biased_kernel(
+    act_ptr, pool_ptr, table_ptr, ids_ptr, weights_ptr, out_ptr,
+    expert_nbytes, field_offset, bias_offset, hidden, inter, top_k,
+    GGML_TYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """`moe_down_kernel` with each expert's bias (in out's dtype, at `bias_offset` in its row) added
+    before its routing weight: out[rows] = Σ_k weights[k] · (down(ids[k])[rows] @ act[k] + bias)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    safe = tl.minimum(rows, hidden - 1).to(tl.int64)
+    row_bytes = _row_bytes(inter, GGML_TYPE)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in range(0, top_k):
+        field = _field_of(pool_ptr, table_ptr, ids_ptr, k, expert_nbytes, field_offset)
+        bias = _field_of(pool_ptr, table_ptr, ids_ptr, k, expert_nbytes, bias_offset)
+        bias = bias.to(tl.pointer_type(out_ptr.dtype.element_ty))
+        y = _row_dots(field + safe * row_bytes, act_ptr + k * inter, inter, GGML_TYPE, BLOCK_N)
+        acc += tl.load(weights_ptr + k).to(tl.float32) * (y + tl.load(bias + safe).to(tl.float32))
+    tl.store(out_ptr + rows, acc, mask=rows < hidden)
 
 
 # -- host side: checks and launches through Triton's JIT -------------------------------------------

@@ -95,8 +95,45 @@ def kquant_specs(x_dtype: str = "fp32") -> tuple[KernelSpec, ...]:
     )
 
 
+# the GGML types gpt-oss's experts come in (its release's MXFP4): `clamped_specs` builds theirs
+CLAMPED_TYPES = (QT.MXFP4,)
+
+
+def clamped_specs(x_dtype: str = "fp32") -> tuple[KernelSpec, ...]:
+    """engine.gpu.kquant_moe's kernels for gpt-oss's experts (biases and its clamped gate) over
+    `CLAMPED_TYPES`: `kquant_specs`' arguments plus each field's bias offset, and the gate's alpha
+    and limit (float32)."""
+    plain = {spec.name: spec for spec in kquant_specs(x_dtype)}
+    specs = []
+    for kernel, variant in (("moe_gate_up", "moe_gate_up_clamped"), ("moe_down", "moe_down_biased")):
+        for ggml_type in CLAMPED_TYPES:
+            base = plain[kquant_name(kernel, ggml_type, x_dtype)]
+            signature = {}
+            for name, kind in base.signature.items():
+                if name in ("GGML_TYPE", "BLOCK_N"):
+                    continue
+                signature[name] = kind
+                if name == "field_offset":
+                    signature["bias_offset"] = "i32"
+            if kernel == "moe_gate_up":
+                signature |= {"alpha": "fp32", "limit": "fp32"}
+            specs.append(
+                KernelSpec(
+                    name=kquant_name(variant, ggml_type, x_dtype),
+                    function=f"engine.gpu.kquant_moe:{variant}_kernel",
+                    signature=signature | {"GGML_TYPE": "constexpr", "BLOCK_N": "constexpr"},
+                    constexprs=base.constexprs,
+                    aligned=base.aligned,
+                    num_warps=base.num_warps,
+                )
+            )
+    return tuple(specs)
+
+
 # engine.gpu.kquant_moe's fused MoE kernels, for float32 and bfloat16 activations
-MOE_KERNELS: tuple[KernelSpec, ...] = tuple(spec for dtype in KQUANT_DTYPES for spec in kquant_specs(dtype))
+MOE_KERNELS: tuple[KernelSpec, ...] = tuple(
+    spec for dtype in KQUANT_DTYPES for spec in (*kquant_specs(dtype), *clamped_specs(dtype))
+)
 
 
 # -- the standard decoder's one-token step: engine.gpu.decoder_kernels and engine.gpu.decode_attention --

@@ -103,7 +103,9 @@ def resident_in_torch(
     device — the kernels are the same whatever the route."""
     top_k = top_k_index.shape[1]
     layout = module.cache.store.layout_of(module.layer)
-    weights = gathered_weights(module.cache.pool, table[top_k_index[0]], layout, hidden.dtype)
+    weights = gathered_weights(
+        module.cache.pool, table[top_k_index[0]], layout, hidden.dtype, module.is_transposed
+    )
     x = hidden.expand(top_k, -1).unsqueeze(1)  # [K, 1, H]
     y = expert_outputs(module, x, top_k_weights.reshape(top_k, 1, 1), weights)  # [K, 1, H]
     return y.sum(dim=0).to(hidden.dtype)
@@ -115,16 +117,22 @@ def accumulate_in_groups(module, step, experts: Sequence[int]) -> None:
     layout = cache.store.layout_of(module.layer)
     for slots in ready_together(cache, module.layer, list(experts), GROUP_EXPERTS):
         rows = [slot.index for slot in slots]
-        weights = gathered_weights(cache.pool, rows, layout, step.hidden.dtype)
+        weights = gathered_weights(cache.pool, rows, layout, step.hidden.dtype, module.is_transposed)
         accumulate_together(module, step, [slot.key[1] for slot in slots], weights)
 
 
 def gathered_weights(
-    pool: torch.Tensor, slots: Sequence[int] | torch.Tensor, layout: ExpertLayout, dtype: torch.dtype
+    pool: torch.Tensor,
+    slots: Sequence[int] | torch.Tensor,
+    layout: ExpertLayout,
+    dtype: torch.dtype,
+    transposed: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Each field of the experts in pool rows `slots` (a list, or indices on the device), stacked
     `[n, *shape]`: native fields as stored, ggml blocks dequantized to `dtype` (float32 math, as
-    `gguf_blocks.dequantize`)."""
+    `gguf_blocks.dequantize`). A ggml field holds `(out, in)` rows whatever the family's own
+    orientation: for a family holding its weights `[in, out]` (`transposed`: gpt-oss) it is given
+    as a transposed view, as its native fields are."""
     index = slots
     if not isinstance(index, torch.Tensor):
         index = torch.tensor(slots, dtype=torch.long).to(pool.device, non_blocking=True)
@@ -136,7 +144,8 @@ def gathered_weights(
         if f.ggml_type is None:
             weights[f.name] = part.view(f.dtype).view(n, *f.shape)
         else:
-            weights[f.name] = dequantize(part, f.ggml_type, (n, *f.weight_shape), dtype)
+            weight = dequantize(part, f.ggml_type, (n, *f.weight_shape), dtype)
+            weights[f.name] = weight.transpose(1, 2) if transposed else weight
     return weights
 
 

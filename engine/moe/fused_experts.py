@@ -19,7 +19,9 @@ Every family takes its fields as one run of ints, so a launch reads the same for
 
 `FusedExperts.of(module)` decides once per layer, at its first such step (`OffloadedExperts.fused`),
 whether they apply: the experts hold `gate_up_proj` and `down_proj` in stored types a family reads,
-gate as SwiGLU (gate rows first) with no biases, and the routing weight does not scale their input;
+gate as SwiGLU (gate rows first) with no biases — or as gpt-oss's experts (`ClampedGate`: a bias
+on each projection, its clamped SwiGLU on interleaved gate and up rows; `moe_gate_up_clamped` and
+`moe_down_biased`, built for its MXFP4 blocks) — and the routing weight does not scale their input;
 and whether the kernels run: on CUDA, their cubins load (`engine.gpu.launcher`; built for float32
 and bfloat16 activations, another dtype is computed in float32, cast before and after); on the CPU
 only when asked (`ExpertControl.fused = True`), through Triton's JIT in its interpreter
@@ -39,13 +41,16 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+from dataclasses import dataclass
 
 import torch
+from gguf import GGMLQuantizationType
 
+from engine.formats.fields import PLAIN
 from engine.formats.layout import ExpertLayout
 from engine.gpu.launch_ranges import launch_range
 from engine.gpu.projections import Projection, projection
-from engine.gpu.registry import FIELD_ALIGN
+from engine.gpu.registry import CLAMPED_TYPES, FIELD_ALIGN
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,51 @@ INTERPRETED_BLOCK_N = 512  # rows a program in Triton's interpreter: its time go
 CUBIN_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the built kernels' activations
 PROJECTIONS = ("gate_up_proj", "down_proj")
 KERNELS = {"gate_up_proj": "moe_gate_up", "down_proj": "moe_down"}  # the kernel of each projection
+BIASES = tuple(f"{name}_bias" for name in PROJECTIONS)
+CLAMPED = {"moe_gate_up": "moe_gate_up_clamped", "moe_down": "moe_down_biased"}  # gpt-oss's kernels
+
+
+@dataclass(frozen=True)
+class ClampedGate:
+    """gpt-oss's experts as its kernels read them: each projection's bias at its byte offset in a
+    pool row (in `dtype`, the activations'), and the gate's `alpha` and `limit`."""
+
+    gate_up_bias: int
+    down_bias: int
+    dtype: torch.dtype
+    alpha: float
+    limit: float
+
+    @classmethod
+    def of(cls, module, layout: ExpertLayout, found: dict[str, Projection]) -> ClampedGate | str:
+        """`module`'s gate and biases, or why its biased experts are not gpt-oss's as built."""
+        gate = _clamped_swiglu(getattr(module, "template", None))
+        if gate is None:
+            return "the experts have biases, and their gate is not gpt-oss's clamped SwiGLU"
+        names = ", ".join(GGMLQuantizationType(t).name for t in CLAMPED_TYPES)
+        for p in found.values():
+            if getattr(p, "ggml_type", None) not in CLAMPED_TYPES:
+                return f"gpt-oss's gate is built for {names} experts, not {p.label}"
+        fields = {f.name: f for f in layout.fields}
+        biases = [fields.get(name) for name in BIASES]
+        if any(b is None or b.format is not PLAIN for b in biases) or biases[0].dtype != biases[1].dtype:
+            return f"the experts' biases are not plain {' and '.join(BIASES)} of one dtype"
+        if biases[0].dtype not in CUBIN_DTYPES:
+            return f"the experts' biases are {biases[0].dtype}: the kernels read float32 and bfloat16"
+        return cls(biases[0].offset, biases[1].offset, biases[0].dtype, *gate)
+
+
+def _clamped_swiglu(template) -> tuple[float, float] | None:
+    """`(alpha, limit)` where the family's gate is gpt-oss's, asked of its own `_apply_gate` on a
+    probe reaching past the limit: gate and up interleaved, gate capped at the limit, up clamped to
+    ±limit, (up + 1) · gate · sigmoid(alpha · gate)."""
+    alpha, limit = getattr(template, "alpha", None), getattr(template, "limit", None)
+    if not isinstance(alpha, float) or not isinstance(limit, float) or not hasattr(template, "_apply_gate"):
+        return None
+    probe = torch.linspace(-3 * limit, 3 * limit, 32).view(2, 16)
+    gate, up = probe[..., ::2].clamp(max=limit), probe[..., 1::2].clamp(-limit, limit)
+    want = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return (alpha, limit) if torch.equal(template._apply_gate(probe), want) else None
 
 
 def projections(module) -> dict[str, Projection] | str:
@@ -60,10 +110,8 @@ def projections(module) -> dict[str, Projection] | str:
     the store's layout, or why they cannot compute its experts as it holds them."""
     if module.scales_input:
         return "the routing weight scales each expert's input"
-    if module.has_bias:
-        return "the experts have biases"
     layout = module.cache.store.layout_of(module.layer)
-    names = _weight_names(layout)
+    names = [name for name in _weight_names(layout) if not (module.has_bias and name in BIASES)]
     if layout.quant is not None or names != sorted(PROJECTIONS):
         return f"the experts hold {', '.join(names)} ({layout.format_name}), not gate_up_proj and down_proj"
     found = {KERNELS[name]: projection(layout, name) for name in PROJECTIONS}
@@ -85,9 +133,17 @@ class FusedExperts:
     """The fused kernels of one layer's experts (see the module doc): `__call__` is
     `batched_experts.forward_resident`'s contract."""
 
-    def __init__(self, cache, gate_up: Projection, down: Projection, kernels: _Cubins | _Interpreted):
+    def __init__(
+        self,
+        cache,
+        gate_up: Projection,
+        down: Projection,
+        kernels: _Cubins | _Interpreted,
+        gate: ClampedGate | None = None,
+    ):
         self.cache = cache  # its pool is read at each call: a resize allocates another
-        self.gate_up, self.down, self.kernels = gate_up, down, kernels
+        self.gate_up, self.down, self.kernels, self.gate = gate_up, down, kernels, gate
+        self.names = KERNELS if gate is None else {p: CLAMPED[k] for p, k in KERNELS.items()}
         self._act: torch.Tensor | None = None  # [K, I] float32: gate_up's output, down's input
 
     @classmethod
@@ -108,12 +164,19 @@ class FusedExperts:
             return found
         if (reason := _not_asked(device, module.control.fused)) is not None:
             return reason
-        if not module.swiglu_in_ggml:
+        gate = None
+        if module.has_bias:
+            gate = ClampedGate.of(module, module.cache.store.layout_of(module.layer), found)
+            if isinstance(gate, str):
+                return gate
+        elif not module.swiglu_in_ggml:
             return "the experts do not gate as SwiGLU (silu(gate) · up, gate rows first)"
-        kernels = _Cubins.load(found, device) if device.type == "cuda" else _Interpreted.load(found)
+        gate_up, down = found["moe_gate_up"], found["moe_down"]
+        named = found if gate is None else {CLAMPED[kernel]: p for kernel, p in found.items()}
+        kernels = _Cubins.load(named, device) if device.type == "cuda" else _Interpreted.load(named)
         if isinstance(kernels, str):
             return kernels
-        return cls(module.cache, found["moe_gate_up"], found["moe_down"], kernels)
+        return cls(module.cache, gate_up, down, kernels, gate)
 
     def __call__(
         self,
@@ -124,19 +187,25 @@ class FusedExperts:
     ) -> torch.Tensor:
         """`hidden [1, H]`'s experts `top_k_index [1, K]` (their slots in `table [E]`), weighted by
         `top_k_weights [1, K]` and summed: `[1, H]` in `hidden`'s dtype. Reads nothing on the host."""
+        gate = self.gate
         dtype = hidden.dtype if hidden.dtype in self.kernels.dtypes else torch.float32
+        dtype = dtype if gate is None else gate.dtype  # the biases are read in the activations' dtype
         x, weights = _operand(hidden, dtype), _operand(top_k_weights, dtype)
         ids = _operand(top_k_index, torch.int64)
         top_k, pool, gate_up, down = ids.numel(), self.cache.pool, self.gate_up, self.down
         act, inter = self._act_for(top_k, hidden.device), gate_up.rows // 2
+        up_ints, down_ints, gate_args = gate_up.ints, down.ints, ()
+        if gate is not None:
+            up_ints, down_ints = (*up_ints, gate.gate_up_bias), (*down_ints, gate.down_bias)
+            gate_args = (gate.alpha, gate.limit)
         self.kernels.launch(
-            "moe_gate_up", gate_up, dtype, inter, top_k,
-            x, pool, table, ids, act, pool.shape[1], *gate_up.ints, inter, gate_up.columns,
+            self.names["gate_up_proj"], gate_up, dtype, inter, top_k,
+            x, pool, table, ids, act, pool.shape[1], *up_ints, inter, gate_up.columns, *gate_args,
         )  # fmt: skip
         out = torch.empty(1, down.rows, dtype=dtype, device=hidden.device)
         self.kernels.launch(
-            "moe_down", down, dtype, down.rows, 1,
-            act, pool, table, ids, weights, out, pool.shape[1], *down.ints, down.rows, down.columns, top_k,
+            self.names["down_proj"], down, dtype, down.rows, 1,
+            act, pool, table, ids, weights, out, pool.shape[1], *down_ints, down.rows, down.columns, top_k,
         )  # fmt: skip
         return out if dtype == hidden.dtype else out.to(hidden.dtype)
 

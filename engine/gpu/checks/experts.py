@@ -1,6 +1,7 @@
 """The routed experts' and the quantized GEMVs' cases (`case.Case`), for every stored type the fused
 kernels read: GGUF blocks (`kquant_moe`), FP8 values with 128 × 128 or whole-matrix scales
-(`fp8_moe`), int4 words in each built variant (`int4_moe`).
+(`fp8_moe`), int4 words in each built variant (`int4_moe`); and gpt-oss's MXFP4 experts with their
+biases and clamped gate (`kquant_moe`'s `moe_gate_up_clamped`, `moe_down_biased`).
 
 A type's experts are laid out by its own `ExpertLayout`, as the store lays them out, in shuffled
 rows of a pool whose other rows hold random bytes; the launches pass what `engine.moe.fused_experts`
@@ -32,6 +33,10 @@ from engine.gpu.projections import projection
 from engine.gpu.registry import FP8_BLOCK_N, KQUANT_BLOCK_N, fp8_name, kquant_name
 
 FP8_SCALES = ("block-128", "per-tensor")  # the FP8 cases: 128 × 128 blocks, one scale a matrix
+ROUTED = ("moe_gate_up", "moe_down")
+CLAMPED = ("moe_gate_up_clamped", "moe_down_biased")  # gpt-oss's experts' kernels
+BIASES = ("gate_up_proj_bias", "down_proj_bias")
+GPT_OSS_GATE = (1.702, 7.0)  # its swiglu_alpha and swiglu_limit
 
 
 def random_blocks(ggml_type: QT, rows: int, columns: int, rng: np.random.Generator) -> torch.Tensor:
@@ -72,6 +77,8 @@ def fill(weight, rng: np.random.Generator) -> None:
     elif isinstance(weight, Fp8Weight):
         weight.data.view(torch.uint8).copy_(random_codes(rng, tuple(weight.data.shape)))
         weight.scale_inv.copy_(random_scales(rng, tuple(weight.scale_inv.shape)))
+    elif isinstance(weight, torch.Tensor):  # a bias: large enough to reach past gpt-oss's limit
+        weight.copy_(normal(rng, *weight.shape).mul(4.0))
     else:  # int4 words: every nibble; scales of moderate size; act-order's groups permuted
         for words in (weight.qweight, weight.qzeros):
             drawn = rng.integers(-(2**31), 2**31, tuple(words.shape), dtype=np.int64)
@@ -167,9 +174,15 @@ def normal(rng: np.random.Generator, *shape: int) -> torch.Tensor:
 
 
 def routed_case(
-    layout: ExpertLayout, x_dtype: str, shapes: Shapes, device: torch.device | str, rng: np.random.Generator
+    layout: ExpertLayout,
+    x_dtype: str,
+    shapes: Shapes,
+    device: torch.device | str,
+    rng: np.random.Generator,
+    clamped: tuple[float, float] | None = None,
 ) -> Case:
-    """One token's `moe_gate_up` and `moe_down` of the top-k of the pool's experts, in `x_dtype`."""
+    """One token's `moe_gate_up` and `moe_down` of the top-k of the pool's experts, in `x_dtype`;
+    with `clamped` (gpt-oss's alpha and limit), `moe_gate_up_clamped` and `moe_down_biased`."""
     pool, slots = expert_pool(layout, shapes, device, rng)
     gate_up, down = projection(layout, "gate_up_proj"), projection(layout, "down_proj")
     if isinstance(gate_up, str) or isinstance(down, str):
@@ -181,46 +194,68 @@ def routed_case(
     weights = torch.from_numpy(rng.random(top_k).astype(np.float32)).to(device, dtype)
     act = torch.empty(top_k, inter, device=device)
     out = torch.empty(down.rows, dtype=dtype, device=device)
+    names, up_ints, down_ints, gate = ROUTED, gate_up.ints, down.ints, ()
+    if clamped is not None:
+        fields = {f.name: f for f in layout.fields}
+        names, gate = CLAMPED, clamped
+        up_ints, down_ints = (*up_ints, fields[BIASES[0]].offset), (*down_ints, fields[BIASES[1]].offset)
 
     def gate_up_args(table: torch.Tensor, ids: torch.Tensor) -> tuple:
-        return (x, pool, table, ids, act, row, *gate_up.ints, inter, gate_up.columns)
+        return (x, pool, table, ids, act, row, *up_ints, inter, gate_up.columns, *gate)
 
     def down_args(table: torch.Tensor, ids: torch.Tensor) -> tuple:
-        return (act, pool, table, ids, weights, out, row, *down.ints, down.rows, down.columns, top_k)
+        return (act, pool, table, ids, weights, out, row, *down_ints, down.rows, down.columns, top_k)
 
     every = torch.arange(len(pool), device=device)  # the timed launches' table: row r is expert r
     turns = [(every, every[r : r + top_k].clone()) for r in range(0, len(pool) - top_k + 1, top_k)]
-    launches = (
+    launches = tuple(
         Launch(
-            gate_up.cubin("moe_gate_up", x_dtype),
-            (-(-inter // gate_up.block_n), top_k),
-            gate_up_args(table, ids),
-            ("act",),
-            top_k * field_bytes(layout, "gate_up_proj"),
-            tuple(gate_up_args(*turn) for turn in turns),
-        ),
-        Launch(
-            down.cubin("moe_down", x_dtype),
-            (-(-down.rows // down.block_n),),
-            down_args(table, ids),
-            ("out",),
-            top_k * field_bytes(layout, "down_proj"),
-            tuple(down_args(*turn) for turn in turns),
-        ),
+            p.cubin(name, x_dtype),
+            grid,
+            args(table, ids),
+            (judged,),
+            top_k * field_bytes(layout, field),
+            tuple(args(*turn) for turn in turns),
+        )
+        for name, p, grid, args, judged, field in (
+            (names[0], gate_up, (-(-inter // gate_up.block_n), top_k), gate_up_args, "act", "gate_up_proj"),
+            (names[1], down, (-(-down.rows // down.block_n),), down_args, "out", "down_proj"),
+        )
     )
 
     def compare() -> dict:
         experts = [layout.views(pool[slots[expert]]) for expert in ids.tolist()]
-        acts = []
-        for views in experts:
-            gate, up = F.linear(x.double(), dequantized(views["gate_up_proj"]).double()).chunk(2)
-            acts.append(F.silu(gate) * up)
+        acts = [_reference_act(x, views, clamped) for views in experts]
         want = torch.zeros(down.rows, dtype=torch.float64, device=x.device)
         for k, views in enumerate(experts):
-            want += weights[k].double() * F.linear(act[k].double(), dequantized(views["down_proj"]).double())
+            y = F.linear(act[k].double(), dequantized(views["down_proj"]).double())
+            want += weights[k].double() * (y if clamped is None else y + views[BIASES[1]].double())
         return {"act": (act, torch.stack(acts)), "out": (out, want)}
 
     return Case(launches, compare)
+
+
+def _reference_act(x: torch.Tensor, views: dict, clamped: tuple[float, float] | None) -> torch.Tensor:
+    """One expert's activation in float64: silu(gate) · up (gate rows first), or gpt-oss's gate
+    (`clamped`: its alpha and limit) on its biased, interleaved gate and up rows."""
+    gate_up = F.linear(x.double(), dequantized(views["gate_up_proj"]).double())
+    if clamped is None:
+        gate, up = gate_up.chunk(2)
+        return F.silu(gate) * up
+    alpha, limit = clamped
+    gate_up = gate_up + views[BIASES[0]].double()
+    gate, up = gate_up[::2].clamp(max=limit), gate_up[1::2].clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def clamped_case(x_dtype: str, shapes: Shapes, device, rng: np.random.Generator) -> Case:
+    """gpt-oss's routed pair over MXFP4 experts with their biases (in `x_dtype`, as the store keeps
+    them in the compute dtype) and its gate's alpha and limit."""
+    biases = ExpertLayout.from_shapes(
+        {BIASES[0]: (2 * shapes.inter,), BIASES[1]: (shapes.hidden,)}, DTYPES[x_dtype]
+    )
+    layout = ExpertLayout.placed([*kquant_layout(QT.MXFP4, shapes).fields, *biases.fields])
+    return routed_case(layout, x_dtype, shapes, device, rng, clamped=GPT_OSS_GATE)
 
 
 def _matrices(first: torch.Tensor, timing_bytes: int, device: torch.device | str) -> list[torch.Tensor]:

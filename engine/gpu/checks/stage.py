@@ -24,10 +24,19 @@ from functools import partial
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as QT
 
 from engine.gpu.checks.case import QWEN3, Case, Launch, Shapes, run_case
 from engine.gpu.checks.decoder import attention_case, norm_case, rope_case, router_case, smoke_case
-from engine.gpu.checks.experts import FP8_SCALES, fp8_case, int4_case, kquant_case
+from engine.gpu.checks.experts import (
+    CLAMPED,
+    FP8_SCALES,
+    ROUTED,
+    clamped_case,
+    fp8_case,
+    int4_case,
+    kquant_case,
+)
 from engine.gpu.registry import (
     DECODER_DTYPES,
     DECODER_HEAD_DIMS,
@@ -43,7 +52,6 @@ from engine.gpu.registry import (
 
 TIMED_LAUNCHES = 64  # launches a CUDA graph holds, at least (a whole number of turns)
 REPLAYS = 5
-ROUTED = ("moe_gate_up", "moe_down")
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,8 @@ def _expert_cases(dtype: str) -> list[CaseSpec]:
         names = tuple(int4_name(k, fmt, act_order, dtype) for k in ROUTED)
         label = f"{int4_variant(fmt, act_order)} {dtype}"
         specs.append(CaseSpec(label, names, partial(int4_case, fmt, act_order, dtype)))
+    names = tuple(kquant_name(k, QT.MXFP4, dtype) for k in CLAMPED)
+    specs.append(CaseSpec(f"gpt-oss MXFP4 {dtype}", names, partial(clamped_case, dtype)))
     return specs
 
 

@@ -1,7 +1,8 @@
 """One-token steps through the FP8 and int4 expert kernels' cubins on a GPU (`engine.moe.fused_experts`
-→ `engine.gpu.fp8_moe`, `engine.gpu.int4_moe`): a tiny checkpoint of each published format the GPU
-holds whole gives the torch path's logits and greedy tokens, two launches a MoE layer of its own
-family. The same steps run in Triton's interpreter on the CPU: tests/engine/gpu/test_fused_fp8_int4_model.py.
+→ `engine.gpu.fp8_moe`, `engine.gpu.int4_moe`), and gpt-oss's MXFP4 pair (`engine.gpu.kquant_moe`):
+a tiny checkpoint of each published format the GPU holds whole gives the torch path's logits and
+greedy tokens, two launches a MoE layer of its own family. The same steps run in Triton's
+interpreter on the CPU: tests/engine/gpu/test_fused_fp8_int4_model.py, test_clamped_moe.py.
 
 Every test needs a CUDA device (conftest skips them without one)."""
 
@@ -17,6 +18,7 @@ from engine.moe.fused_experts import FusedExperts
 from engine.prompts import greedy
 from tests.engine.formats.test_fp8 import write_fp8_model
 from tests.engine.store.test_from_compressed_tensors import write_model as write_compressed_model
+from tests.engine.store.test_from_mxfp4 import write_mxfp4_model
 from tests.engine.store.test_gptq_awq import write_int4_model
 
 pytestmark = pytest.mark.gpu
@@ -40,6 +42,16 @@ VARIANTS = {
         "int4_ct_g_idx",
     ),
 }
+# gpt-oss as OpenAI ships it: MXFP4 experts with biases and its clamped gate, through their own pair
+GPT_OSS = (
+    lambda folder, ref: write_mxfp4_model(folder),
+    ("moe_gate_up_clamped_mxfp4", "moe_down_biased_mxfp4"),
+)
+
+
+def _kernels(label) -> tuple[str, str]:
+    """The cubins' stems a variant's layers launch (`label`: the family's, or the pair itself)."""
+    return label if isinstance(label, tuple) else (f"moe_gate_up_{label}", f"moe_down_{label}")
 
 
 def whole(path, fused: bool | None = None):
@@ -56,9 +68,9 @@ def decode_logits(model) -> torch.Tensor:
     return torch.cat([model.forward(torch.tensor([token]), kv) for token in STEPS])
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", [*VARIANTS, "gpt-oss-mxfp4"])
 def test_decode_steps_run_the_family_s_cubins_and_give_the_torch_path_s_logits(variant, tmp_path):
-    write, label = VARIANTS[variant]
+    write, label = VARIANTS.get(variant, GPT_OSS)
     folder = write(tmp_path / "model", tmp_path / "reference")
     fused, in_torch = whole(folder), whole(folder, fused=False)
     try:
@@ -69,7 +81,8 @@ def test_decode_steps_run_the_family_s_cubins_and_give_the_torch_path_s_logits(v
         assert all(isinstance(e.fused, FusedExperts) for e in experts)
         assert all(type(e.fused.kernels).__name__ == "_Cubins" for e in experts)
         names = {kernel.name for e in experts for kernel in e.fused.kernels.kernels.values()}
-        assert f"moe_gate_up_{label}_fp32" in names and f"moe_down_{label}_bf16" in names
+        gate_up, down = _kernels(label)
+        assert f"{gate_up}_fp32" in names and f"{down}_bf16" in names
         config = greedy(8)
         assert (
             generate_text(fused, PROMPT, config).token_ids

@@ -34,6 +34,15 @@ PIECES = {
     # the hidden state), so no rotary kernel, and no attention kernel in the interpreter
     "olmoe": (True, False, False, True),
     "phimoe": (False, True, True, False),  # LayerNorm, and a sparse-mixer router
+    # routers that are not softmax → top-k → renorm (sigmoid scores, group limits, score biases) and
+    # rotations the kernel does not make (partial or interleaved) stay the modules'
+    "aria_text": (True, True, True, False),
+    "ernie4_5_moe": (True, False, True, False),
+    "glm4_moe": (True, False, True, False),
+    "hy_v3": (True, True, True, False),
+    "minimax_m2": (True, False, True, False),
+    "minimax_m3_vl_text": (False, False, True, False),
+    "solar_open": (True, True, True, False),
 }
 # heads of 32 values: the attention kernel's tl.dot sums 16-wide heads wrongly in the interpreter
 HEAD_DIMS = {"olmoe": {}}

@@ -55,7 +55,8 @@ def _layout(gate_up=QT.Q4_K, down=QT.Q6_K, down_packing=None, bias=False) -> Exp
     ]
     layout = ggml_layout(fields)
     if bias:
-        plain = ExpertLayout.from_shapes({"down_proj_bias": (H,)}, torch.float32)
+        biases = {"gate_up_proj_bias": (2 * INTER,), "down_proj_bias": (H,)}
+        plain = ExpertLayout.from_shapes(biases, torch.float32)
         layout = ExpertLayout.placed([*layout.fields, *plain.fields])
     return layout
 
@@ -89,6 +90,26 @@ def _module(layout: ExpertLayout, device: str = "cpu", fused: bool | None = True
 def test_each_layout_the_kernels_do_not_read_is_declined_with_its_reason(module, reason) -> None:
     chosen = FusedExperts.choose(module)
     assert isinstance(chosen, str) and reason in chosen, chosen
+
+
+def _gpt_oss_gate() -> SimpleNamespace:
+    """What `ClampedGate.of` reads of gpt-oss's experts module: its alpha, limit and gate."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    template = SimpleNamespace(alpha=1.702, limit=7.0)
+    template._apply_gate = lambda gate_up: GptOssExperts._apply_gate(template, gate_up)
+    return template
+
+
+def test_gpt_oss_experts_are_read_in_mxfp4_with_their_biases() -> None:
+    """Its gate and biases pass for MXFP4 blocks (what stops them here is the interpreter, as for
+    any layout); the same experts in Q4_K are declined, saying why."""
+    layout = _layout(QT.MXFP4, QT.MXFP4, bias=True)
+    template = _gpt_oss_gate()
+    chosen = FusedExperts.choose(_module(layout, has_bias=True, template=template))
+    assert isinstance(chosen, str) and ("interpreter is off" in chosen or "triton is not installed" in chosen)
+    chosen = FusedExperts.choose(_module(_layout(bias=True), has_bias=True, template=template))
+    assert chosen == "gpt-oss's gate is built for MXFP4 experts, not q4_k"
 
 
 def test_on_the_cpu_they_need_triton_s_interpreter() -> None:

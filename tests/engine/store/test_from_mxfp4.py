@@ -89,6 +89,19 @@ def test_logits_and_greedy_tokens_equal_transformers_loading(mxfp4_folder):
         model.close()
 
 
+def test_experts_computed_in_groups_from_device_slots_equal_transformers(mxfp4_folder, monkeypatch):
+    """As on CUDA: every expert in a device slot, computed in groups (the prefill) and through the
+    slot table (the decode steps); the MXFP4 fields' `(out, in)` rows read as gpt-oss's `[in, out]`."""
+    from tests.engine.moe.test_fused_experts import load_emulating_cuda
+
+    reference = AutoModelForCausalLM.from_pretrained(mxfp4_folder, dtype=torch.float32).eval()
+    model = load_emulating_cuda(mxfp4_folder, monkeypatch)
+    try:
+        assert_matches_reference(model, reference, PROMPT)
+    finally:
+        model.close()
+
+
 def test_the_experts_stay_in_mxfp4(mxfp4_folder):
     model = load_model(mxfp4_folder, quarter_cached())
     try:
