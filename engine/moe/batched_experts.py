@@ -72,14 +72,22 @@ def resident_asked(module) -> bool:
 
 
 def in_groups(module, step, experts: Sequence[int], streaming: bool) -> bool:
-    """Whether `module` computes `step`'s device `experts` in groups (`groups_asked`): a step that
-    does not stream, whose busiest expert serves at most `GROUP_TOKENS` tokens."""
+    """Whether `module` computes `step`'s device `experts` in groups (`groups_asked`, or a one-token
+    step of a layer with fused kernels, `fused_asked`): a step that does not stream, whose busiest
+    expert serves at most `GROUP_TOKENS` tokens."""
     return (
         bool(experts)
         and not streaming
-        and groups_asked(module)
+        and (groups_asked(module) or fused_asked(module, step))
         and max(len(step.routes[e]) for e in experts) <= GROUP_TOKENS
     )
+
+
+def fused_asked(module, step) -> bool:
+    """Whether `step`'s experts go through the layer's fused kernels from the slots they are brought
+    into: a one-token step where experts are computed together and the layer has them (decided at
+    its first such step: `OffloadedExperts.fused`)."""
+    return step.hidden.shape[0] == 1 and _together_asked(module) and module.fused is not None
 
 
 def forward_resident(
@@ -112,13 +120,31 @@ def resident_in_torch(
 
 
 def accumulate_in_groups(module, step, experts: Sequence[int]) -> None:
-    """`experts` brought in and computed a group at a time (`pipeline.ready_together`)."""
+    """`experts` brought in and computed a group at a time (`pipeline.ready_together`): a one-token
+    step's through the fused kernels where `fused_asked`, else gathered and computed in torch."""
     cache = module.cache
     layout = cache.store.layout_of(module.layer)
+    fused = module.fused if fused_asked(module, step) else None
     for slots in ready_together(cache, module.layer, list(experts), GROUP_EXPERTS):
         rows = [slot.index for slot in slots]
+        if fused is not None:
+            _accumulate_fused(fused, step, [slot.key[1] for slot in slots], rows)
+            continue
         weights = gathered_weights(cache.pool, rows, layout, step.hidden.dtype, module.is_transposed)
         accumulate_together(module, step, [slot.key[1] for slot in slots], weights)
+
+
+def _accumulate_fused(fused, step, experts: list[int], rows: list[int]) -> None:
+    """One token's routes to `experts` (pinned in pool `rows`) through the fused kernels, added
+    into `step.out`: the kernels read a table of the group's rows, the token's routes given as
+    positions in it (two small host-to-device copies, no synchronisation)."""
+    where = {expert: i for i, expert in enumerate(experts)}
+    routes = [(k, where[e]) for k, e in enumerate(step.index[0]) if e in where]
+    device = step.hidden.device
+    ids = torch.tensor([[i for _, i in routes]], device=device)
+    weights = step.weights[[k for k, _ in routes]].reshape(1, -1)
+    table = torch.tensor(rows, device=device)
+    step.out.add_(fused(step.hidden, ids, weights, table).to(step.out.dtype))
 
 
 def gathered_weights(

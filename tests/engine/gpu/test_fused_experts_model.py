@@ -171,3 +171,56 @@ def test_q5_k_experts_give_the_torch_path_s_logits(tmp_path, monkeypatch) -> Non
         assert_close(decode_logits(fused), decode_logits(in_torch))
         chosen = [experts.fused for experts in experts_of(fused)]
         assert all(isinstance(c, FusedExperts) and c.gate_up.ggml_type == QT.Q5_K for c in chosen)
+
+
+def load_with_a_budget(path: Path, monkeypatch, slots: int):
+    """`path` as CUDA holds it with `slots` device slots (fewer than the experts: the cache misses
+    and evicts), experts computed in groups."""
+    from engine.config import ExpertBudget, OffloadConfig
+    from engine.formats.gguf.experts import GgufFormat
+    from engine.loader import load_model
+
+    monkeypatch.setattr(GgufFormat, "repacks_for_cpu", False)
+    budget = ExpertBudget.parse(str(slots))
+    model = load_model(
+        path, OffloadConfig(device="cpu", dtype="float32", expert_budget=budget, sim_link_gbps=50.0)
+    )
+    model.control.grouped = True
+    return model
+
+
+@in_the_interpreter
+def test_with_a_budget_one_token_steps_compute_their_slots_through_the_fused_kernels(gguf_path, monkeypatch):
+    """A cache that misses: each one-token step's routes are read, the misses brought into slots,
+    and the K experts computed by the two kernels over a table of their slots — the torch path's
+    logits and greedy tokens, the same hits and misses."""
+    fused, in_torch = (load_with_a_budget(gguf_path, monkeypatch, 8) for _ in range(2))
+    fused.control.fused, in_torch.control.fused = True, False
+    try:
+        assert fused.cache.n_slots < fused.store.total_experts
+        with profiled_launches() as launches:
+            got = decode_logits(fused)
+        assert_close(got, decode_logits(in_torch))
+        layers = len(fused.store.layer_indices)
+        # every decode step's layers (none streams at this budget), and the prefill's last layer,
+        # which computes its one kept row alone
+        assert launches.count(f"{RANGE_PREFIX}moe_gate_up_q4_k") == layers * len(STEPS) + 1
+        stats = [model.cache.stats.total() for model in (fused, in_torch)]
+        assert (stats[0].hits, stats[0].misses) == (stats[1].hits, stats[1].misses) and stats[0].misses > 0
+        config = greedy(8)
+        assert (
+            generate_text(fused, PROMPT, config).token_ids
+            == generate_text(in_torch, PROMPT, config).token_ids
+        )
+    finally:
+        fused.close()
+        in_torch.close()
+
+
+@contextlib.contextmanager
+def profiled_launches():
+    """The names of the engine's kernel launches while the block runs."""
+    names: list[str] = []
+    with torch.profiler.profile() as prof:
+        yield names
+    names.extend(e.name for e in prof.events() if e.name.startswith(RANGE_PREFIX))
