@@ -22,6 +22,7 @@ from engine.decode import whole_step
 from engine.decode.captured_step import CapturedStep
 from engine.decode.lean import LeanDecode
 from engine.decode.paths import Step, StepPaths
+from engine.decode.piecewise_step import PiecewiseStep
 from engine.device_cache.expert_cache import ExpertCache
 from engine.device_cache.transfer import TransferEngine
 from engine.errors import DeviceOutOfMemoryError, InvalidRequestError
@@ -109,7 +110,10 @@ class OffloadedModel:
         whole = whole_step.attach(self.lean) if config.kernels == "ggml" else None
         # on CUDA, a one-token step over a cache holding every expert as one CUDA graph
         self.captured = CapturedStep.of(self)
-        self.paths = StepPaths.of(hf_model, self.lean, whole, self.captured)  # where a step's path is chosen
+        # ... and over a cache that can miss, as graph pieces with the experts brought in between
+        self.pieces = PiecewiseStep.of(self, self.captured)
+        # where a step's path is chosen
+        self.paths = StepPaths.of(hf_model, self.lean, whole, self.captured, self.pieces)
         log.debug("Decode-step paths: %s", ", ".join(self.paths.names))
 
     @property

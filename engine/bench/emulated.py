@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 from engine.decode.captured_step import CapturedStep, eager_capture
 from engine.decode.paths import StepPaths
+from engine.decode.piecewise_step import PiecewiseStep
 from engine.formats.gguf.experts import GgufFormat
 from engine.resident import weights
 from engine.resident.device_blocks import BlocksLinear
@@ -49,7 +50,7 @@ def cuda_layout() -> Iterator[None]:
 
 def step_as_on_cuda(model) -> None:
     """A loaded model's cache filled, its experts in groups, every fused kernel asked for, its
-    one-token steps through the (stand-in) captured step."""
+    one-token steps through the (stand-in) captured step, or its pieces where the budget misses."""
     model.cache.fill()
     model.control.grouped = True
     model.control.fused = True
@@ -57,4 +58,5 @@ def step_as_on_cuda(model) -> None:
         if isinstance(module, BlocksLinear):
             module.gemv = "interpreted"
     model.captured = CapturedStep.of(model, capture=eager_capture)
-    model.paths = StepPaths.of(model.hf_model, model.lean, None, model.captured)
+    model.pieces = PiecewiseStep.of(model, model.captured, capture=eager_capture)  # with a budget
+    model.paths = StepPaths.of(model.hf_model, model.lean, None, model.captured, model.pieces)

@@ -7,7 +7,8 @@ the same through the eager paths; the JSON says whether the tokens are equal, th
 |Δlogits| (and the logits' scale), how many times the step was captured, the path the steps took,
 the pieces of the decoder the fused kernels computed (`engine.decode.fused_decoder`) and, where
 the graph was refused or turned off, why, and which body it captured (the standard decoder's,
-or the model's own modules). A family whose steps the graph cannot hold is listed with the
+or the model's own modules); three families again with a budget that misses, the step in graph
+pieces (`engine.decode.piecewise_step`). A family whose steps the graph cannot hold is listed with the
 reason. One of the prepared GPU check's stages (`engine.bench.gpu`).
 """
 
@@ -25,6 +26,10 @@ from engine.decode.module_step import module_refusal
 
 PROMPT = torch.tensor([3, 5, 7, 9, 11, 13])
 STEPS = 12
+# families also checked with a budget that misses (the step in graph pieces): a standard one, two
+# whose modules the graph holds; that many slots of their 16 or 24 experts
+BUDGET_FAMILIES = ("qwen3_moe", "deepseek_v2", "gpt_oss")
+BUDGET_SLOTS = 6
 
 
 def greedy(model) -> tuple[list[int], list[torch.Tensor]]:
@@ -41,40 +46,37 @@ def greedy(model) -> tuple[list[int], list[torch.Tensor]]:
     return tokens, logits
 
 
-def check_family(folder: Path, device: str, dtype: str, prepare=None, **options) -> dict:
+def check_family(
+    folder: Path, device: str, dtype: str, prepare=None, slots: int | None = None, **options
+) -> dict:
     """One family's model decoded through the graph and eagerly; `prepare(model)` (tests: a
-    stand-in capture off CUDA) runs after the load; `options`: more of the `OffloadConfig`."""
+    stand-in capture off CUDA) runs after the load; `slots`: a budget of that many device slots
+    (the step in graph pieces, engine.decode.piecewise_step), else every expert on the device;
+    `options`: more of the `OffloadConfig`."""
     from engine.loader import load_model
 
-    budget = ExpertBudget(all_experts=True)
+    budget = ExpertBudget(all_experts=True) if slots is None else ExpertBudget.parse(str(slots))
     config = OffloadConfig(device=device, dtype=dtype, expert_budget=budget, **options)
     model = load_model(folder, config)
     try:
         if prepare is not None:
             prepare(model)
-        if model.captured is None:
+        step = model.captured if slots is None else model.pieces
+        if step is None:
             return {"captured": False, "why": module_refusal(model.hf_config) or f"not on CUDA ({device})"}
         tokens, logits = greedy(model)
         ran = model.paths.log.since(None)
         graphed = model.paths
-        model.paths = graphed.without("cuda-graph")
+        model.paths = graphed.without("cuda-graph", "cuda-pieces")
         want_tokens, want_logits = greedy(model)
         model.paths = graphed
         deltas = [(a - b).abs().max().item() for a, b in zip(logits, want_logits, strict=True)]
-        fused = model.captured.body.fused
         return {
-            "body": type(model.captured.body).__name__,
-            "fused_decoder": None
-            if fused is None
-            else {
-                "norms": fused.norms,
-                "rotary": fused.rotary,
-                "attention": fused.attention,
-                "routers": len(fused.routers),
-            },
-            "captured": model.captured.captures > 0,
-            "captures": model.captured.captures,
-            "off_because": model.captured.off_because,
+            "body": type(step.body).__name__,
+            "fused_decoder": _pieces_of(step.body.fused),
+            "captured": step.captures > 0,
+            "captures": step.captures,
+            "off_because": step.off_because,
             "step_paths": ran["step_paths"],
             "declined": ran["step_path_declined"],
             "tokens_equal": tokens == want_tokens,
@@ -83,6 +85,18 @@ def check_family(folder: Path, device: str, dtype: str, prepare=None, **options)
         }
     finally:
         model.close()
+
+
+def _pieces_of(fused) -> dict | None:
+    """Which of the decoder's pieces the fused kernels compute (None: none)."""
+    if fused is None:
+        return None
+    return {
+        "norms": fused.norms,
+        "rotary": fused.rotary,
+        "attention": fused.attention,
+        "routers": len(fused.routers),
+    }
 
 
 def run(out: Path, device: str, dtypes: list[str], families=None, prepare=None, **options) -> dict:
@@ -98,12 +112,15 @@ def run(out: Path, device: str, dtypes: list[str], families=None, prepare=None, 
         for family in families or (*TINY_ARCHITECTURES, *others):
             folder = make_tiny_model(Path(scratch) / family, family)
             for dtype in dtypes:
-                try:
-                    found = check_family(folder, device, dtype, prepare, **options)
-                except Exception as err:  # one family's failure is its row, not the end
-                    found = {"error": f"{type(err).__name__}: {err}"}
-                report["families"][f"{family} {dtype}"] = found
-                out.write_text(json.dumps(report, indent=2))
+                budgets = (None, BUDGET_SLOTS) if family in BUDGET_FAMILIES else (None,)
+                for slots in budgets:
+                    try:
+                        found = check_family(folder, device, dtype, prepare, slots, **options)
+                    except Exception as err:  # one family's failure is its row, not the end
+                        found = {"error": f"{type(err).__name__}: {err}"}
+                    name = f"{family} {dtype}" + ("" if slots is None else f", {slots} slots")
+                    report["families"][name] = found
+                    out.write_text(json.dumps(report, indent=2))
     return report
 
 

@@ -181,7 +181,7 @@ def _loaded(args: argparse.Namespace, offload: OffloadConfig):
     if not args.emulate_cuda or args.fused_experts != "auto":
         model.control.fused = FUSED_EXPERTS[args.fused_experts]
     if args.step_graph == "off":
-        model.paths = model.paths.without("cuda-graph")
+        model.paths = model.paths.without("cuda-graph", "cuda-pieces")
     return model
 
 
@@ -256,7 +256,10 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
     )
     emulate = "CPU, TRITON_INTERPRET=1: lay out and step the model as on CUDA to count a GPU step's launches"
     parser.add_argument("--emulate-cuda", action="store_true", help=emulate + " (engine.bench.emulated)")
-    graph = "CUDA, every expert cached: one-token steps as one CUDA graph (auto), or eager (off)"
+    graph = (
+        "CUDA: one-token steps as one CUDA graph where every expert is cached, as graph pieces where "
+        "the budget misses (auto), or eager (off)"
+    )
     parser.add_argument("--step-graph", choices=("auto", "off"), default="auto", help=graph)
     parser.add_argument(
         "--fused-experts",

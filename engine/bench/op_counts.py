@@ -140,7 +140,12 @@ def measured_beside(args, model, prompt_ids: list[int]) -> dict:
     extras: dict = {}
     if args.count_ops:
         extras["op_counts"] = count_ops(model, prompt_ids, args.new_tokens)
-    for name, graphs in (("expert_graphs", model.control.graphs), ("step_graph", model.captured)):
+    steps = (
+        ("expert_graphs", model.control.graphs),
+        ("step_graph", model.captured),
+        ("step_pieces", model.pieces),
+    )
+    for name, graphs in steps:
         if graphs is not None:
             extras[name] = {"captures": graphs.captures, "off_because": graphs.off_because}
     return extras
@@ -151,7 +156,12 @@ def op_count_lines(result: dict) -> list[str]:
     lines = [format_op_counts(result["op_counts"])] if "op_counts" in result else []
     if "emulated" in result:
         lines.append(f"emulated: {result['emulated']}")
-    for name, what in (("expert_graphs", "expert CUDA graphs"), ("step_graph", "the step as one CUDA graph")):
+    names = (
+        ("expert_graphs", "expert CUDA graphs"),
+        ("step_graph", "the step as one CUDA graph"),
+        ("step_pieces", "the step as CUDA graph pieces"),
+    )
+    for name, what in names:
         if name in result:
             graphs = result[name]
             off = f", turned off: {graphs['off_because']}" if graphs["off_because"] else ""

@@ -7,7 +7,7 @@
   device; `fused_decoder`: the standard decoder's norms, rotary + KV write, attention and routers
   in the fused kernels (`engine.gpu`) where a probe shows they compute what the modules do;
   `module_step`: another family's own modules in the graph, over a cache written at the device
-  position;
+  position; `piecewise_step`: the step as graph pieces, one a MoE layer, where the cache can miss;
 - `cpu_attention`: decode attention on the CPU, query heads folded per key head;
 - `fused_norms`: RMS norms as torch's one operator where a probe shows the same values;
 - `row_views`: `Row`, a graph input given by its address in a long-lived table;

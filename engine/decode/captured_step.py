@@ -226,6 +226,8 @@ class _Graph:
 class CapturedStep:
     """The whole-step graph of one model (see the module doc)."""
 
+    path = "cuda-graph"  # the step path's name (engine.decode.paths)
+
     def __init__(self, model, body: StepBody | ModuleBody, capture: Capture = cuda_capture):
         self.body = body
         self.hf_model, self.decoder = model.hf_model, decoder_of(model.hf_model)
@@ -263,8 +265,9 @@ class CapturedStep:
     def needs_every_position(self) -> bool:
         return self.body.needs_every_position
 
-    def refusal(self, kv_cache) -> str:
-        """Why a one-token step over `kv_cache` may not be a replay now ('' when it may)."""
+    def refusal(self, kv_cache, budgeted: bool = False) -> str:
+        """Why a one-token step over `kv_cache` may not be a replay now ('' when it may);
+        `budgeted`: the experts may be missing (engine.decode.piecewise_step brings them in)."""
         if self.off_because is not None:
             return f"turned off after a failed capture ({self.off_because})"
         control = self.control
@@ -274,7 +277,7 @@ class CapturedStep:
             return "a prefetch predictor or a draft watches the layers"
         if control.graphs is not None:
             return "per-layer expert graphs are asked for"
-        if not self.cache.holds_all:
+        if not budgeted and not self.cache.holds_all:
             return "the device cache does not hold every expert"
         layers = getattr(kv_cache, "layers", ())
         if len(layers) != len(self.decoder.layers) or any(type(x) is not GrowingLayer for x in layers):
@@ -288,7 +291,7 @@ class CapturedStep:
         rewrites), or None where the step cannot be captured."""
         past = kv_cache.get_seq_length()
         buffers = tuple(layer.room(1) for layer in kv_cache.layers)
-        tables = tuple(self.cache.slot_table(layer) for layer in self.moe_layers)
+        tables = self._tables()
         if any(pair is None for pair in buffers) or any(table is None for table in tables):
             return None  # several sequences, or an expert not landed: the next path's step
         graph = self._graph
@@ -307,6 +310,10 @@ class CapturedStep:
         self.trace.logits.update(graph.routes)
         return graph.logits
 
+    def _tables(self) -> tuple[torch.Tensor | None, ...]:
+        """What the experts read their slots from: each MoE layer's slot table (None: not landed)."""
+        return tuple(self.cache.slot_table(layer) for layer in self.moe_layers)
+
     def _captured(self, buffers: Buffers, tables: tuple, token: int, past: int) -> _Graph | None:
         self._graph = None  # its memory back to the pool before the next capture
         device = buffers[0][0].device
@@ -315,7 +322,7 @@ class CapturedStep:
             inputs = self._inputs(buffers, token, past, device)
             hits = self._hits_of(inputs)
             with torch.inference_mode(), self.control.installed(counts_hits=False):
-                if self._pool is None and self._capture is cuda_capture:
+                if self._pool is None and device.type == "cuda":
                     self._pool = torch.cuda.graph_pool_handle()
                 graph, logits = self._capture(self._run, inputs, self._pool)
         except Exception as err:  # any failure: the step goes the eager way, from now on

@@ -1,14 +1,18 @@
 """The one place that chooses a decode step's path.
 
-Contract: `StepPaths.of(hf_model, lean, whole, captured)` is the model's ordered list of step paths; each
-`StepPath` has a `name`, `takes(step)` (whether it may run this `Step` now; where it may not, it
-says why on the step) and `run(step)` (the logits, or None where it finds at run time that it
-cannot: why said on the step too). `StepPaths.run(step)` runs the first path that takes the step
-and does not decline it, and counts the path each step took in `log` (a `StepLog`), with the
-latest reason each faster path gave for leaving a step to the next one. Fastest first:
+Contract: `StepPaths.of(hf_model, lean, whole, captured, pieces)` is the model's ordered list of
+step paths; each `StepPath` has a `name`, `takes(step)` (whether it may run this `Step` now;
+where it may not, it says why on the step) and `run(step)` (the logits, or None where it finds at
+run time that it cannot: why said on the step too). `StepPaths.run(step)` runs the first path
+that takes the step and does not decline it, and counts the path each step took in `log` (a
+`StepLog`), with the latest reason each faster path gave for leaving a step to the next one.
+Fastest first:
 
     cuda-graph    a one-token step over a device cache holding every expert, replayed as one
                   CUDA graph (engine.decode.captured_step)
+    cuda-pieces   a one-token step over a device cache that can miss, replayed as CUDA graph
+                  pieces cut at each MoE layer's experts, the host bringing them in between
+                  (engine.decode.piecewise_step)
     ggml-replay   a one-token step's one ggml graph, prepared on the last token, run again
                   (engine.decode.one_token)
     ggml-whole    a step's layers and head in one ggml graph (engine.decode.whole_step)
@@ -114,8 +118,8 @@ class StepPaths:
         self.log = StepLog()
 
     @classmethod
-    def of(cls, hf_model: nn.Module, lean, whole, captured=None) -> StepPaths:
-        paths: list[StepPath] = [] if captured is None else [CapturedPath(captured)]
+    def of(cls, hf_model: nn.Module, lean, whole, captured=None, pieces=None) -> StepPaths:
+        paths: list[StepPath] = [CapturedPath(step) for step in (captured, pieces) if step is not None]
         if lean is not None and whole is not None:
             paths += [ReplayPath(lean, whole), WholeGraphPath(lean, whole)]
         if lean is not None:
@@ -157,12 +161,11 @@ def _lean_refusal(lean, step: Step) -> str:
 
 
 class CapturedPath:
-    """A one-token step as one CUDA graph (engine.decode.captured_step)."""
-
-    name = "cuda-graph"
+    """A one-token step as one CUDA graph (engine.decode.captured_step), or as graph pieces with
+    the experts brought in between them (engine.decode.piecewise_step): named by the step."""
 
     def __init__(self, captured):
-        self.captured = captured
+        self.captured, self.name = captured, captured.path
 
     def takes(self, step: Step) -> bool:
         if step.token is None:

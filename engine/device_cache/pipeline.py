@@ -11,6 +11,9 @@ pinned at once: one computing while the next is on the link. Once its own copies
 issued, the spare slots its computed experts free take the next layer's likely experts
 (`lookahead`, SP-MoE's policy), so the link never idles while this layer finishes.
 
+`pinned_together(cache, layer, experts)` pins them all at once and leaves their release to the
+caller (engine.decode.piecewise_step: released once the step's next piece has read them).
+
 `ready_together(cache, layer, experts, limit)` pins them in groups instead (`engine.moe.batched_experts`
 computes a group in a few batched kernels): each group as many as `limit` or as the cache can pin at
 once, yielded once every copy of it has landed, released when the consumer asks for the next group.
@@ -100,6 +103,29 @@ def ready_together(cache: ExpertCache, layer: int, experts: list[int], limit: in
             for slot in group:
                 cache.release(slot)
         start += len(group)
+
+
+def pinned_together(cache: ExpertCache, layer: int, experts: list[int]) -> list[Slot]:
+    """`layer`'s `experts` pinned in slots, every copy landed (on CUDA: the compute stream waits
+    for them): the caller releases them. Raises `BudgetTooSmallError` where the cache cannot hold
+    them at once."""
+    slots: list[Slot] = []
+    try:
+        for expert in experts:
+            slot = _try_acquire(cache, (layer, expert), False, bool(slots))
+            if slot is None:
+                raise BudgetTooSmallError(
+                    f"The expert cache cannot hold layer {layer}'s {len(experts)} routed experts at once. "
+                    "Raise --expert-budget."
+                )
+            slots.append(slot)
+        for slot in slots:
+            cache.wait(slot)
+    except BaseException:
+        for slot in slots:
+            cache.release(slot)
+        raise
+    return slots
 
 
 def _try_acquire(cache: ExpertCache, key: ExpertKey, streaming: bool, has_pending: bool) -> Slot | None:

@@ -51,6 +51,9 @@ class ExpertControl:
     # whether the layers count the hits of steps through a slot table: False while a whole step is
     # captured as a CUDA graph, whose replays count them after (engine.decode.captured_step)
     counts_hits: bool = True
+    # a one-token step run as CUDA graph pieces over a cache that can miss: its layers' experts
+    # from the pieces' slot tables, brought in by the host between pieces (engine.decode.piecewise_step)
+    pieces: object | None = None
 
     @contextmanager
     def installed(self, **changes) -> Iterator[ExpertControl]:

@@ -146,6 +146,9 @@ class OffloadedExperts(nn.Module):
         """The experts from the device cache: a one-token target step over a cache holding every
         expert looks them up in the layer's slot table on the device; any other routes, plans,
         brings its experts in and computes them (in groups where the step allows)."""
+        pieces = self.control.pieces
+        if pieces is not None and hidden.shape[0] == 1 and draft is None:  # a step in graph pieces
+            return pieces.experts(self, hidden, top_k_index, top_k_weights)
         table = self._slot_table(hidden, draft)
         if table is not None:  # every expert on the device: the host never reads the routing
             if self.control.counts_hits:

@@ -9,13 +9,15 @@ import json
 from engine.bench import graph_check
 from engine.decode.captured_step import CapturedStep, eager_capture
 from engine.decode.paths import StepPaths
+from engine.decode.piecewise_step import PiecewiseStep
 
 
 def _as_on_cuda(model) -> None:
     model.control.grouped = True
     model.cache.fill()
     model.captured = CapturedStep.of(model, capture=eager_capture)
-    model.paths = StepPaths.of(model.hf_model, model.lean, None, model.captured)
+    model.pieces = PiecewiseStep.of(model, model.captured, capture=eager_capture)
+    model.paths = StepPaths.of(model.hf_model, model.lean, None, model.captured, model.pieces)
 
 
 def test_the_check_compares_the_graph_with_the_eager_step(tmp_path, monkeypatch):
@@ -25,11 +27,17 @@ def test_the_check_compares_the_graph_with_the_eager_step(tmp_path, monkeypatch)
     families = ["qwen3_moe", "deepseek_v2", "qwen3_next"]
     graph_check.run(out, "cpu", ["float32"], families, prepare=_as_on_cuda, sim_link_gbps=1000.0)
     families = json.loads(out.read_text())["families"]
-    for name, body in (("qwen3_moe", "StepBody"), ("deepseek_v2", "ModuleBody")):
-        found = families[f"{name} float32"]
+    rows = {
+        "qwen3_moe float32": ("StepBody", "cuda-graph"),
+        "deepseek_v2 float32": ("ModuleBody", "cuda-graph"),
+        "qwen3_moe float32, 6 slots": ("StepBody", "cuda-pieces"),  # a budget that misses
+        "deepseek_v2 float32, 6 slots": ("ModuleBody", "cuda-pieces"),
+    }
+    for name, (body, path) in rows.items():
+        found = families[name]
         assert found["body"] == body and found["captured"] and found["off_because"] is None
         assert found["tokens_equal"] and found["max_abs_delta"] <= 1e-5 * found["logits_scale"]
-        assert found["step_paths"]["cuda-graph"] == graph_check.STEPS
+        assert found["step_paths"][path] == graph_check.STEPS
     assert families["qwen3_next float32"] == {
         "captured": False,
         "why": "layer 0 keeps a LinearAttentionLayer, not attention positions",
