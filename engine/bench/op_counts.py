@@ -136,8 +136,11 @@ def format_op_counts(counts: dict[str, float | None]) -> str:
 
 
 def measured_beside(args, model, prompt_ids: list[int]) -> dict:
-    """--count-ops' counts, and the CUDA graphs' captures (or why they were turned off)."""
+    """--count-ops' counts, the CUDA graphs' captures (or why they were turned off), and the
+    pieces' planning time a layer over the timed runs (taken before the counting's profiled runs)."""
     extras: dict = {}
+    pieces = None if model.pieces is None else model.pieces.pieces
+    plan = None if pieces is None or not pieces.planned else round(pieces.plan_us_per_layer, 1)
     if args.count_ops:
         extras["op_counts"] = count_ops(model, prompt_ids, args.new_tokens)
     steps = (
@@ -148,6 +151,8 @@ def measured_beside(args, model, prompt_ids: list[int]) -> dict:
     for name, graphs in steps:
         if graphs is not None:
             extras[name] = {"captures": graphs.captures, "off_because": graphs.off_because}
+    if plan is not None:
+        extras["step_pieces"]["plan_us_per_layer"] = plan
     return extras
 
 
@@ -165,5 +170,7 @@ def op_count_lines(result: dict) -> list[str]:
         if name in result:
             graphs = result[name]
             off = f", turned off: {graphs['off_because']}" if graphs["off_because"] else ""
-            lines.append(f"{what}: {graphs['captures']} captures{off}")
+            plan = graphs.get("plan_us_per_layer")
+            planned = "" if plan is None else f", the host's planning {plan} µs a MoE layer between pieces"
+            lines.append(f"{what}: {graphs['captures']} captures{off}{planned}")
     return lines

@@ -31,6 +31,7 @@ policy's observation of router scores, prefetch predictors (a step they watch go
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -51,6 +52,7 @@ class Pieces:
         self.routes: dict[int, torch.Tensor] = {}  # layer → its router's top-k ids, as captured
         self.cut: Callable[[], None] | None = None  # while capturing: ends a piece, begins the next
         self._pinned: list = []
+        self.plan_seconds, self.planned = 0.0, 0  # the host's planning time, and the layers planned
 
     def experts(self, module, hidden: torch.Tensor, top_k_index, top_k_weights) -> torch.Tensor:
         """`OffloadedExperts`' one-token experts inside a step run in pieces: a cut where it is
@@ -64,13 +66,25 @@ class Pieces:
 
     def bring_in(self, layer: int, top_k_index: torch.Tensor) -> None:
         """`layer`'s routed experts pinned in slots (misses copied in) and their slots written into
-        its table; the previous layer's released (the piece reading them is enqueued)."""
+        its table; the previous layer's released (the piece reading them is enqueued). Its host
+        time besides the routes' read and the copies' wait counts in `plan_seconds`."""
         experts = sorted(set(top_k_index.reshape(-1).tolist()))  # the layer's host synchronisation
+        start = time.perf_counter()
         self.release()
-        self._pinned = pinned_together(self.cache, layer, experts)
+        self._pinned = pinned_together(self.cache, layer, experts, wait=False)
         table = self.tables[layer]
         rows = torch.tensor([slot.index for slot in self._pinned]).to(table.device, non_blocking=True)
         table.index_copy_(0, torch.tensor(experts).to(table.device, non_blocking=True), rows)
+        self.plan_seconds += time.perf_counter() - start
+        self.planned += 1
+        for slot in self._pinned:  # on CUDA the compute stream waits; on a simulated link, the host
+            self.cache.wait(slot)
+
+    @property
+    def plan_us_per_layer(self) -> float | None:
+        """The planner's mean host time a layer (µs): release, pin, issue the misses' copies, write
+        the table — O(top-k) a layer."""
+        return 1e6 * self.plan_seconds / self.planned if self.planned else None
 
     def release(self) -> None:
         for slot in self._pinned:

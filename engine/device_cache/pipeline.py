@@ -105,10 +105,10 @@ def ready_together(cache: ExpertCache, layer: int, experts: list[int], limit: in
         start += len(group)
 
 
-def pinned_together(cache: ExpertCache, layer: int, experts: list[int]) -> list[Slot]:
-    """`layer`'s `experts` pinned in slots, every copy landed (on CUDA: the compute stream waits
-    for them): the caller releases them. Raises `BudgetTooSmallError` where the cache cannot hold
-    them at once."""
+def pinned_together(cache: ExpertCache, layer: int, experts: list[int], wait: bool = True) -> list[Slot]:
+    """`layer`'s `experts` pinned in slots, misses' copies issued and, with `wait`, landed (on
+    CUDA: the compute stream waits for them; else the caller calls `cache.wait` on each): the
+    caller releases them. Raises `BudgetTooSmallError` where the cache cannot hold them at once."""
     slots: list[Slot] = []
     try:
         for expert in experts:
@@ -119,7 +119,7 @@ def pinned_together(cache: ExpertCache, layer: int, experts: list[int]) -> list[
                     "Raise --expert-budget."
                 )
             slots.append(slot)
-        for slot in slots:
+        for slot in slots if wait else ():
             cache.wait(slot)
     except BaseException:
         for slot in slots:

@@ -63,6 +63,7 @@ def test_the_pieces_compute_the_models_steps(folders, model_type, monkeypatch):
         used, eager_used = (m.cache.stats.phases["decode"] for m in (model, eager))
         assert used.misses > 0 and used.hits + used.misses == eager_used.hits + eager_used.misses
         assert not pieces.pieces._pinned  # every slot released after a step
+        assert pieces.pieces.planned >= len(model.experts) * STEPS and pieces.pieces.plan_us_per_layer > 0
     finally:
         eager.close()
         model.close()
