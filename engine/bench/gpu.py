@@ -12,10 +12,13 @@ that fails or runs out of time is recorded with its error; the next one still ru
     graphs        the whole decode step as one CUDA graph on the tiny model of every supported
                   family (`python -m engine.bench.graph_check`): greedy tokens and max |Δlogits|
                   against the eager step, captures, the body captured, why a capture failed
-    shapes        the 16- then 48-layer Qwen3-30B-A3B-shaped Q4_K_M file, every expert
-                  resident: tok/s, kernel launches and host syncs a token, plain (the step as one
-                  CUDA graph, the fused expert kernels), the step eager, the experts in torch
-                  (`python -m engine.bench --count-ops [--step-graph off | --fused-experts off]`)
+    shapes        the 16- and 48-layer Qwen3-30B-A3B-shaped Q4_K_M files (`ROWS`, the headline
+                  rows first): every expert resident (the step as one CUDA graph, the fused expert
+                  kernels), an 8 and a 4 GiB expert budget (the step in graph pieces), with and
+                  without self-speculation, the step eager, the experts in torch — tok/s, TPOT
+                  against the link floor, hit rate, hidden copy time, H2D GB/s, kernel launches
+                  and host syncs a token (`python -m engine.bench --count-ops …`); written to the
+                  JSON after each row
 
 Nothing here is simulated: each figure is this card's. Stages run as child processes where
 they load models, so a crash or an out-of-memory in one is that stage's error, not the end.
@@ -42,12 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "stages": {}}
     deadline = time.monotonic() + args.budget_s
+    stages_done = report["stages"]
+
+    def partial_shapes(rows: dict) -> None:  # the shape rows so far, in case the run is cut short
+        stages_done["shapes"] = {"partial": True, **rows}
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+
+    def shape_rows(out: Path, limit: float) -> dict:
+        h2d = stages_done.get("environment", {}).get("h2d_gbps")
+        return shapes(out, limit, args.layers, h2d, partial_shapes)
+
     stages: list[tuple[str, float, Callable[[Path, float], dict]]] = [
         ("environment", 30, environment),
         ("kernels", 60, kernels),
         ("pytest", 150, lambda out, limit: gpu_tests(out, limit)),
         ("graphs", 90, graph_stage),
-        ("shapes", 10_000, lambda out, limit: shapes(out, limit, args.layers)),
+        ("shapes", 10_000, shape_rows),
     ]
     for name, limit, stage in stages:
         left = deadline - time.monotonic()
@@ -144,54 +157,93 @@ def graph_stage(out: Path, limit: float) -> dict:
     return json.loads(json_out.read_text()) | {"rc": done["rc"]} if json_out.exists() else done
 
 
-def shapes(out: Path, limit: float, depths: list[int]) -> dict:
-    """Each depth's Q4_K_M file written (if missing) and benched resident, in each of `VARIANTS`."""
+def shapes(out: Path, limit: float, depths: list[int], h2d_gbps: float | None = None, on_row=None) -> dict:
+    """Each depth's Q4_K_M file written (if missing) and benched in `ROWS`' order — the headline
+    rows first (resident, then an 8 GiB budget), so that a run out of time still has them; each
+    row's TPOT beside its link floor (bytes moved a token over `h2d_gbps`, the pinned copy rate);
+    `on_row(rows so far)` after each row."""
     deadline, results = time.monotonic() + limit, {}
-    folder = out / "shapes"
-    for layers in depths:
-        path = folder / f"qwen3-30b-a3b-{layers}layers-Q4_K_M.gguf"
-        if not path.exists():
-            write = [
-                sys.executable,
-                "-m",
-                "engine.bench.shapes",
-                str(folder),
-                "--types",
-                "Q4_K_M",
-                "--layers",
-            ]
-            written = _child([*write, str(layers)], out / f"shapes-{layers}.log", deadline - time.monotonic())
-            if written["rc"] != 0:
-                results[f"{layers} layers"] = {"error": "the shape file was not written", **written}
-                continue
-        for variant, options in VARIANTS.items():
-            name = f"{layers} layers" + (f", {variant}" if variant else "")
-            results[name] = _bench(path, out, variant, options, deadline - time.monotonic())
+    paths: dict[int, Path | None] = {}
+    for layers, variant, options in ROWS:
+        if layers not in depths:
+            continue
+        if layers not in paths:
+            paths[layers] = _shape_file(out, layers, deadline, results)
+        if paths[layers] is not None:
+            row = _bench(paths[layers], out, f"{layers}-{variant}", options, deadline - time.monotonic())
+            results[f"{layers} layers, {variant}"] = row | _link_floor(row, h2d_gbps)
+        if on_row is not None:
+            on_row(results)
     return results
 
 
-# each shape file's bench runs: (name, its options)
-VARIANTS = {"": [], "eager step": ["--step-graph", "off"], "torch experts": ["--fused-experts", "off"]}
+def _shape_file(out: Path, layers: int, deadline: float, results: dict) -> Path | None:
+    """The `layers`-deep Q4_K_M shape file, written if missing (None where it could not be)."""
+    folder = out / "shapes"
+    path = folder / f"qwen3-30b-a3b-{layers}layers-Q4_K_M.gguf"
+    if not path.exists():
+        write = [sys.executable, "-m", "engine.bench.shapes", str(folder), "--types", "Q4_K_M", "--layers"]
+        written = _child([*write, str(layers)], out / f"shapes-{layers}.log", deadline - time.monotonic())
+        if written["rc"] != 0:
+            results[f"{layers} layers"] = {"error": "the shape file was not written", **written}
+            return None
+    return path
 
 
-def _bench(path: Path, out: Path, variant: str, options: list[str], limit: float) -> dict:
-    tag = path.stem + (f"-{variant.replace(' ', '-')}" if variant else "")
+def _link_floor(row: dict, h2d_gbps: float | None) -> dict:
+    """The TPOT the link alone would take (the row's bytes a token at the pinned copy rate)."""
+    moved = row.get("bytes_per_token")
+    if not moved or not h2d_gbps:
+        return {}
+    floor_ms = 1e3 * moved / (h2d_gbps * 1e9)
+    return {"link_floor_ms": round(floor_ms, 3), "tpot_over_floor": round(row["tpot_ms"] / floor_ms, 2)}
+
+
+# the bench runs, in order: (depth, name, options); a budget's 8 and 4 GiB are the expert cache's
+RESIDENT, EIGHT, FOUR = ["--expert-budget", "all"], ["--expert-budget", "8GiB"], ["--expert-budget", "4GiB"]
+ROWS = (
+    (16, "resident", RESIDENT),
+    (48, "resident", RESIDENT),
+    (48, "8 GiB", EIGHT),
+    (48, "8 GiB, self-speculation", [*EIGHT, "--spec", "self"]),
+    (48, "resident, eager step", [*RESIDENT, "--step-graph", "off"]),
+    (48, "8 GiB, eager step", [*EIGHT, "--step-graph", "off"]),
+    (48, "4 GiB", FOUR),
+    (48, "4 GiB, self-speculation", [*FOUR, "--spec", "self"]),
+    (48, "resident, torch experts", [*RESIDENT, "--fused-experts", "off"]),
+    (16, "8 GiB", EIGHT),
+)
+
+
+def _bench(path: Path, out: Path, tag: str, options: list[str], limit: float) -> dict:
+    tag = tag.replace(" ", "-").replace(",", "")
     json_out = out / f"bench-{tag}.json"
     command = [sys.executable, "-m", "engine.bench", "--model", str(path), "--device", "cuda"]
-    command += ["--expert-budget", "all", "--prompts", "2", "--new-tokens", "32", "--repeats", "2"]
+    command += ["--prompts", "2", "--new-tokens", "32", "--repeats", "2"]
     command += ["--count-ops", "--json", str(json_out), *options]
     done = _child(command, out / f"bench-{tag}.log", limit)
     if json_out.exists():
         found = json.loads(json_out.read_text())
         row = found["rows"][-1]
-        done |= {
-            "tokens_per_s": row.get("tokens_per_s"),
-            "prefill_tokens_per_s": row.get("prefill_tokens_per_s"),
-            "step_path": row.get("step_path"),
+        done |= {key: row.get(key) for key in BENCH_FIELDS} | {
             "op_counts": found.get("op_counts"),
             "step_graph": found.get("step_graph"),
+            "step_pieces": found.get("step_pieces"),
         }
     return done
+
+
+# what a shape row keeps of the bench's row
+BENCH_FIELDS = (
+    "tokens_per_s",
+    "tpot_ms",
+    "prefill_tokens_per_s",
+    "step_path",
+    "hit_rate",
+    "h2d_gbps",
+    "bytes_per_token",
+    "copy_hidden",
+)
 
 
 def _child(command: list[str], log: Path, limit: float) -> dict:
