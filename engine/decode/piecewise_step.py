@@ -159,6 +159,8 @@ class PiecewiseStep(CapturedStep):
     def refusal(self, kv_cache) -> str:
         if self.cache.holds_all:
             return "the device cache holds every expert (the step is one graph)"
+        if self.control.hybrid is not None:
+            return "the CPU computes misses (HybriMoE), which the pieces do not do yet"
         return super().refusal(kv_cache, budgeted=True)
 
     def step(self, token: int, kv_cache) -> torch.Tensor | None:

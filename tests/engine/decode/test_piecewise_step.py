@@ -103,6 +103,19 @@ def test_the_pieces_read_nothing_on_the_host(folders, model_type):
         model.close()
 
 
+def test_cpu_misses_asked_for_leave_the_step_to_the_eager_path(folders):
+    model = _budgeted(folders["qwen3_moe"])
+    try:
+        pieces = _with_pieces(model)
+        cache = model.new_kv_cache()
+        model.forward(PROMPT, cache)
+        with model.control.installed(hybrid=object()):
+            assert "the CPU computes misses" in pieces.refusal(cache)
+        assert pieces.refusal(cache) == ""
+    finally:
+        model.close()
+
+
 def test_a_cache_holding_every_expert_leaves_the_step_to_the_one_graph(folders):
     model = _budgeted(folders["qwen3_moe"], slots=10_000)
     try:
