@@ -1,8 +1,9 @@
 """A one-token decode step as CUDA graph pieces, when the device cache can miss.
 
-Contract: `PiecewiseStep.of(model)` is the pieces of an `OffloadedModel` whose step the whole-step
-graph could hold (engine.decode.captured_step: the same bodies) but whose device cache cannot
-hold every expert, or None; `refusal(kv_cache)` and `step(token, kv_cache)` as `CapturedStep`'s.
+Contract: `PiecewiseStep.of(model, whole)` is the pieces of an `OffloadedModel` whose step the
+whole-step graph `whole` could hold (engine.decode.captured_step: they share its body), or None;
+`refusal(kv_cache)` and `step(token, kv_cache)` as `CapturedStep`'s, taking the steps where the
+device cache cannot hold every expert.
 
 A step whose experts may be missing cannot be one graph: which experts a layer needs is known only
 once its router has run, and a miss must be copied in before its experts run. So the step is cut
@@ -110,28 +111,33 @@ class PieceGraphs:
 
 
 def capture_pieces(pieces: Pieces):
-    """A `Capture` (engine.moe.cuda_graphs) of a step in pieces on CUDA: the body captured once, a
-    new graph begun at each cut, every graph in `pool`."""
+    """A `Capture` (engine.moe.cuda_graphs) of a step in pieces on CUDA: one run on a side stream
+    with the host's work inline (lazy initialisations happen outside the capture, as in
+    `cuda_capture`), then the body captured on that stream, a new graph begun at each cut, every
+    graph in `pool`; `thread_local`: the transfer engine's thread may query its events meanwhile."""
 
     def capture(fn, inputs: tuple, pool) -> tuple[PieceGraphs, torch.Tensor]:
+        device = inputs[0].device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         graphs = [torch.cuda.CUDAGraph()]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
 
         def cut() -> None:
             graphs[-1].capture_end()
             graphs.append(torch.cuda.CUDAGraph())
-            graphs[-1].capture_begin(pool=pool)
+            graphs[-1].capture_begin(pool=pool, capture_error_mode="thread_local")
 
-        with torch.cuda.stream(stream):
-            graphs[0].capture_begin(pool=pool)
+        with torch.cuda.stream(side):
+            fn(*inputs)
+            pieces.release()
+            graphs[0].capture_begin(pool=pool, capture_error_mode="thread_local")
             pieces.cut = cut
             try:
                 out = fn(*inputs)
             finally:
                 pieces.cut = None
                 graphs[-1].capture_end()
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream(device).wait_stream(side)
         if len(graphs) != len(pieces.layers) + 1:
             raise RuntimeError(f"{len(graphs)} pieces captured for {len(pieces.layers)} MoE layers")
         return PieceGraphs(graphs, pieces), out
