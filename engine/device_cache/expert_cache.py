@@ -272,7 +272,7 @@ class ExpertCache(UnpinnedUses):
         except BaseException:
             self._free.append(slot)
             raise
-        slot.views = self.store.layout_of(layer).views(row)
+        slot.view_later(self.store.layout_of(layer), row)
         slot.state = SlotState.LOADING
         slot.key, slot.transient = key, transient
         if transient:

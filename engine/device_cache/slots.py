@@ -7,6 +7,7 @@ a slot is, so its states can be read (and tested) on their own.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +32,13 @@ class Slot:
     - `released`: the transfer engine's marker of compute's last use (a CUDA event): the
       next copy into the slot waits for it, so it never overwrites an expert still being read;
     - `prefetch_phase`: the phase that prefetched the expert, until its first use (then None);
-    - `transient`: streamed through by a multi-token step beyond its layer's kept share.
+    - `transient`: streamed through by a multi-token step beyond its layer's kept share;
+    - `views`: the typed views of its expert's fields, made when first read (`view_later`): a step
+      whose kernels read the pool row itself (the fused kernels, the graph pieces) never makes them.
     """
 
     index: int
-    views: dict[str, torch.Tensor]
+    _views: dict[str, torch.Tensor]
     key: ExpertKey | None = None
     state: SlotState = SlotState.FREE
     pins: int = 0
@@ -43,6 +46,21 @@ class Slot:
     released: object | None = None
     prefetch_phase: str | None = None
     transient: bool = False
+    _make_views: Callable[[], dict[str, torch.Tensor]] | None = None
+
+    @property
+    def views(self) -> dict[str, torch.Tensor]:
+        if self._make_views is not None:
+            self._views, self._make_views = self._make_views(), None
+        return self._views
+
+    @views.setter
+    def views(self, views: dict[str, torch.Tensor]) -> None:
+        self._views, self._make_views = views, None
+
+    def view_later(self, layout, row: torch.Tensor) -> None:
+        """`views` become `layout.views(row)` when first read."""
+        self._make_views = lambda: layout.views(row)
 
     def free(self) -> None:
         """Back to holding nothing: no expert, no copy, no pin."""
