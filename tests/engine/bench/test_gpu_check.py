@@ -75,5 +75,6 @@ def test_the_shape_rows_go_headline_first_each_written_with_its_link_floor(tmp_p
     assert all(not tag.startswith("16") for tag in benched)
     assert reported[0] == ["48 layers, resident"] and reported[-1] == list(rows)
     eight = rows["48 layers, 8 GiB"]
-    assert eight["link_floor_ms"] == 10.0 and eight["tpot_over_floor"] == 2.0  # 0.5 GB at 50 GB/s
+    floor_ms = 1e3 * 5e8 / 50e9  # the row's bytes a token at the copy rate
+    assert eight["link_floor_ms"] == floor_ms and eight["tpot_over_floor"] == 20.0 / floor_ms
     assert "link_floor_ms" not in rows["48 layers, resident"]  # nothing moved

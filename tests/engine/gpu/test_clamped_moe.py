@@ -15,12 +15,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 
 from engine.formats.gguf.blocks import dequantize
-from engine.generation import generate_text
 from engine.gpu.checks.experts import random_blocks
 from engine.moe.fused_experts import FusedExperts
-from engine.prompts import greedy
 from tests.engine.gpu.interpreter import in_the_interpreter, run_in_child_interpreter
-from tests.engine.moe.test_fused_experts import experts_of, load_emulating_cuda
+from tests.engine.gpu.test_fused_experts_model import fused_and_torch, same_greedy_tokens
+from tests.engine.moe.test_fused_experts import experts_of
 from tests.engine.store.test_from_mxfp4 import write_mxfp4_model
 
 if importlib.util.find_spec("triton") is None:
@@ -138,9 +137,7 @@ def mxfp4_folder(tmp_path_factory):
 
 @in_the_interpreter
 def test_gpt_oss_decodes_through_them_as_through_torch(mxfp4_folder, monkeypatch):
-    fused, in_torch = (load_emulating_cuda(mxfp4_folder, monkeypatch) for _ in range(2))
-    fused.control.fused, in_torch.control.fused = True, False
-    try:
+    with fused_and_torch(mxfp4_folder, monkeypatch) as (fused, in_torch):
         prompt = [3, 17, 42, 99, 7]
         logits = []
         for model in (fused, in_torch):
@@ -151,11 +148,4 @@ def test_gpt_oss_decodes_through_them_as_through_torch(mxfp4_folder, monkeypatch
         chosen = [experts.fused for experts in experts_of(fused)]
         assert all(isinstance(c, FusedExperts) and c.gate is not None for c in chosen)
         assert chosen[0].gate.limit == LIMIT and chosen[0].gate.alpha == pytest.approx(ALPHA)
-        config = greedy(8)
-        assert (
-            generate_text(fused, prompt, config).token_ids
-            == generate_text(in_torch, prompt, config).token_ids
-        )
-    finally:
-        fused.close()
-        in_torch.close()
+        assert same_greedy_tokens(fused, in_torch, prompt)

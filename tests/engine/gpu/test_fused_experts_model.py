@@ -46,9 +46,10 @@ def gguf_path(tmp_path_factory) -> Path:
 
 
 @contextlib.contextmanager
-def fused_and_torch(path: Path, monkeypatch):
-    """The same file twice, CUDA's layout emulated: (fused kernels forced on, the torch path)."""
-    fused, in_torch = (load_emulating_cuda(path, monkeypatch) for _ in range(2))
+def fused_and_torch(path: Path, monkeypatch, load=load_emulating_cuda):
+    """The same file twice, `load(path, monkeypatch)` (CUDA's layout emulated, every expert in a
+    slot): (fused kernels forced on, the torch path)."""
+    fused, in_torch = (load(path, monkeypatch) for _ in range(2))
     fused.control.fused, in_torch.control.fused = True, False
     try:
         yield fused, in_torch
@@ -194,9 +195,7 @@ def test_with_a_budget_one_token_steps_compute_their_slots_through_the_fused_ker
     """A cache that misses: each one-token step's routes are read, the misses brought into slots,
     and the K experts computed by the two kernels over a table of their slots — the torch path's
     logits and greedy tokens, the same hits and misses."""
-    fused, in_torch = (load_with_a_budget(gguf_path, monkeypatch, 8) for _ in range(2))
-    fused.control.fused, in_torch.control.fused = True, False
-    try:
+    with fused_and_torch(gguf_path, monkeypatch, eight_slots) as (fused, in_torch):
         assert fused.cache.n_slots < fused.store.total_experts
         with profiled_launches() as launches:
             got = decode_logits(fused)
@@ -207,14 +206,19 @@ def test_with_a_budget_one_token_steps_compute_their_slots_through_the_fused_ker
         assert launches.count(f"{RANGE_PREFIX}moe_gate_up_q4_k") == layers * len(STEPS) + 1
         stats = [model.cache.stats.total() for model in (fused, in_torch)]
         assert (stats[0].hits, stats[0].misses) == (stats[1].hits, stats[1].misses) and stats[0].misses > 0
-        config = greedy(8)
-        assert (
-            generate_text(fused, PROMPT, config).token_ids
-            == generate_text(in_torch, PROMPT, config).token_ids
-        )
-    finally:
-        fused.close()
-        in_torch.close()
+        assert same_greedy_tokens(fused, in_torch, PROMPT)
+
+
+def eight_slots(path: Path, monkeypatch):
+    """`load_with_a_budget`'s model with 8 slots (the tiny files have 16 or more experts)."""
+    return load_with_a_budget(path, monkeypatch, 8)
+
+
+def same_greedy_tokens(model, other, prompt: list[int]) -> bool:
+    """Whether both models reply to `prompt` with the same 8 greedy tokens."""
+    return (
+        generate_text(model, prompt, greedy(8)).token_ids == generate_text(other, prompt, greedy(8)).token_ids
+    )
 
 
 @contextlib.contextmanager

@@ -107,12 +107,10 @@ def test_a_decode_step_launches_its_family_s_two_kernels_a_layer(models, variant
 def test_with_a_budget_their_one_token_steps_go_through_the_kernels_too(variant, monkeypatch):
     """A cache that misses: a one-token step's experts, brought into slots, go through the family's
     kernels (FP8 and int4 experts are never gathered in torch), with the torch path's logits."""
-    from tests.engine.gpu.test_fused_experts_model import load_with_a_budget, profiled_launches
+    from tests.engine.gpu.test_fused_experts_model import eight_slots, fused_and_torch, profiled_launches
 
     folder, label = variant
-    fused, in_torch = (load_with_a_budget(folder, monkeypatch, 8) for _ in range(2))
-    fused.control.fused, in_torch.control.fused = True, False
-    try:
+    with fused_and_torch(folder, monkeypatch, eight_slots) as (fused, in_torch):
         assert fused.cache.n_slots < fused.store.total_experts
         with profiled_launches() as launches:
             got = decode_logits(fused)
@@ -120,6 +118,3 @@ def test_with_a_budget_their_one_token_steps_go_through_the_kernels_too(variant,
         error, scale = (got - want).abs().max().item(), want.abs().max().item()
         assert error <= RTOL * scale, f"max |Δ| {error:.3g} > {RTOL:g} · max |ref| {scale:.3g}"
         assert f"{RANGE_PREFIX}moe_gate_up_{label}" in launches and fused.cache.stats.total().misses > 0
-    finally:
-        fused.close()
-        in_torch.close()
