@@ -8,8 +8,10 @@ the same through the eager paths; the JSON says whether the tokens are equal, th
 the pieces of the decoder the fused kernels computed (`engine.decode.fused_decoder`) and, where
 the graph was refused or turned off, why, and which body it captured (the standard decoder's,
 or the model's own modules); three families again with a budget that misses, the step in graph
-pieces (`engine.decode.piecewise_step`). A family whose steps the graph cannot hold is listed with the
-reason. One of the prepared GPU check's stages (`engine.bench.gpu`).
+pieces (`engine.decode.piecewise_step`), their misses copied in and then computed on the CPU
+(`cpu_computed`; `tables_mapped`: whether the device reads the slot tables in pinned host
+memory). A family whose steps the graph cannot hold is listed with the reason. One of the
+prepared GPU check's stages (`engine.bench.gpu`).
 """
 
 from __future__ import annotations
@@ -47,13 +49,21 @@ def greedy(model) -> tuple[list[int], list[torch.Tensor]]:
 
 
 def check_family(
-    folder: Path, device: str, dtype: str, prepare=None, slots: int | None = None, **options
+    folder: Path,
+    device: str,
+    dtype: str,
+    prepare=None,
+    slots: int | None = None,
+    cpu_experts: str | None = None,
+    **options,
 ) -> dict:
     """One family's model decoded through the graph and eagerly; `prepare(model)` (tests: a
     stand-in capture off CUDA) runs after the load; `slots`: a budget of that many device slots
     (the step in graph pieces, engine.decode.piecewise_step), else every expert on the device;
-    `options`: more of the `OffloadConfig`."""
+    `cpu_experts`: the graphed run's misses computed on the CPU in that mode (the eager run's
+    all on the device); `options`: more of the `OffloadConfig`."""
     from engine.loader import load_model
+    from engine.moe.cpu_misses import HybridExecutor
 
     budget = ExpertBudget(all_experts=True) if slots is None else ExpertBudget.parse(str(slots))
     config = OffloadConfig(device=device, dtype=dtype, expert_budget=budget, **options)
@@ -64,8 +74,11 @@ def check_family(
         step = model.captured if slots is None else model.pieces
         if step is None:
             return {"captured": False, "why": module_refusal(model.hf_config) or f"not on CUDA ({device})"}
-        tokens, logits = greedy(model)
+        hybrid = HybridExecutor(model, cpu_experts) if cpu_experts else None
+        with model.control.installed(hybrid=hybrid):
+            tokens, logits = greedy(model)
         ran = model.paths.log.since(None)
+        cpu_computed = model.cache.stats.phases["decode"].cpu_computed
         graphed = model.paths
         model.paths = graphed.without("cuda-graph", "cuda-pieces")
         want_tokens, want_logits = greedy(model)
@@ -82,9 +95,18 @@ def check_family(
             "tokens_equal": tokens == want_tokens,
             "max_abs_delta": max(deltas),
             "logits_scale": max(b.abs().max().item() for b in want_logits),
+            "cpu_computed": cpu_computed,
+            "tables_mapped": _tables_mapped(step),
         }
     finally:
         model.close()
+
+
+def _tables_mapped(step) -> bool | None:
+    """Whether the pieces' slot tables are read by the device where they lie in pinned host memory
+    (engine.device_cache.mapped_table), or None for the whole-step graph."""
+    pieces = getattr(step, "pieces", None)
+    return None if pieces is None else all(table.mapped for table in pieces.tables.values())
 
 
 def _pieces_of(fused) -> dict | None:
@@ -112,16 +134,24 @@ def run(out: Path, device: str, dtypes: list[str], families=None, prepare=None, 
         for family in families or (*TINY_ARCHITECTURES, *others):
             folder = make_tiny_model(Path(scratch) / family, family)
             for dtype in dtypes:
-                budgets = (None, BUDGET_SLOTS) if family in BUDGET_FAMILIES else (None,)
-                for slots in budgets:
+                for slots, cpu, label in _rows(family):
                     try:
-                        found = check_family(folder, device, dtype, prepare, slots, **options)
+                        found = check_family(folder, device, dtype, prepare, slots, cpu, **options)
                     except Exception as err:  # one family's failure is its row, not the end
                         found = {"error": f"{type(err).__name__}: {err}"}
-                    name = f"{family} {dtype}" + ("" if slots is None else f", {slots} slots")
-                    report["families"][name] = found
+                    report["families"][f"{family} {dtype}{label}"] = found
                     out.write_text(json.dumps(report, indent=2))
     return report
+
+
+def _rows(family: str) -> list[tuple[int | None, str | None, str]]:
+    """(slots, cpu_experts, the row's name's tail) of one family's checks: every expert on the
+    device; for `BUDGET_FAMILIES` also a budget that misses, its misses on the device, then on the CPU."""
+    rows: list[tuple[int | None, str | None, str]] = [(None, None, "")]
+    if family in BUDGET_FAMILIES:
+        rows.append((BUDGET_SLOTS, None, f", {BUDGET_SLOTS} slots"))
+        rows.append((BUDGET_SLOTS, "always", f", {BUDGET_SLOTS} slots, CPU misses"))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,10 +13,18 @@ the layer, the next layers' attention and the next MoE layer's router; the last 
 the logits. Between two pieces the host reads the router's top-k ids (the layer's one host
 synchronisation: layers + 1 a token with the sampled id), pins those experts in slots — the misses
 copied in on the copy stream, the hits only looked up (`pipeline.pinned_together`) — and writes
-their slots into the layer's slot table on the device (`Pieces.tables`); the next piece's experts
-read the table (`batched_experts.forward_resident`: the fused kernels where the layer has them).
-A layer's slots stay pinned until the next layer's are: by then the piece that reads them is
-enqueued, and a copy that reuses one waits for it (`ExpertCache.release`'s marker).
+their slots into the layer's slot table (`Pieces.tables`: pinned host memory the device reads
+where it lies, engine.device_cache.mapped_table — a host store, nothing launched); the next
+piece's experts read the table (`batched_experts.forward_resident`: the fused kernels where the
+layer has them). A layer's slots stay pinned until the next layer's are: by then the piece that
+reads them is enqueued, and a copy that reuses one waits for it (`ExpertCache.release`'s marker).
+
+Where the CPU computes misses (`cpu_experts`, HybriMoE's split: `Pieces.split`), a layer's
+experts are a piece of their own: the host sends the misses the `HybridExecutor` gives the CPU to
+the pool's zero row (the kernels add exactly nothing for them), enqueues the device's experts,
+computes the CPU's from the host store meanwhile (the device runs the enqueued piece: no thread
+is needed for the two to overlap), sends their sum up from pinned memory into the layer's partial,
+and the next piece begins by adding it. The sum is the same experts' in another order.
 
 Capture (`capture_pieces`): the body runs once; at each MoE layer's experts the current graph's
 capture ends and the next one's begins (`Pieces.cut`), the router's ids kept as the piece's
@@ -25,9 +33,8 @@ address. Replays (`PieceGraphs.replay`) alternate a piece and the host's work. O
 stand-in capture (`captured_step.eager_capture`) runs the body eagerly with the host's work inline
 at each cut: the same tables, pins and reads (tests/engine/decode/test_piecewise_step.py).
 
-Not yet here (issue 41): the mapped pinned table (the slots go up as two small copies), the CPU
-computing misses while the GPU computes hits, pieces for verification and drafting, the score
-policy's observation of router scores, prefetch predictors (a step they watch goes eagerly).
+Not yet here (issue 41): pieces for verification and drafting, the score policy's observation of
+router scores, prefetch predictors (a step they watch goes eagerly).
 """
 
 from __future__ import annotations
@@ -38,48 +45,104 @@ from collections.abc import Callable
 import torch
 
 from engine.decode.captured_step import Buffers, CapturedStep
+from engine.device_cache.mapped_table import MappedTable
 from engine.device_cache.pipeline import pinned_together
 from engine.moe.batched_experts import forward_resident, resident_asked
 
 
 class Pieces:
-    """What the pieces share: each MoE layer's slot table on the device, the routers' ids a
-    captured piece leaves, the slots pinned for the piece in flight, and the cut while capturing."""
+    """What the pieces share: each MoE layer's slot table (`MappedTable`: the host writes it, the
+    device reads it), the routers' ids a captured piece leaves and the experts' inputs, the slots
+    pinned for the piece in flight, and the cut while capturing. With `split` (the CPU computes
+    misses) each layer's experts are a piece of their own, and the CPU's share is added after."""
 
     def __init__(self, cache, layers: list[int], device: torch.device):
         experts = cache.store.num_experts
         self.cache, self.layers = cache, layers
-        self.tables = {layer: torch.zeros(experts, dtype=torch.int64, device=device) for layer in layers}
+        self.tables = {layer: MappedTable(experts, device) for layer in layers}
         self.routes: dict[int, torch.Tensor] = {}  # layer → its router's top-k ids, as captured
+        self.inputs: dict[int, tuple] = {}  # layer → (its experts module, their input, route weights)
+        self.partials: dict[int, torch.Tensor] = {}  # layer → the CPU's share of its output `[1, H]`
         self.cut: Callable[[], None] | None = None  # while capturing: ends a piece, begins the next
+        self.hybrid = None  # the `HybridExecutor` choosing the CPU's misses: `split` when set
         self._pinned: list = []
+        self._on_cpu: list[tuple[int, int]] = []  # (route, expert) the CPU computes for the layer
+        self._staging: dict[int, torch.Tensor] = {}  # layer → pinned memory its CPU share goes up from
         self.plan_seconds, self.planned = 0.0, 0  # the host's planning time, and the layers planned
+
+    @property
+    def split(self) -> bool:
+        return self.hybrid is not None
 
     def experts(self, module, hidden: torch.Tensor, top_k_index, top_k_weights) -> torch.Tensor:
         """`OffloadedExperts`' one-token experts inside a step run in pieces: a cut where it is
-        captured (the host brings the experts in between the pieces), else the host's work here."""
+        captured (the host brings the experts in between the pieces), else the host's work here;
+        with `split`, a second cut (or the CPU's work here) before the CPU's share is added."""
+        layer = module.layer
+        self.inputs[layer] = (module, hidden, top_k_weights)
         if self.cut is not None:
-            self.routes[module.layer] = top_k_index
+            self.routes[layer] = top_k_index
             self.cut()
         else:
-            self.bring_in(module.layer, top_k_index)
-        return forward_resident(module, hidden, top_k_index, top_k_weights, self.tables[module.layer])
+            self.bring_in(layer, top_k_index)
+        out = forward_resident(module, hidden, top_k_index, top_k_weights, self.tables[layer].device_view)
+        if not self.split:
+            return out
+        partial = self.partials.setdefault(layer, torch.zeros_like(hidden))  # first met outside a capture
+        if self.cut is not None:
+            self.cut()
+        else:
+            self.add_cpu_share(layer)
+        return out + partial
 
     def bring_in(self, layer: int, top_k_index: torch.Tensor) -> None:
         """`layer`'s routed experts pinned in slots (misses copied in) and their slots written into
-        its table; the previous layer's released (the piece reading them is enqueued). Its host
-        time besides the routes' read and the copies' wait counts in `plan_seconds`."""
-        experts = sorted(set(top_k_index.reshape(-1).tolist()))  # the layer's host synchronisation
+        its table — those the CPU computes (`split`) sent to the pool's zero row; the previous
+        layer's released (the piece reading them is enqueued). Its host time besides the routes'
+        read and the copies' wait counts in `plan_seconds`."""
+        ids = top_k_index.reshape(-1).tolist()  # the layer's host synchronisation
         start = time.perf_counter()
         self.release()
+        on_cpu = set(self._cpu_experts(layer, ids)) if self.split else set()
+        experts = sorted(set(ids) - on_cpu)
         self._pinned = pinned_together(self.cache, layer, experts, wait=False)
-        table = self.tables[layer]
-        rows = torch.tensor([slot.index for slot in self._pinned]).to(table.device, non_blocking=True)
-        table.index_copy_(0, torch.tensor(experts).to(table.device, non_blocking=True), rows)
+        rows = [slot.index for slot in self._pinned] + [self.cache.zero_row] * len(on_cpu)
+        self.tables[layer].write(experts + sorted(on_cpu), rows)
+        self._on_cpu = [(k, expert) for k, expert in enumerate(ids) if expert in on_cpu]
         self.plan_seconds += time.perf_counter() - start
         self.planned += 1
         for slot in self._pinned:  # on CUDA the compute stream waits; on a simulated link, the host
             self.cache.wait(slot)
+
+    def _cpu_experts(self, layer: int, ids: list[int]) -> list[int]:
+        """The missed experts the CPU computes for this token (`HybridExecutor`'s plan)."""
+        routes: dict[int, list[int]] = {}
+        for k, expert in enumerate(ids):
+            routes.setdefault(expert, []).append(k)
+        return self.hybrid.cpu_experts(layer, routes)
+
+    @torch.inference_mode()  # the partials are the step's (inference) tensors
+    def add_cpu_share(self, layer: int) -> None:
+        """The CPU's experts of `layer` (chosen by `bring_in`) computed from the host store while the
+        device computes the others (their piece is enqueued), summed in route order and written
+        into the layer's partial — zeros where the CPU has none."""
+        partial, on_cpu = self.partials[layer], self._on_cpu
+        if not on_cpu:
+            partial.zero_()
+            return
+        module, hidden, weights = self.inputs[layer]
+        x, scales = hidden.to("cpu"), weights.reshape(-1, 1).to("cpu")
+        share = None
+        for k, expert in on_cpu:
+            y = module._weighted(x, scales[k : k + 1], self.cache.store.views(layer, expert))
+            share = y if share is None else share + y
+            self.cache.count_cpu_use()
+        if partial.device.type == "cuda":  # through pinned memory: the host does not wait on the stream
+            staging = self._staging.get(layer)
+            if staging is None:
+                staging = self._staging[layer] = torch.empty_like(partial, device="cpu").pin_memory()
+            share = staging.copy_(share)
+        partial.copy_(share, non_blocking=True)
 
     @property
     def plan_us_per_layer(self) -> float | None:
@@ -101,11 +164,15 @@ class PieceGraphs:
 
     def replay(self) -> None:
         pieces = self.pieces
+        graphs = iter(self.graphs)
         try:
-            self.graphs[0].replay()
-            for layer, graph in zip(pieces.layers, self.graphs[1:], strict=True):
+            next(graphs).replay()
+            for layer in pieces.layers:
                 pieces.bring_in(layer, pieces.routes[layer])
-                graph.replay()
+                next(graphs).replay()  # the layer's experts (and, unless split, what follows)
+                if pieces.split:
+                    pieces.add_cpu_share(layer)  # while the device computes the others
+                    next(graphs).replay()
         finally:
             pieces.release()
 
@@ -138,7 +205,7 @@ def capture_pieces(pieces: Pieces):
                 pieces.cut = None
                 graphs[-1].capture_end()
         torch.cuda.current_stream(device).wait_stream(side)
-        if len(graphs) != len(pieces.layers) + 1:
+        if len(graphs) != len(pieces.layers) * (1 + pieces.split) + 1:
             raise RuntimeError(f"{len(graphs)} pieces captured for {len(pieces.layers)} MoE layers")
         return PieceGraphs(graphs, pieces), out
 
@@ -165,11 +232,14 @@ class PiecewiseStep(CapturedStep):
     def refusal(self, kv_cache) -> str:
         if self.cache.holds_all:
             return "the device cache holds every expert (the step is one graph)"
-        if self.control.hybrid is not None:
-            return "the CPU computes misses (HybriMoE), which the pieces do not do yet"
         return super().refusal(kv_cache, budgeted=True)
 
     def step(self, token: int, kv_cache) -> torch.Tensor | None:
+        hybrid = self.control.hybrid
+        hybrid = hybrid if hybrid is not None and hybrid.active else None
+        if (hybrid is None) != (self.pieces.hybrid is None):
+            self._graph = None  # the pieces are cut otherwise: captured again
+        self.pieces.hybrid = hybrid
         try:
             with self.control.installed(pieces=self.pieces):
                 return super().step(token, kv_cache)
@@ -177,7 +247,7 @@ class PiecewiseStep(CapturedStep):
             self.pieces.release()  # the last layer's slots: its experts' piece is enqueued
 
     def _tables(self) -> tuple[torch.Tensor, ...]:
-        return tuple(self.pieces.tables[layer] for layer in self.moe_layers)
+        return tuple(self.pieces.tables[layer].device_view for layer in self.moe_layers)
 
     def _captured(self, buffers: Buffers, tables: tuple, token: int, past: int):
         """`CapturedStep._captured`, the cache's counters as they were: the runs around a capture

@@ -366,7 +366,15 @@ class ExpertCache(UnpinnedUses):
             self._build_pool(n_slots)
 
     def _build_pool(self, n_slots: int) -> None:
-        self.pool = None if self.in_place else allocate_pool(n_slots, self.expert_nbytes, self.device)
+        """`n_slots` slots in one pool; where the cache can miss, one more row of zeros past them
+        (`zero_row`): a slot table sends an expert computed elsewhere there (the CPU's misses in
+        engine.decode.piecewise_step), and the kernels add exactly nothing for it."""
+        misses = n_slots < self.store.total_experts
+        rows = n_slots + misses
+        self.pool = None if self.in_place else allocate_pool(rows, self.expert_nbytes, self.device)
+        self.zero_row = n_slots if misses and self.pool is not None else None
+        if self.zero_row is not None:
+            self.pool[self.zero_row].zero_()
         self.n_slots = n_slots
         layers = self.store.layer_indices
         share, extra = divmod(max(n_slots - STREAM_DEPTH, 0), max(len(layers), 1))

@@ -14,6 +14,7 @@ import torch
 from engine.bench import graph_check
 from engine.bench.graph_check import check_family
 from engine.config import ExpertBudget, OffloadConfig
+from engine.device_cache.mapped_table import MappedTable
 from engine.loader import load_model
 from engine.tiny.models import make_tiny_model
 
@@ -55,16 +56,35 @@ def test_a_replayed_step_synchronises_nothing(tmp_path):
         model.close()
 
 
+@pytest.mark.parametrize("cpu_experts", [None, "always"])
 @pytest.mark.parametrize("model_type", ("qwen3_moe", "deepseek_v3", "gpt_oss"))
-def test_with_a_budget_the_pieces_decode_the_eager_tokens(tmp_path, model_type):
+def test_with_a_budget_the_pieces_decode_the_eager_tokens(tmp_path, model_type, cpu_experts):
     """A cache that misses: each one-token step as graph pieces, the routes read and the misses
-    copied in between them (engine.decode.piecewise_step), gives the eager step's tokens."""
+    copied in between them (engine.decode.piecewise_step) — or computed on the CPU while the GPU
+    computes the hits — gives the all-GPU eager step's tokens, the slot tables read by the GPU
+    in pinned host memory."""
     folder = make_tiny_model(tmp_path / model_type, model_type)
-    found = check_family(folder, "cuda", "float32", slots=graph_check.BUDGET_SLOTS)
+    found = check_family(folder, "cuda", "float32", slots=graph_check.BUDGET_SLOTS, cpu_experts=cpu_experts)
     assert found["captured"] and found["off_because"] is None, found
     assert _graphed(found, "cuda-pieces"), found
     assert found["tokens_equal"], found
     assert found["max_abs_delta"] <= 1e-4 * found["logits_scale"], found
+    assert found["tables_mapped"], found
+    assert (found["cpu_computed"] > 0) is (cpu_experts is not None), found
+
+
+def test_a_mapped_table_is_read_by_a_replayed_graph_where_it_lies():
+    table = MappedTable(8, torch.device("cuda"))
+    assert table.mapped and table.device_view.is_cuda
+    out = torch.empty(8, dtype=torch.int64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(table.device_view * 2)
+    for values in (list(range(1, 9)), list(range(8, 0, -1))):
+        table.write(range(8), values)  # a host store: nothing launched
+        graph.replay()
+        torch.cuda.synchronize()
+        assert out.tolist() == [2 * v for v in values]
 
 
 def _graphed(found: dict, path: str) -> bool:

@@ -45,9 +45,11 @@ def test_layout_packs_fields_aligned_and_views_alias_the_buffer(store) -> None:
     assert not store.pinned
 
 
-def test_pool_is_n_slots_of_one_expert_each(store, link) -> None:
+def test_pool_is_n_slots_of_one_expert_each_and_a_zero_row(store, link) -> None:
     cache = make_cache(store, link, n_slots=4)
-    assert tuple(cache.pool.shape) == (4, store.layout.nbytes)
+    assert store.total_experts > 4  # the cache can miss: a row of zeros past the slots
+    assert tuple(cache.pool.shape) == (5, store.layout.nbytes)
+    assert cache.zero_row == 4 and not cache.pool[4].any()
     assert cache.pool.dtype == torch.uint8
     assert [s.state for s in cache.slots] == [SlotState.FREE] * 4
     assert cache.used_slots == 0 and cache.resident() == []

@@ -23,7 +23,9 @@ from tests.engine.cache_helpers import (
 
 def check_invariants(cache: ExpertCache, pinned_keys: dict[int, ExpertKey]) -> None:
     assert cache.used_slots <= cache.n_slots
-    assert len(cache.pool) == cache.n_slots
+    assert len(cache.pool) == cache.n_slots + (cache.zero_row is not None)
+    if cache.zero_row is not None:  # never a slot, never written
+        assert cache.zero_row == cache.n_slots and not cache.pool[cache.zero_row].any()
     table = cache._table
     free = cache._free
     assert len({id(s) for s in free}) == len(free)
