@@ -15,7 +15,8 @@ that fails or runs out of time is recorded with its error; the next one still ru
     shapes        the 16- and 48-layer Qwen3-30B-A3B-shaped Q4_K_M files (`ROWS`, the headline
                   rows first): every expert resident (the step as one CUDA graph, the fused expert
                   kernels), an 8 and a 4 GiB expert budget (the step in graph pieces), with and
-                  without self-speculation, the step eager, the experts in torch — tok/s, TPOT
+                  without self-speculation, with the CPU computing misses where its measured
+                  cost model says sooner, the step eager, the experts in torch — tok/s, TPOT
                   against the link floor, hit rate, hidden copy time, H2D GB/s, kernel launches
                   and host syncs a token (`python -m engine.bench --count-ops …`); written to the
                   JSON after each row
@@ -206,10 +207,12 @@ ROWS = (
     (48, "resident", RESIDENT),
     (48, "8 GiB", EIGHT),
     (48, "8 GiB, self-speculation", [*EIGHT, "--spec", "self"]),
+    (48, "8 GiB, CPU misses", [*EIGHT, "--cpu-experts", "auto"]),
     (48, "resident, eager step", [*RESIDENT, "--step-graph", "off"]),
     (48, "8 GiB, eager step", [*EIGHT, "--step-graph", "off"]),
     (48, "4 GiB", FOUR),
     (48, "4 GiB, self-speculation", [*FOUR, "--spec", "self"]),
+    (48, "4 GiB, CPU misses", [*FOUR, "--cpu-experts", "auto"]),
     (48, "resident, torch experts", [*RESIDENT, "--fused-experts", "off"]),
     (16, "8 GiB", EIGHT),
 )

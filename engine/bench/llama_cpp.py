@@ -174,15 +174,19 @@ def side_by_side(
     """MoE Chat's `model` and llama.cpp on the same file and prompts, their passes alternated:
     (MoE Chat's row, llama.cpp's, the ratios). MoE Chat's memory figures are taken before
     llama.cpp's weights join the process."""
-    engine_pass = passes.engine_pass
-    engine_pass(model, [prompt_ids[0][:8]], 4)  # warm-up
-    ours = [engine_pass(model, prompt_ids, args.new_tokens)]
+    decoding = passes.decoding_of(args)
+
+    def engine_pass(prompts: list[list[int]], new_tokens: int) -> dict:
+        return passes.engine_pass(model, prompts, new_tokens, decoding)
+
+    engine_pass([prompt_ids[0][:8]], 4)  # warm-up
+    ours = [engine_pass(prompt_ids, args.new_tokens)]
     peak = peak_rss_bytes()
     runner = _runner(args, prompt_ids)
     try:
         theirs = [runner.timed_pass(prompt_ids, args.new_tokens)]
         for _ in range(args.repeats - 1):
-            ours.append(engine_pass(model, prompt_ids, args.new_tokens))
+            ours.append(engine_pass(prompt_ids, args.new_tokens))
             theirs.append(runner.timed_pass(prompt_ids, args.new_tokens))
     finally:
         runner.close()

@@ -26,7 +26,7 @@ from pathlib import Path
 from engine.bench import emulated, llama_cpp
 from engine.bench.memory import current_rss_bytes, memory_line
 from engine.bench.op_counts import measured_beside, op_count_lines
-from engine.bench.passes import bench_engine, engine_pass, engine_row
+from engine.bench.passes import bench_engine, decoding_of, engine_pass, engine_row
 from engine.bench.rows import BenchRow, format_table, step_path_line
 from engine.bench.side_by_side import bench_other, ratio_line, ratios
 from engine.config import ExpertBudget, OffloadConfig
@@ -133,7 +133,9 @@ def run(args: argparse.Namespace) -> dict:
                 ours, theirs, vs = llama_cpp.side_by_side(args, model, prompt_ids, baseline)
                 rows.append(ours)
             else:
-                rows.append(bench_engine(model, prompt_ids, args.new_tokens, args.repeats, baseline))
+                decoding = decoding_of(args)
+                row = bench_engine(model, prompt_ids, args.new_tokens, args.repeats, baseline, decoding)
+                rows.append(row)
             info = model.info()
             extras = measured_beside(args, model, prompt_ids[0])  # the last budget's are kept
         finally:
@@ -144,6 +146,7 @@ def run(args: argparse.Namespace) -> dict:
         "new_tokens": args.new_tokens,
         "prompts": len(prompts),
         "kernels": args.kernels,
+        "decoding": {"spec": args.spec, "prefetch": args.prefetch, "cpu_experts": args.cpu_experts},
         "prompt_tokens": [len(ids) for ids in prompt_ids],
     }
     if calibration is not None:
@@ -189,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m engine.bench",
         description=__doc__.splitlines()[0],
-        epilog="The plain rows (and --vs-llama-cpp) decode greedily without speculation or prefetch, "
-        "whatever --spec and --prefetch say: --compare runs those configurations.",
+        epilog="The rows (and --vs-llama-cpp's) decode greedily, plainly unless --spec, --prefetch or "
+        "--cpu-experts say otherwise (llama.cpp's decode plainly); --compare runs every speculation and "
+        "prefetch configuration side by side.",
     )
     add_offload_arguments(parser)
     parser.set_defaults(expert_budget=None)
@@ -218,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--retune", action="store_true", help="--tuned: ignore a stored tuning result")
     add_spec_arguments(parser)
+    parser.set_defaults(spec="none")  # the rows decode plainly unless --spec is given
     parser.add_argument(
         "--and-model",
         metavar="DIR",

@@ -137,10 +137,13 @@ def format_op_counts(counts: dict[str, float | None]) -> str:
 
 def measured_beside(args, model, prompt_ids: list[int]) -> dict:
     """--count-ops' counts, the CUDA graphs' captures (or why they were turned off), and the
-    pieces' planning time a layer over the timed runs (taken before the counting's profiled runs)."""
+    pieces' planning time a layer over the timed runs (taken before the counting's profiled runs),
+    whether the device reads their slot tables in pinned host memory, and how many missed experts
+    the CPU computed in the last run's decode."""
     extras: dict = {}
     pieces = None if model.pieces is None else model.pieces.pieces
     plan = None if pieces is None or not pieces.planned else round(pieces.plan_us_per_layer, 1)
+    cpu_computed = model.cache.stats.phases["decode"].cpu_computed if model.cache is not None else 0
     if args.count_ops:
         extras["op_counts"] = count_ops(model, prompt_ids, args.new_tokens)
     steps = (
@@ -153,6 +156,9 @@ def measured_beside(args, model, prompt_ids: list[int]) -> dict:
             extras[name] = {"captures": graphs.captures, "off_because": graphs.off_because}
     if plan is not None:
         extras["step_pieces"]["plan_us_per_layer"] = plan
+    if pieces is not None:
+        mapped = all(table.mapped for table in pieces.tables.values())
+        extras["step_pieces"] |= {"tables_mapped": mapped, "cpu_computed": cpu_computed}
     return extras
 
 
@@ -172,5 +178,7 @@ def op_count_lines(result: dict) -> list[str]:
             off = f", turned off: {graphs['off_because']}" if graphs["off_because"] else ""
             plan = graphs.get("plan_us_per_layer")
             planned = "" if plan is None else f", the host's planning {plan} µs a MoE layer between pieces"
+            if graphs.get("cpu_computed"):
+                planned += f", {graphs['cpu_computed']} missed experts computed on the CPU"
             lines.append(f"{what}: {graphs['captures']} captures{off}{planned}")
     return lines

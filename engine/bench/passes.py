@@ -1,34 +1,50 @@
 """One pass of the bench's fixed prompts through the engine, and the row its passes make.
 
-`engine_pass(model, prompt_ids, new_tokens)` generates greedily from each prompt (prefilled
-whole) and gives the pass's figures; `engine_row` the `BenchRow` of the pass with the median
-tpot (the prefill rate: the passes' median, a pass's prefill being a few dozen milliseconds that a
-burst of the host's noise can halve), with the memory figures; `bench_engine` a warm-up and `repeats` passes.
+`engine_pass(model, prompt_ids, new_tokens, decoding)` generates greedily from each prompt
+(prefilled whole) and gives the pass's figures — plainly, or speculating, prefetching and
+computing misses on the CPU as `decoding` (`decoding_of(args)`: the bench's options) says;
+`engine_row` the `BenchRow` of the pass with the median tpot (the prefill rate: the passes'
+median, a pass's prefill being a few dozen milliseconds that a burst of the host's noise can
+halve), with the memory figures; `bench_engine` a warm-up and `repeats` passes.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import Counter
+from dataclasses import replace
 
 from engine import huge_pages
 from engine.bench.memory import kv_cache_bytes, peak_rss_bytes
 from engine.bench.rows import BenchRow
+from engine.generation_config import GenerationConfig
 from engine.prompts import greedy
 
 
-def engine_pass(model, prompt_ids: list[list[int]], new_tokens: int) -> dict:
-    """One pass of greedy, fixed-length generations over the prompt set."""
+def decoding_of(args) -> GenerationConfig:
+    """The decoding the bench's options ask for: speculation, prefetch, the cutoff, CPU misses."""
+    from engine.options import spec_config
+
+    asked = {"prefetch": args.prefetch, "cutoff": args.cutoff, "cpu_experts": args.cpu_experts}
+    return replace(greedy(0), spec=spec_config(args), **asked)
+
+
+def engine_pass(
+    model, prompt_ids: list[list[int]], new_tokens: int, decoding: GenerationConfig | None = None
+) -> dict:
+    """One pass of greedy, fixed-length generations over the prompt set, decoded as `decoding`
+    says (None: plainly)."""
     from engine.device_cache.transfer import metered
     from engine.generation import generate_text
 
+    request = greedy(new_tokens) if decoding is None else replace(decoding, max_new_tokens=new_tokens)
     runs = []
     with metered(model.transfer) as meter:
         for ids in prompt_ids:
             # every prompt prefilled whole, as llama.cpp's timed runs are (reset()): a kept cache of
             # an earlier pass would make prefill a prefix reuse (engine.model.prefix_cache)
             model.prefix_cache.clear()
-            runs.append(generate_text(model, ids, greedy(new_tokens)).stats)
+            runs.append(generate_text(model, ids, request).stats)
     decode_tokens = sum(s.generated_tokens - 1 for s in runs)
     decode_s = sum(s.decode_ms for s in runs) / 1e3
     prefill_s = sum(s.prefill_ms for s in runs) / 1e3
@@ -88,8 +104,13 @@ def pinned_bytes(model) -> int:
 
 
 def bench_engine(
-    model, prompt_ids: list[list[int]], new_tokens: int, repeats: int, baseline_rss: int | None = None
+    model,
+    prompt_ids: list[list[int]],
+    new_tokens: int,
+    repeats: int,
+    baseline_rss: int | None = None,
+    decoding: GenerationConfig | None = None,
 ) -> BenchRow:
-    engine_pass(model, [prompt_ids[0][:8]], 4)  # warm-up
-    passes = [engine_pass(model, prompt_ids, new_tokens) for _ in range(repeats)]
+    engine_pass(model, [prompt_ids[0][:8]], 4, decoding)  # warm-up
+    passes = [engine_pass(model, prompt_ids, new_tokens, decoding) for _ in range(repeats)]
     return engine_row(model, passes, baseline_rss, max(map(len, prompt_ids)) + new_tokens)

@@ -88,6 +88,27 @@ def test_a_plain_run_on_the_calibrated_link_simulates_it(folder, tmp_path):
     assert result["calibration"]["link_gbps"] > 0 and result["rows"][0]["simulated_link"] is True
 
 
+@pytest.mark.parametrize("spec", [None, "self"])
+def test_the_rows_decode_as_spec_and_cpu_experts_say(folder, tmp_path, monkeypatch, spec):
+    """Plain decoding by default; `--spec` and `--cpu-experts` are what the rows run (the prepared
+    GPU check's speculative and CPU-miss rows ask for them)."""
+    from engine import generation
+
+    asked, generate_text = [], generation.generate_text
+
+    def recorded(model, ids, config, *rest, **options):
+        asked.append((config.spec.mode, config.cpu_experts, config.max_new_tokens))
+        return generate_text(model, ids, config, *rest, **options)
+
+    monkeypatch.setattr(generation, "generate_text", recorded)
+    out = tmp_path / "decoding.json"
+    argv = ["--model", str(folder), "--expert-budget", "4", "--new-tokens", "5", "--repeats", "1"]
+    argv += ["--prompts", "1", "--cpu-experts", "always", "--json", str(out)]
+    assert bench.main([*argv, *(["--spec", spec] if spec else [])]) == 0
+    assert set(asked) == {(spec or "none", "always", 4), (spec or "none", "always", 5)}  # warm-up, pass
+    assert json.loads(out.read_text())["decoding"]["spec"] == (spec or "none")
+
+
 def test_prompt_tokens_lengthens_every_prompt_to_a_long_context(folder, tmp_path):
     out = tmp_path / "long.json"
     argv = ["--model", str(folder), "--expert-budget", "all", "--new-tokens", "4", "--repeats", "1"]

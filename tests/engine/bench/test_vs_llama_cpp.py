@@ -58,9 +58,10 @@ def test_passes_alternate_where_memory_holds_both_engines(tmp_path, monkeypatch,
     calls = _Recorded.calls = []
     engine_pass = passes.engine_pass
 
-    def recorded_pass(model, prompt_ids, new_tokens):
+    def recorded_pass(model, prompt_ids, new_tokens, decoding=None):
         calls.append("moe-chat" if len(prompt_ids[0]) > 8 else "moe-chat warm-up")
-        return engine_pass(model, prompt_ids, new_tokens)
+        assert decoding is None or decoding.spec.mode == "none"  # plain decoding, as llama.cpp's
+        return engine_pass(model, prompt_ids, new_tokens, decoding)
 
     monkeypatch.setattr(passes, "engine_pass", recorded_pass)
     monkeypatch.setattr(llama_cpp, "check_available", lambda *_: None)
