@@ -9,7 +9,9 @@
   slots that may go;
 - `stats`: the cache's counters per phase;
 - `transfer`: the copy stream (CUDA) or the simulated link, copies that complete on an event;
-- `pipeline`: a layer's experts brought into the cache and yielded as they are ready.
+- `pipeline`: a layer's experts brought into the cache and yielded as they are ready;
+- `mapped_table`: a small table the host writes and the device reads where it lies in pinned
+  memory (the graph pieces' slot tables).
 
 May import: the engine's base modules, `engine.store` and below. Never MoE execution,
 decoding or anything above.
