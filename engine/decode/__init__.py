@@ -4,8 +4,9 @@
   runs it, and the name of the path each step took (`stats.step_path`);
 - `lean`: `LeanDecode`, the standard pre-norm decoder without transformers' per-call machinery;
 - `captured_step`: `CapturedStep`, a one-token step as one CUDA graph, when every expert is on the
-  device; `fused_decoder`: the standard decoder's norms, rotary + KV write, attention and routers
-  in the fused kernels (`engine.gpu`) where a probe shows they compute what the modules do;
+  device; `step_body`: the standard decoder's step as that graph holds it; `fused_decoder`: the
+  standard decoder's norms, rotary + KV write, attention and routers in the fused kernels
+  (`engine.gpu`) where a probe shows they compute what the modules do;
   `module_step`: another family's own modules in the graph, over a cache written at the device
   position; `piecewise_step`: the step as graph pieces, one a MoE layer, where the cache can miss;
 - `cpu_attention`: decode attention on the CPU, query heads folded per key head;

@@ -1,7 +1,7 @@
 """The standard decoder's one-token work in the fused kernels, for the captured step's graph.
 
 Contract: `FusedDecoder.of(body, device, dtype, asked)` is the kernels of `engine.gpu.decoder_kernels`
-and `engine.gpu.decode_attention` a `captured_step.StepBody` launches in place of its modules, or why
+and `engine.gpu.decode_attention` a `step_body.StepBody` launches in place of its modules, or why
 none apply (a str). Each piece is taken only where a probe on the model's device shows the kernel
 computes what the module does (as `fused_norms` probes the norms):
 

@@ -44,7 +44,8 @@ from collections.abc import Callable
 
 import torch
 
-from engine.decode.captured_step import Buffers, CapturedStep
+from engine.decode.captured_step import CapturedStep
+from engine.decode.step_body import Buffers
 from engine.device_cache.mapped_table import MappedTable
 from engine.device_cache.pipeline import pinned_together
 from engine.moe.batched_experts import forward_resident, resident_asked

@@ -12,9 +12,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from engine.config import ExpertBudget, OffloadConfig
-from engine.decode.captured_step import CapturedStep, StepBody, eager_capture
+from engine.decode.captured_step import CapturedStep, eager_capture
 from engine.decode.module_step import ModuleBody
 from engine.decode.paths import StepPaths
+from engine.decode.step_body import StepBody
 from engine.loader import load_model
 from engine.model import kv_cache as kv_cache_module
 from engine.model.adapters import SUPPORTED_MODEL_TYPES
