@@ -208,6 +208,7 @@ ROWS = (
     (48, "8 GiB", EIGHT),
     (48, "8 GiB, self-speculation", [*EIGHT, "--spec", "self"]),
     (48, "8 GiB, CPU misses", [*EIGHT, "--cpu-experts", "auto"]),
+    (48, "8 GiB, self-speculation, no prefetch", [*EIGHT, "--spec", "self", "--prefetch", "none"]),
     (48, "resident, eager step", [*RESIDENT, "--step-graph", "off"]),
     (48, "8 GiB, eager step", [*EIGHT, "--step-graph", "off"]),
     (48, "4 GiB", FOUR),

@@ -1,17 +1,25 @@
-"""A one-token decode step as one CUDA graph, when every expert is on the device.
+"""A decode step as one CUDA graph, when every expert is on the device: a token's step, and the
+steps of a few tokens (a draft's verification; one graph a token count).
 
 Contract: `CapturedStep.of(model)` is the whole-step graph of an `OffloadedModel`, or None where
-its steps cannot be held (why: logged); `refusal(kv_cache)` says why a step may not go this way
-now ('' when it may); `step(token, kv_cache)` is the logits `[V]` of `token` after the cache's
-positions, or None where the step could not be captured (why in `off_because`; the next path
-computes it and the graph is not tried again); `needs_every_position`: the model's caches must
-keep every position of their sliding-window layers for the graph to take their steps.
+its steps cannot be held (why: logged); `refusal(kv_cache, count)` says why a step of `count`
+tokens may not go this way now ('' when it may); `step(token, kv_cache)` is the logits `[V]` of
+an id `token` after the cache's positions — or `[T, V]` of ids `[1, T]` (T ≤ `MAX_TOKENS`) —
+or None where the step could not be captured (why in `off_because`; the next path computes it
+and the graph is not tried again); `needs_every_position`: the model's caches must keep every
+position of their sliding-window layers for the graph to take their steps.
 
 The body: `StepBody` (engine.decode.step_body) where the decoder is the standard one
 (`engine.decode.lean.standard_refusal`), its pieces in the fused decoder kernels where they apply;
 else `ModuleBody` (engine.decode.module_step): transformers' own forward over a cache that writes
 at the device position, every module of the family inside the graph (MLA, sinks, soft caps,
-multipliers, sliding windows), where every layer's cache is attention positions.
+multipliers, sliding windows), where every layer's cache is attention positions. Steps of
+several tokens always go through the model's own modules (`ModuleBody` with offsets: each token
+at the first's device position plus its offset, attending to the positions before it and itself).
+A graph is kept for each kind of step (`_kind`: an id or ids, how many, the draft routing it runs
+under), each with its own memory pool: drafting, verifying and plain steps alternate without
+capturing again. SS-MoE's self-draft steps run in graphs too: their top-r cut is computed on the
+device (`DraftRouting.in_graph`); cached-only drafts and substitutes are the host's and go eagerly.
 
 Outside the graph, after each replay (the epilogue): each layer cache counts its new position
 (`GrowingLayer.written`), the device cache counts the step's hits (as many as the eager step
@@ -29,6 +37,7 @@ capture (`eager_capture`) against the model's own steps (greedy tokens identical
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +53,8 @@ from engine.moe.cuda_graphs import Capture, cuda_capture
 
 log = logging.getLogger(__name__)
 
+MAX_TOKENS = 16  # the most tokens a captured step takes: a draft's verification (one graph a count)
+
 
 @dataclass
 class _Graph:
@@ -53,9 +64,9 @@ class _Graph:
     buffers: Buffers
     tables: tuple[torch.Tensor, ...]
     graph: object  # .replay()
-    token: torch.Tensor  # [1, 1] int64
-    position: torch.Tensor  # [1] int64
-    logits: torch.Tensor  # [V]
+    token: torch.Tensor  # [1, T] int64
+    position: torch.Tensor  # [1] int64: the first token's
+    logits: torch.Tensor  # [V], or [T, V] for several tokens
     hits: int  # the device cache's hits of one step
     routes: dict[int, torch.Tensor]  # the routers' logits the trace's hooks recorded in the capture
 
@@ -78,9 +89,12 @@ class CapturedStep:
         self.hf_model, self.decoder = model.hf_model, decoder_of(model.hf_model)
         self.cache, self.control, self.trace = model.cache, model.control, model.trace
         self.moe_layers = sorted(model.experts)
+        # a step of several tokens (a draft's verification) through the model's own modules
+        self.rows = body if isinstance(body, ModuleBody) else _rows_body(model)
         self._capture = capture
-        self._pool = None
-        self._graph: _Graph | None = None
+        # a graph and its memory pool for each kind of step: (an id or ids, how many, the draft routing)
+        self._pools: dict[tuple, object] = {}
+        self._graphs: dict[tuple, _Graph] = {}
         self.captures = 0
         self.off_because: str | None = None  # why the graph was turned off, once it was
         self._fused_for: tuple | None = None  # the device and dtype the body's kernels were chosen for
@@ -110,16 +124,22 @@ class CapturedStep:
     def needs_every_position(self) -> bool:
         return self.body.needs_every_position
 
-    def refusal(self, kv_cache, budgeted: bool = False) -> str:
-        """Why a one-token step over `kv_cache` may not be a replay now ('' when it may);
+    def refusal(self, kv_cache, count: int = 1, budgeted: bool = False) -> str:
+        """Why a step of `count` tokens over `kv_cache` may not be a replay now ('' when it may);
         `budgeted`: the experts may be missing (engine.decode.piecewise_step brings them in)."""
         if self.off_because is not None:
             return f"turned off after a failed capture ({self.off_because})"
+        if count > MAX_TOKENS:
+            return f"a step of {count} tokens (graphs take up to {MAX_TOKENS})"
+        if count > 1 and self.rows is None:
+            return "no body for several tokens (the family's caches are not all attention positions)"
         control = self.control
         if any(m._forward_hooks or m._forward_pre_hooks for m in (self.hf_model, self.decoder)):
             return "a hook on the model or its decoder"
-        if control.observers or control.draft is not None:
-            return "a prefetch predictor or a draft watches the layers"
+        if control.draft is not None and not control.draft.in_graph:
+            return "a draft whose routing the host decides (cached experts only, or substitutes)"
+        if control.observers and not budgeted:
+            return "a prefetch predictor watches the layers"
         if control.graphs is not None:
             return "per-layer expert graphs are asked for"
         if not budgeted and not self.cache.holds_all:
@@ -131,25 +151,31 @@ class CapturedStep:
             return "the KV cache holds no prompt yet (a prefill)"
         return ""
 
-    def step(self, token: int, kv_cache) -> torch.Tensor | None:
-        """The logits `[V]` of `token` after `kv_cache`'s positions (a buffer the next step
-        rewrites), or None where the step cannot be captured."""
+    def step(self, token: int | torch.Tensor, kv_cache) -> torch.Tensor | None:
+        """The logits `[V]` of `token` after `kv_cache`'s positions — or `[T, V]` of ids `[1, T]`
+        on the device (a draft's verification) — in a buffer the next step rewrites; None where
+        the step cannot be captured."""
+        one = isinstance(token, int)
+        count = 1 if one else token.shape[1]
         past = kv_cache.get_seq_length()
-        buffers = tuple(layer.room(1) for layer in kv_cache.layers)
+        buffers = tuple(layer.room(count) for layer in kv_cache.layers)
         tables = self._tables()
         if any(pair is None for pair in buffers) or any(table is None for table in tables):
             return None  # several sequences, or an expert not landed: the next path's step
-        graph = self._graph
+        graph = self._graphs.get(self._kind(token))
         if graph is None or not graph.reads(buffers, tables):
             graph = self._captured(buffers, tables, token, past)
             if graph is None:
                 return None
-        graph.token.fill_(token)
+        if one:
+            graph.token.fill_(token)
+        else:
+            graph.token.copy_(token)
         graph.position.fill_(past)
-        with self.control.installed(counts_hits=False):  # the epilogue counts (a stand-in runs Python)
+        with self.control.installed(counts_hits=False, graphed=True):  # the epilogue counts
             graph.graph.replay()
         for layer in kv_cache.layers:
-            layer.written(1)
+            layer.written(count)
         if graph.hits:
             self.cache.count_hits(graph.hits)
         self.trace.logits.update(graph.routes)
@@ -159,25 +185,36 @@ class CapturedStep:
         """What the experts read their slots from: each MoE layer's slot table (None: not landed)."""
         return tuple(self.cache.slot_table(layer) for layer in self.moe_layers)
 
-    def _captured(self, buffers: Buffers, tables: tuple, token: int, past: int) -> _Graph | None:
-        self._graph = None  # its memory back to the pool before the next capture
+    def _kind(self, token) -> tuple:
+        """What tells a step's graph from another's: an id (the body's) or ids `[1, T]` (the body
+        of several tokens'), how many, and the draft routing it runs under."""
+        one = isinstance(token, int)
+        return one, 1 if one else token.shape[1], self.control.draft
+
+    def _captured(self, buffers: Buffers, tables: tuple, token, past: int) -> _Graph | None:
+        """The graph of a step of `token` (an id, or ids `[1, T]`), captured over `buffers` and
+        `tables`: one graph (and memory pool) a `_kind` of step, replacing that kind's last."""
+        kind = self._kind(token)
+        self._graphs.pop(kind, None)  # its memory back to the pool before the next capture
         device = buffers[0][0].device
+        run = functools.partial(self._run, self.body if kind[0] else self.rows)
         try:
             self._fuse(device, buffers[0][0].dtype)
             inputs = self._inputs(buffers, token, past, device)
-            hits = self._hits_of(inputs)
-            with torch.inference_mode(), self.control.installed(counts_hits=False):
-                if self._pool is None and device.type == "cuda":
-                    self._pool = torch.cuda.graph_pool_handle()
-                graph, logits = self._capture(self._run, inputs, self._pool)
+            with self.control.installed(graphed=True):
+                hits = self._hits_of(run, inputs)
+                with torch.inference_mode(), self.control.installed(counts_hits=False):
+                    if kind not in self._pools and device.type == "cuda":
+                        self._pools[kind] = torch.cuda.graph_pool_handle()
+                    graph, logits = self._capture(run, inputs, self._pools.get(kind))
         except Exception as err:  # any failure: the step goes the eager way, from now on
             self.off_because = f"{type(err).__name__}: {err}"
             log.warning("The decode step is no longer captured as a CUDA graph: %s", self.off_because)
             return None
         self.captures += 1
         routes = {layer: self.trace.logits[layer] for layer in self.moe_layers if layer in self.trace.logits}
-        self._graph = _Graph(buffers, tables, graph, inputs[0], inputs[1], logits, hits, routes)
-        return self._graph
+        self._graphs[kind] = _Graph(buffers, tables, graph, inputs[0], inputs[1], logits, hits, routes)
+        return self._graphs[kind]
 
     def _fuse(self, device: torch.device, dtype: torch.dtype) -> None:
         """The body's fused kernels for `dtype`, chosen once a dtype."""
@@ -185,29 +222,44 @@ class CapturedStep:
             self.body.choose_fused(device, dtype, self.control.fused)
             self._fused_for = (device, dtype)
 
-    def _inputs(self, buffers: Buffers, token: int, past: int, device: torch.device) -> tuple:
+    def _inputs(self, buffers: Buffers, token, past: int, device: torch.device) -> tuple:
+        """The graph's inputs: the token ids `[1, T]` and the first's position `[1]` (written before
+        each replay), the buffers, and the body's own (one token: `body.extras`; several: the
+        offsets `arange(T)` of the tokens from the first)."""
         with torch.inference_mode():  # the buffers are inference tensors (the steps' own)
             for buffer in (buffer for pair in buffers for buffer in pair):
                 # the attention weighs the positions past the length by exact zeros: they must
                 # hold finite values (a new buffer's memory may hold NaN, and 0 · NaN is NaN)
                 buffer[..., past:, :].zero_()
-        token_ = torch.full((1, 1), token, dtype=torch.int64, device=device)
         position = torch.full((1,), past, dtype=torch.int64, device=device)
-        return (token_, position, buffers, *self.body.extras(buffers, device))
+        if isinstance(token, int):
+            token_ = torch.full((1, 1), token, dtype=torch.int64, device=device)
+            return (token_, position, buffers, *self.body.extras(buffers, device))
+        offsets = torch.arange(token.shape[1], device=device)
+        return (token.to(device, torch.int64, copy=True), position, buffers, offsets)
 
-    def _run(self, *inputs) -> torch.Tensor:
+    @staticmethod
+    def _run(body, *inputs) -> torch.Tensor:
         with torch.inference_mode():
-            return self.body(*inputs)
+            return body(*inputs)
 
-    def _hits_of(self, inputs: tuple) -> int:
+    def _hits_of(self, run: Callable, inputs: tuple) -> int:
         """The hits the device cache counts in one step: the step run eagerly once (before its
         capture: CUDA's lazy initialisations happen outside it), its count taken back (the replay
         that follows counts the step)."""
         counters = self.cache.stats.phases[self.cache.phase]
         before = counters.hits
-        self._run(*inputs)
+        run(*inputs)
         hits, counters.hits = counters.hits - before, before
         return hits
+
+
+def _rows_body(model) -> ModuleBody | None:
+    """The body of the standard decoder's steps of several tokens: its own modules (the fused
+    decoder kernels take one token), where every layer's cache is attention positions."""
+    if module_refusal(model.hf_config):
+        return None
+    return ModuleBody(model.hf_model, windowed_layers(model.hf_config))
 
 
 class EagerGraph:

@@ -5,7 +5,9 @@ Contract: `module_refusal(config)` says why a model's steps cannot be held this 
 they can); `ModuleBody(hf_model, windowed_layers(config))` is the body `CapturedStep` captures then:
 `body(token, position, buffers)` is the logits `[V]` of `token [1, 1]` at the device position
 `position [1]`, each layer's key and value written into its buffers there (`buffers`: each
-layer's (keys, values) `[1, kv heads, capacity, D]`, as the engine's `GrowingLayer` holds them).
+layer's (keys, values) `[1, kv heads, capacity, D]`, as the engine's `GrowingLayer` holds them);
+`body(tokens, position, buffers, offsets)` the logits `[T, V]` of ids `[1, T]` at `position +
+offsets` (the graph of a draft's verification, for every family the graph holds).
 
 How: transformers' own forward (`hf_model(input_ids, position_ids, cache)`, every module and
 function of the family as the eager step runs them: MLA, sinks, soft caps, multipliers, chunked
@@ -47,7 +49,8 @@ def windowed_layers(config: PretrainedConfig) -> list[bool]:
 
 
 class GraphLayer(CacheLayerMixin):
-    """One layer's static buffers, written at the device position `position [1]`."""
+    """One layer's static buffers, written at the device positions `position [T]` (the step's
+    tokens'; the first is the mask's query offset)."""
 
     is_compileable = True
 
@@ -102,7 +105,15 @@ class ModuleBody:
         """The inputs besides the token, the position and the buffers: none."""
         return ()
 
-    def __call__(self, token: torch.Tensor, position: torch.Tensor, buffers) -> torch.Tensor:
-        cache = GraphCache(buffers, position, self.windowed)
-        kwargs = with_cache(self.hf_model, cache, use_cache=True, logits_to_keep=1)
-        return self.hf_model(input_ids=token, position_ids=position[None], **kwargs).logits[0, -1]
+    def __call__(
+        self, token: torch.Tensor, position: torch.Tensor, buffers, offsets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The logits `[V]` of `token [1, 1]` at `position [1]`; given `offsets` (`arange(T)`), the
+        logits `[T, V]` of ids `[1, T]` at `position + offsets` (a draft's verification), each
+        attending to the positions before it and itself."""
+        count = token.shape[1]
+        positions = position if offsets is None else position + offsets
+        cache = GraphCache(buffers, positions, self.windowed)
+        kwargs = with_cache(self.hf_model, cache, use_cache=True, logits_to_keep=count)
+        logits = self.hf_model(input_ids=token, position_ids=positions[None], **kwargs).logits[0]
+        return logits[-1] if offsets is None else logits

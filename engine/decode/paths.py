@@ -8,10 +8,10 @@ that takes the step and does not decline it, and counts the path each step took 
 `StepLog`), with the latest reason each faster path gave for leaving a step to the next one.
 Fastest first:
 
-    cuda-graph    a one-token step over a device cache holding every expert, replayed as one
-                  CUDA graph (engine.decode.captured_step)
-    cuda-pieces   a one-token step over a device cache that can miss, replayed as CUDA graph
-                  pieces cut at each MoE layer's experts, the host bringing them in between
+    cuda-graph    a step of one token or a few (a draft's verification) over a device cache
+                  holding every expert, replayed as one CUDA graph (engine.decode.captured_step)
+    cuda-pieces   such a step over a device cache that can miss, replayed as CUDA graph pieces
+                  cut at each MoE layer's experts, the host bringing them in between
                   (engine.decode.piecewise_step)
     ggml-replay   a one-token step's one ggml graph, prepared on the last token, run again
                   (engine.decode.one_token)
@@ -161,24 +161,25 @@ def _lean_refusal(lean, step: Step) -> str:
 
 
 class CapturedPath:
-    """A one-token step as one CUDA graph (engine.decode.captured_step), or as graph pieces with
-    the experts brought in between them (engine.decode.piecewise_step): named by the step."""
+    """A step of one token, or of a few (a draft's verification), as one CUDA graph
+    (engine.decode.captured_step) or as graph pieces with the experts brought in between them
+    (engine.decode.piecewise_step): named by the step."""
 
     def __init__(self, captured):
         self.captured, self.name = captured, captured.path
 
     def takes(self, step: Step) -> bool:
-        if step.token is None:
-            return step.decline(self.name, "a step of several tokens")
-        why = self.captured.refusal(step.kv_cache)
+        why = self.captured.refusal(step.kv_cache, step.count)
         return step.decline(self.name, why) if why else True
 
     def run(self, step: Step) -> torch.Tensor | None:
-        logits = self.captured.step(step.token, step.kv_cache)
+        token = step.token if step.token is not None else step.ids()
+        logits = self.captured.step(token, step.kv_cache)
         if logits is None:
             why = self.captured.off_because or "an expert has not landed, or several sequences"
             step.decline(self.name, why)
-        return logits
+            return None
+        return logits if step.token is not None else logits[-step.keep :]
 
 
 class ReplayPath:

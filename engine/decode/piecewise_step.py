@@ -1,4 +1,4 @@
-"""A one-token decode step as CUDA graph pieces, when the device cache can miss.
+"""A decode step as CUDA graph pieces, when the device cache can miss.
 
 Contract: `PiecewiseStep.of(model, whole)` is the pieces of an `OffloadedModel` whose step the
 whole-step graph `whole` could hold (engine.decode.captured_step: they share its body), or None;
@@ -33,8 +33,15 @@ address. Replays (`PieceGraphs.replay`) alternate a piece and the host's work. O
 stand-in capture (`captured_step.eager_capture`) runs the body eagerly with the host's work inline
 at each cut: the same tables, pins and reads (tests/engine/decode/test_piecewise_step.py).
 
-Not yet here (issue 41): pieces for verification and drafting, the score policy's observation of
-router scores, prefetch predictors (a step they watch goes eagerly).
+The steps of a few tokens (a draft's verification) and SS-MoE's draft steps run in pieces as
+`CapturedStep`'s do in one graph, each kind with its own pieces (their routes and inputs kept
+with them: `PieceGraphs`); a layer pins the union of its tokens' experts (streaming beyond its
+share, as the eager step does), so a step of more tokens than the cache has slots for their
+routes is left to the eager path. The prefetch predictors (SP-MoE's, watching the drafts) are
+called by the host between pieces, with the layer's input and routes, as the eager layer calls
+them before its experts.
+
+A score-based cache policy (MRS) sees each layer's router scores there too.
 """
 
 from __future__ import annotations
@@ -62,13 +69,20 @@ class Pieces:
         self.cache, self.layers = cache, layers
         self.tables = {layer: MappedTable(experts, device) for layer in layers}
         self.routes: dict[int, torch.Tensor] = {}  # layer → its router's top-k ids, as captured
-        self.inputs: dict[int, tuple] = {}  # layer → (its experts module, their input, route weights)
-        self.partials: dict[int, torch.Tensor] = {}  # layer → the CPU's share of its output `[1, H]`
+        # layer → (its experts module, their input, the routes' weights, the router's logits where the
+        # cache's policy weighs experts by their scores)
+        self.inputs: dict[int, tuple] = {}
+        self.partials: dict[tuple, torch.Tensor] = {}  # (layer, T) → the CPU's share of its output `[T, H]`
         self.cut: Callable[[], None] | None = None  # while capturing: ends a piece, begins the next
         self.hybrid = None  # the `HybridExecutor` choosing the CPU's misses: `split` when set
+        self.observers: tuple = ()  # the prefetch predictors watching the layers (`ExpertControl`)
+        # while a step is captured: the runs around the capture bring its experts in, and the
+        # replay that follows does again — the predictors and the policy see it then, once
+        self.rehearsing = False
         self._pinned: list = []
         self._on_cpu: list[tuple[int, int]] = []  # (route, expert) the CPU computes for the layer
-        self._staging: dict[int, torch.Tensor] = {}  # layer → pinned memory its CPU share goes up from
+        self._top_k = 1  # the layer's routes a token
+        self._staging: dict[tuple, torch.Tensor] = {}  # (layer, T) → pinned memory its CPU share goes up from
         self.plan_seconds, self.planned = 0.0, 0  # the host's planning time, and the layers planned
 
     @property
@@ -80,7 +94,8 @@ class Pieces:
         captured (the host brings the experts in between the pieces), else the host's work here;
         with `split`, a second cut (or the CPU's work here) before the CPU's share is added."""
         layer = module.layer
-        self.inputs[layer] = (module, hidden, top_k_weights)
+        scores = module.trace.logits.get(layer) if self.cache.policy.uses_scores else None
+        self.inputs[layer] = (module, hidden, top_k_weights, scores)
         if self.cut is not None:
             self.routes[layer] = top_k_index
             self.cut()
@@ -89,7 +104,8 @@ class Pieces:
         out = forward_resident(module, hidden, top_k_index, top_k_weights, self.tables[layer].device_view)
         if not self.split:
             return out
-        partial = self.partials.setdefault(layer, torch.zeros_like(hidden))  # first met outside a capture
+        # first met in the run before a capture: outside its memory pool
+        partial = self.partials.setdefault((layer, len(hidden)), torch.zeros_like(hidden))
         if self.cut is not None:
             self.cut()
         else:
@@ -102,14 +118,21 @@ class Pieces:
         layer's released (the piece reading them is enqueued). Its host time besides the routes'
         read and the copies' wait counts in `plan_seconds`."""
         ids = top_k_index.reshape(-1).tolist()  # the layer's host synchronisation
+        _, hidden, _, scores = self.inputs[layer]
+        for observe in () if self.rehearsing else self.observers:  # as the eager layer calls them
+            observe(layer, hidden, top_k_index)
+        if scores is not None and not self.rehearsing:  # a score-based policy sees the router's, too
+            self.cache.policy.observe_scores(layer, scores.float().softmax(dim=-1).mean(dim=0).tolist())
         start = time.perf_counter()
         self.release()
         on_cpu = set(self._cpu_experts(layer, ids)) if self.split else set()
         experts = sorted(set(ids) - on_cpu)
-        self._pinned = pinned_together(self.cache, layer, experts, wait=False)
+        streaming = self.cache.streams(len(experts), layer)  # a verification's: beyond the layer's share
+        self._pinned = pinned_together(self.cache, layer, experts, wait=False, streaming=streaming)
         rows = [slot.index for slot in self._pinned] + [self.cache.zero_row] * len(on_cpu)
         self.tables[layer].write(experts + sorted(on_cpu), rows)
-        self._on_cpu = [(k, expert) for k, expert in enumerate(ids) if expert in on_cpu]
+        self._on_cpu = [(route, expert) for route, expert in enumerate(ids) if expert in on_cpu]
+        self._top_k = top_k_index.shape[-1]
         self.plan_seconds += time.perf_counter() - start
         self.planned += 1
         for slot in self._pinned:  # on CUDA the compute stream waits; on a simulated link, the host
@@ -127,21 +150,24 @@ class Pieces:
         """The CPU's experts of `layer` (chosen by `bring_in`) computed from the host store while the
         device computes the others (their piece is enqueued), summed in route order and written
         into the layer's partial — zeros where the CPU has none."""
-        partial, on_cpu = self.partials[layer], self._on_cpu
+        module, hidden, weights, _ = self.inputs[layer]
+        key = (layer, len(hidden))
+        partial, on_cpu = self.partials[key], self._on_cpu
         if not on_cpu:
             partial.zero_()
             return
-        module, hidden, weights = self.inputs[layer]
         x, scales = hidden.to("cpu"), weights.reshape(-1, 1).to("cpu")
-        share = None
-        for k, expert in on_cpu:
-            y = module._weighted(x, scales[k : k + 1], self.cache.store.views(layer, expert))
-            share = y if share is None else share + y
+        share = torch.zeros(x.shape, dtype=partial.dtype)
+        for route, expert in on_cpu:  # a route's token: its position over top-k
+            token = route // self._top_k
+            views = self.cache.store.views(layer, expert)
+            y = module._weighted(x[token : token + 1], scales[route : route + 1], views)
+            share[token : token + 1] += y.to(share.dtype)
             self.cache.count_cpu_use()
         if partial.device.type == "cuda":  # through pinned memory: the host does not wait on the stream
-            staging = self._staging.get(layer)
+            staging = self._staging.get(key)
             if staging is None:
-                staging = self._staging[layer] = torch.empty_like(partial, device="cpu").pin_memory()
+                staging = self._staging[key] = torch.empty_like(partial, device="cpu").pin_memory()
             share = staging.copy_(share)
         partial.copy_(share, non_blocking=True)
 
@@ -158,18 +184,20 @@ class Pieces:
 
 
 class PieceGraphs:
-    """A step's captured pieces: `replay` runs them in order, the host's work between them."""
+    """A step's captured pieces: `replay` runs them in order, the host's work between them, over
+    the routes and experts' inputs its capture left (each token count's graph has its own)."""
 
-    def __init__(self, graphs: list, pieces: Pieces):
-        self.graphs, self.pieces = graphs, pieces
+    def __init__(self, graphs: list, pieces: Pieces, routes: dict, inputs: dict):
+        self.graphs, self.pieces, self.routes, self.inputs = graphs, pieces, routes, inputs
 
     def replay(self) -> None:
         pieces = self.pieces
+        pieces.inputs = self.inputs
         graphs = iter(self.graphs)
         try:
             next(graphs).replay()
             for layer in pieces.layers:
-                pieces.bring_in(layer, pieces.routes[layer])
+                pieces.bring_in(layer, self.routes[layer])
                 next(graphs).replay()  # the layer's experts (and, unless split, what follows)
                 if pieces.split:
                     pieces.add_cpu_share(layer)  # while the device computes the others
@@ -208,7 +236,7 @@ def capture_pieces(pieces: Pieces):
         torch.cuda.current_stream(device).wait_stream(side)
         if len(graphs) != len(pieces.layers) * (1 + pieces.split) + 1:
             raise RuntimeError(f"{len(graphs)} pieces captured for {len(pieces.layers)} MoE layers")
-        return PieceGraphs(graphs, pieces), out
+        return PieceGraphs(graphs, pieces, dict(pieces.routes), dict(pieces.inputs)), out
 
     return capture
 
@@ -220,6 +248,7 @@ class PiecewiseStep(CapturedStep):
 
     def __init__(self, model, body, capture=None):
         self.pieces = Pieces(model.cache, sorted(model.experts), model.device)
+        self.top_k = model.top_k
         super().__init__(model, body, capture or capture_pieces(self.pieces))
 
     @classmethod
@@ -230,17 +259,19 @@ class PiecewiseStep(CapturedStep):
             return None
         return cls(model, whole.body, capture)
 
-    def refusal(self, kv_cache) -> str:
+    def refusal(self, kv_cache, count: int = 1) -> str:
         if self.cache.holds_all:
             return "the device cache holds every expert (the step is one graph)"
-        return super().refusal(kv_cache, budgeted=True)
+        if count * self.top_k > self.cache.n_slots:
+            return f"{count} tokens may route to more of a layer's experts than the cache has slots"
+        return super().refusal(kv_cache, count, budgeted=True)
 
     def step(self, token: int, kv_cache) -> torch.Tensor | None:
         hybrid = self.control.hybrid
         hybrid = hybrid if hybrid is not None and hybrid.active else None
         if (hybrid is None) != (self.pieces.hybrid is None):
-            self._graph = None  # the pieces are cut otherwise: captured again
-        self.pieces.hybrid = hybrid
+            self._graphs.clear()  # the pieces are cut otherwise: captured again
+        self.pieces.hybrid, self.pieces.observers = hybrid, self.control.observers
         try:
             with self.control.installed(pieces=self.pieces):
                 return super().step(token, kv_cache)
@@ -250,19 +281,21 @@ class PiecewiseStep(CapturedStep):
     def _tables(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.pieces.tables[layer].device_view for layer in self.moe_layers)
 
-    def _captured(self, buffers: Buffers, tables: tuple, token: int, past: int):
-        """`CapturedStep._captured`, the cache's counters as they were: the runs around a capture
-        bring the token's experts in, and its first replay counts them."""
+    def _captured(self, buffers: Buffers, tables: tuple, token, past: int):
+        """`CapturedStep._captured`, the cache's counters as they were and nothing observed: the
+        runs around a capture bring the step's experts in, and its first replay counts them."""
         counters = self.cache.stats.phases[self.cache.phase]
-        hits, misses = counters.hits, counters.misses
+        hits, misses, cpu = counters.hits, counters.misses, counters.cpu_computed
+        self.pieces.rehearsing = True
         try:
             return super()._captured(buffers, tables, token, past)
         finally:
+            self.pieces.rehearsing = False
             self.pieces.release()
-            counters.hits, counters.misses = hits, misses
+            counters.hits, counters.misses, counters.cpu_computed = hits, misses, cpu
 
-    def _hits_of(self, inputs: tuple) -> int:
+    def _hits_of(self, run: Callable, inputs: tuple) -> int:
         """The eager run before a capture (CUDA's lazy initialisations); the pieces count their own
         hits as they bring experts in."""
-        self._run(*inputs)
+        run(*inputs)
         return 0

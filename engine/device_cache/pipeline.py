@@ -105,14 +105,17 @@ def ready_together(cache: ExpertCache, layer: int, experts: list[int], limit: in
         start += len(group)
 
 
-def pinned_together(cache: ExpertCache, layer: int, experts: list[int], wait: bool = True) -> list[Slot]:
+def pinned_together(
+    cache: ExpertCache, layer: int, experts: list[int], wait: bool = True, streaming: bool = False
+) -> list[Slot]:
     """`layer`'s `experts` pinned in slots, misses' copies issued and, with `wait`, landed (on
     CUDA: the compute stream waits for them; else the caller calls `cache.wait` on each): the
-    caller releases them. Raises `BudgetTooSmallError` where the cache cannot hold them at once."""
+    caller releases them; `streaming`: misses beyond the layer's share load as transient
+    (`ExpertCache.acquire`). Raises `BudgetTooSmallError` where the cache cannot hold them at once."""
     slots: list[Slot] = []
     try:
         for expert in experts:
-            slot = _try_acquire(cache, (layer, expert), False, bool(slots))
+            slot = _try_acquire(cache, (layer, expert), streaming, bool(slots))
             if slot is None:
                 raise BudgetTooSmallError(
                     f"The expert cache cannot hold layer {layer}'s {len(experts)} routed experts at once. "

@@ -97,7 +97,11 @@ def forward_resident(
     slots `table [E]` gives (`ExpertCache.slot_table`), summed over K, the host never reading which
     experts they are: through the layer's fused kernels where it has them (`module.fused`,
     `engine.moe.fused_experts`: two launches), else in torch (`resident_in_torch`). Returns
-    `[1, H]` in `hidden`'s dtype."""
+    `[1, H]` in `hidden`'s dtype. Several tokens (a captured graph's verification) go one at a time:
+    `[T, H]`."""
+    if hidden.shape[0] > 1:
+        rows = zip(hidden.split(1), top_k_index.split(1), top_k_weights.split(1), strict=True)
+        return torch.cat([forward_resident(module, *row, table) for row in rows])
     fused = module.fused
     if fused is not None:
         return fused(hidden, top_k_index, top_k_weights, table)

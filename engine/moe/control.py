@@ -28,6 +28,12 @@ class DraftRouting:
     cached_only: bool = False  # zero-I/O drafting: only experts already on the device
     substitute: ExpertStore | None = None  # SubSpec: device-resident low-bit copies of every expert
 
+    @property
+    def in_graph(self) -> bool:
+        """Whether a captured step can hold this routing: the top-r cut is computed on the device;
+        cached-only picks and substitutes are the host's."""
+        return self.top_r is not None and not self.cached_only and self.substitute is None
+
 
 @dataclass
 class ExpertControl:
@@ -51,8 +57,12 @@ class ExpertControl:
     # whether the layers count the hits of steps through a slot table: False while a whole step is
     # captured as a CUDA graph, whose replays count them after (engine.decode.captured_step)
     counts_hits: bool = True
-    # a one-token step run as CUDA graph pieces over a cache that can miss: its layers' experts
-    # from the pieces' slot tables, brought in by the host between pieces (engine.decode.piecewise_step)
+    # a step run as a captured CUDA graph (its warm-up, capture and replays): every layer's experts
+    # through a slot table, whatever the step's token count (engine.decode.captured_step)
+    graphed: bool = False
+    # a step run as CUDA graph pieces over a cache that can miss: its layers' experts from the
+    # pieces' slot tables, brought in by the host between pieces, which also calls the observers
+    # (engine.decode.piecewise_step)
     pieces: object | None = None
 
     @contextmanager

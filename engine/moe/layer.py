@@ -125,9 +125,11 @@ class OffloadedExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        for observe in self.control.observers:  # predictors start prefetches before this layer computes
-            observe(self.layer, hidden_states, top_k_index)
-        draft = self.control.draft
+        control = self.control
+        if control.pieces is None:  # graph pieces call the predictors between pieces
+            for observe in control.observers:  # predictors start prefetches before this layer computes
+                observe(self.layer, hidden_states, top_k_index)
+        draft = control.draft
         if draft is not None and draft.substitute is not None:
             return self._forward_substitute(hidden_states, top_k_index, top_k_weights, draft.substitute)
         return self.execute(hidden_states, top_k_index, top_k_weights, draft)
@@ -144,15 +146,20 @@ class OffloadedExperts(nn.Module):
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, draft
     ) -> torch.Tensor:
         """The experts from the device cache: a one-token target step over a cache holding every
-        expert looks them up in the layer's slot table on the device; any other routes, plans,
-        brings its experts in and computes them (in groups where the step allows)."""
+        expert, or any step of a captured graph, looks them up in the layer's slot table on the
+        device (a captured draft step cuts its routes to top-r there first; graph pieces bring
+        them in); any other routes, plans, brings its experts in and computes them (in groups
+        where the step allows)."""
+        if draft is not None and self.control.graphed:  # a captured draft step: its top-r cut here
+            top_k_index, top_k_weights = self._draft_routes(top_k_index, top_k_weights, draft)
+            draft = None
         pieces = self.control.pieces
-        if pieces is not None and hidden.shape[0] == 1 and draft is None:  # a step in graph pieces
+        if pieces is not None and draft is None:  # a step in graph pieces
             return pieces.experts(self, hidden, top_k_index, top_k_weights)
         table = self._slot_table(hidden, draft)
         if table is not None:  # every expert on the device: the host never reads the routing
             if self.control.counts_hits:
-                self.cache.count_hits(top_k_index.shape[1])
+                self.cache.count_hits(top_k_index.numel())
             graphs = self.control.graphs
             compute = forward_resident if graphs is None else graphs.forward
             return compute(self, hidden, top_k_index, top_k_weights, table)
@@ -173,8 +180,9 @@ class OffloadedExperts(nn.Module):
 
     def _slot_table(self, hidden: torch.Tensor, draft: DraftRouting | None) -> torch.Tensor | None:
         """The layer's `ExpertCache.slot_table`, for a one-token target step computed in groups or
-        by the fused kernels (`resident_asked`)."""
-        if hidden.shape[0] != 1 or draft is not None or not self.cache.holds_all or not resident_asked(self):
+        by the fused kernels (`resident_asked`), or any target step of a captured graph."""
+        one = hidden.shape[0] == 1 or self.control.graphed
+        if not one or draft is not None or not self.cache.holds_all or not resident_asked(self):
             return None
         return self.cache.slot_table(self.layer)
 

@@ -91,3 +91,31 @@ def _graphed(found: dict, path: str) -> bool:
     """Whether every decode step took `path` (the prefill takes the model's own multi-token path)."""
     paths = found["step_paths"]
     return paths.get(path) == graph_check.STEPS and sum(paths.values()) == graph_check.STEPS + 1
+
+
+@pytest.mark.parametrize("slots", [None, graph_check.BUDGET_SLOTS])
+@pytest.mark.parametrize("model_type", ("qwen3_moe", "deepseek_v3", "gpt_oss"))
+def test_verification_graphs_give_the_eager_forwards_logits(tmp_path, model_type, slots):
+    """Steps of 2–3 tokens (a draft's verification) replayed as graphs — one a token count, whole
+    or in pieces — give the eager multi-token forward's logits; the replays synchronise with the
+    host only in the pieces (a layer's routes)."""
+    folder = make_tiny_model(tmp_path / model_type, model_type)
+    budget = ExpertBudget(all_experts=True) if slots is None else ExpertBudget.parse(str(slots))
+    model = load_model(folder, OffloadConfig(device="cuda", dtype="float32", expert_budget=budget))
+    try:
+        graphed = model.paths
+        chunks = [torch.tensor([20 + i, 40 + i, 60 + i][: 2 + i % 2]) for i in range(4)]
+        got, want = [], []
+        for paths, out in ((graphed, got), (graphed.without("cuda-graph", "cuda-pieces"), want)):
+            model.paths = paths
+            cache = model.new_kv_cache(rewindable=True)
+            model.forward(PROMPT, cache)
+            for ids in chunks:
+                out.append(model.forward(ids, cache, logits_to_keep=0).float().cpu())
+        model.paths = graphed
+        path = "cuda-graph" if slots is None else "cuda-pieces"
+        assert graphed.log.counts[path] == len(chunks), graphed.log.reasons
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+    finally:
+        model.close()

@@ -19,6 +19,7 @@ from engine.decode.step_body import StepBody
 from engine.loader import load_model
 from engine.model import kv_cache as kv_cache_module
 from engine.model.adapters import SUPPORTED_MODEL_TYPES
+from engine.moe.control import DraftRouting
 from engine.tiny.models import make_tiny_model
 from tests.engine.standard_families import STANDARD_FAMILIES
 
@@ -134,7 +135,7 @@ def test_the_step_body_reads_nothing_on_the_host(folders, model_type):
         buffers = tuple(layer.room(1) for layer in cache.layers)
         inputs = captured._inputs(buffers, 17, cache.get_seq_length(), torch.device("cpu"))
         with FakeTensorMode(allow_non_fake_inputs=True):
-            logits = captured._run(*inputs)
+            logits = captured._run(captured.body, *inputs)
         assert logits.shape == (model.hf_config.get_text_config().vocab_size,)
     finally:
         model.close()
@@ -165,11 +166,15 @@ def test_steps_it_cannot_hold_go_the_eager_way(folders):
         assert captured.refusal(cache) == ""
         with model.control.installed(observers=(lambda *args: None,)):
             assert "prefetch predictor" in captured.refusal(cache)
+        with model.control.installed(draft=DraftRouting(top_r=1, cached_only=True)):
+            assert "the host decides" in captured.refusal(cache)
+        with model.control.installed(draft=DraftRouting(top_r=1)):  # SS-MoE's cut, on the device
+            assert captured.refusal(cache) == ""
         stored = model.new_kv_cache()
         stored.layers[0] = object()
         assert "not the engine's attention buffers" in captured.refusal(stored)
-        model.forward(torch.tensor([1, 2]), cache)  # a step of several tokens: declined by the path
-        assert model.paths.log.reasons["cuda-graph"] == "a step of several tokens"
+        model.forward(torch.arange(17), cache)  # more tokens than a verification's graph takes
+        assert model.paths.log.reasons["cuda-graph"] == "a step of 17 tokens (graphs take up to 16)"
     finally:
         model.close()
 

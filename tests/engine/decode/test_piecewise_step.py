@@ -34,12 +34,12 @@ def folders(tmp_path_factory):
     return _Folders(tmp_path_factory.mktemp("pieces"))
 
 
-def _budgeted(folder, slots: int = SLOTS):
+def _budgeted(folder, slots: int = SLOTS, policy: str = "lru"):
     """`folder` on a simulated link with `slots` device slots, experts computed together (CUDA's way)."""
     budget = ExpertBudget.parse(str(slots))
-    model = load_model(
-        folder, OffloadConfig(device="cpu", dtype="float32", expert_budget=budget, sim_link_gbps=50.0)
-    )
+    options = {"expert_budget": budget, "sim_link_gbps": 50.0, "policy": policy}
+    config = OffloadConfig(device="cpu", dtype="float32", **options)
+    model = load_model(folder, config)
     model.control.grouped = True
     return model
 
@@ -103,7 +103,7 @@ def test_the_pieces_read_nothing_on_the_host(folders, model_type):
         cuts = []
         pieces.pieces.cut = lambda: cuts.append(1)
         with model.control.installed(pieces=pieces.pieces), FakeTensorMode(allow_non_fake_inputs=True):
-            logits = pieces._run(*inputs)
+            logits = pieces._run(pieces.body, *inputs)
         assert logits.shape == (model.hf_config.get_text_config().vocab_size,)
         assert len(cuts) == len(model.experts) and set(pieces.pieces.routes) == set(model.experts)
     finally:
@@ -164,7 +164,10 @@ def stepping_capture(pieces: Pieces):
         pieces.release()
         stepping = _Stepping(fn, inputs, pieces, out)
         count = len(pieces.layers) * (1 + pieces.split) + 1
-        return PieceGraphs([_Piece(stepping, i) for i in range(count)], pieces), out
+        # the routes and inputs the body records as it runs, each replay's own
+        return PieceGraphs(
+            [_Piece(stepping, i) for i in range(count)], pieces, pieces.routes, pieces.inputs
+        ), out
 
     return capture
 
@@ -206,11 +209,33 @@ def test_the_pieces_are_captured_again_when_the_cpu_starts_computing_misses(fold
             with model.control.installed(hybrid=hybrid):
                 assert pieces.refusal(cache) == ""
                 token = int(model.decode(token, cache).argmax())
-            graphs.append(len(pieces._graph.graph.graphs))
+            graphs.append(len(pieces._graphs[True, 1, None].graph.graphs))
         layers = len(model.experts)
         assert graphs == [layers + 1, 2 * layers + 1, 2 * layers + 1, layers + 1]
         assert pieces.captures == 3
     finally:
+        model.close()
+
+
+def test_a_score_policy_sees_the_routers_scores_between_pieces(folders, monkeypatch):
+    """MRS weighs experts by their routing scores: the pieces hand each layer's to it, as the
+    eager layer does, and evict as the eager steps do."""
+    eager, model = (_budgeted(folders["qwen3_moe"], policy="mrs") for _ in range(2))
+    try:
+        want_tokens, want_logits = _greedy(eager, eager.decode)
+        _with_pieces(model)
+        seen = []
+        observe = model.cache.policy.observe_scores
+        monkeypatch.setattr(model.cache.policy, "observe_scores", lambda *a: (seen.append(a), observe(*a)))
+        tokens, logits = _greedy(model, model.decode)
+        assert model.paths.log.counts["cuda-pieces"] == STEPS, model.paths.log.reasons
+        assert tokens == want_tokens and len(seen) == len(model.experts) * (STEPS + 1)  # the prompt too
+        for got, want in zip(logits, want_logits, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        used, eager_used = (m.cache.stats.phases["decode"] for m in (model, eager))
+        assert used.hits + used.misses == eager_used.hits + eager_used.misses
+    finally:
+        eager.close()
         model.close()
 
 
