@@ -4,7 +4,8 @@ A lent GPU machine is rare and short, so this runs everything a GPU must prove i
 stage with its own time limit, and rewrites `OUT_DIR/gpu_check.json` after every stage (a stage
 that fails or runs out of time is recorded with its error; the next one still runs):
 
-    environment   torch, CUDA, the card, its memory, the driver, triton; pinned H2D GB/s
+    environment   torch, CUDA, the card, its memory, the driver, triton; pinned H2D GB/s, and a
+                  kernel's GB/s reading pinned host memory where it lies (zero-copy)
     kernels       each ahead-of-time kernel (engine.gpu) loaded through the driver: its
                   correctness against torch's reference and its GB/s against the card's
                   memory bandwidth (skipped where the package has none yet)
@@ -103,6 +104,7 @@ def environment(out: Path, limit: float) -> dict:
         "memory_gib": round(props.total_memory / 2**30, 1),
         "multiprocessors": props.multi_processor_count,
         "h2d_gbps": _pinned_h2d_gbps(torch),
+        "mapped_read_gbps": _mapped_read_gbps(torch),
     }
     driver = subprocess.run(
         [
@@ -131,6 +133,29 @@ def _pinned_h2d_gbps(torch) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
     return round(host.numel() / best / 1e9, 2)
+
+
+def _mapped_read_gbps(torch) -> float | None:
+    """A kernel (a sum) reading 256 MiB of pinned host memory where it lies, through the device's
+    view of it (zero-copy: what reading a missed expert without copying it would get): the best
+    of five, in GB/s; None where pinned memory cannot be mapped."""
+    from engine.device_cache.mapped_table import device_view
+
+    host = torch.ones(64 << 20, dtype=torch.float32).pin_memory()
+    view = device_view(host, torch.device("cuda"))
+    if view is None:
+        return None
+    total, best = torch.empty((), device="cuda"), float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.sum(view, out=total)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    if abs(total.item() - host.numel()) > 1e-3 * host.numel():  # it read other memory than the host's
+        return None
+    return round(host.numel() * 4 / best / 1e9, 2)
 
 
 def kernels(out: Path, limit: float) -> dict:

@@ -3,7 +3,7 @@
 Contract: `MappedTable(size, device)` holds `size` int64 entries; `device_view` is what kernels and
 captured graphs read (the same tensor for the table's life); `write(indices, values)` sets entries
 from the host before the work that reads them is enqueued; `mapped` says whether the device reads
-the host's memory itself.
+the host's memory itself. `device_view(host, device)`: any pinned tensor seen that way.
 
 On CUDA the table lives in pinned host memory. Under unified virtual addressing a kernel can read
 pinned memory where it lies, so `device_view` is that memory seen as a CUDA tensor (handed to torch
@@ -51,23 +51,34 @@ class _CudaArray:
         self.host = host  # kept alive by the view torch makes of it
         self.__cuda_array_interface__ = {
             "shape": tuple(host.shape),
-            "typestr": "<i8",
+            "typestr": host.numpy().dtype.str,
             "data": (host.data_ptr(), False),
             "strides": None,
             "version": 3,
         }
 
 
-def _mapped_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """`host` (pinned) as a tensor on `device` reading its memory, or None where this device cannot
-    (why: logged) — checked by reading a pattern written on the host through it."""
+def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """A contiguous pinned `host` tensor as a tensor on CUDA `device` whose kernels read and write
+    its memory where it lies (zero-copy over the link), or None where this device cannot (why:
+    logged). The prepared GPU check times a kernel's reads through such a view."""
     try:
         view = torch.as_tensor(_CudaArray(host), device=device)
-        host.copy_(torch.arange(host.numel(), dtype=torch.int64))
-        same = view.device == device and torch.equal(view.cpu(), host)
     except (RuntimeError, TypeError, ValueError) as err:
-        log.info("Slot tables are copied to the device: pinned memory cannot be mapped (%s)", err)
+        log.info("Pinned memory cannot be mapped on %s: %s", device, err)
         return None
+    return view if view.device == device else None
+
+
+def _mapped_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """`device_view` of the table, checked by reading a pattern written on the host through it."""
+    view = device_view(host, device)
+    if view is None:
+        log.info("Slot tables are copied to the device")
+        return None
+    try:
+        host.copy_(torch.arange(host.numel(), dtype=torch.int64))
+        same = torch.equal(view.cpu(), host)
     finally:
         host.zero_()
     if not same:

@@ -14,7 +14,7 @@ import torch
 from engine.bench import graph_check
 from engine.bench.graph_check import check_family
 from engine.config import ExpertBudget, OffloadConfig
-from engine.device_cache.mapped_table import MappedTable
+from engine.device_cache.mapped_table import MappedTable, device_view
 from engine.loader import load_model
 from engine.tiny.models import make_tiny_model
 
@@ -119,3 +119,12 @@ def test_verification_graphs_give_the_eager_forwards_logits(tmp_path, model_type
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
     finally:
         model.close()
+
+
+def test_a_device_view_reads_pinned_host_memory_where_it_lies():
+    host = torch.arange(1 << 16, dtype=torch.float32).pin_memory()
+    view = device_view(host, torch.device("cuda"))
+    assert view is not None and view.is_cuda and view.data_ptr() == host.data_ptr()
+    assert view.sum().item() == host.sum().item()
+    host[7] = -1.0  # a host store, read by the next kernel
+    assert view[7].item() == -1.0
