@@ -133,9 +133,8 @@ def run(args: argparse.Namespace) -> dict:
                 ours, theirs, vs = llama_cpp.side_by_side(args, model, prompt_ids, baseline)
                 rows.append(ours)
             else:
-                decoding = decoding_of(args)
-                row = bench_engine(model, prompt_ids, args.new_tokens, args.repeats, baseline, decoding)
-                rows.append(row)
+                passes = (model, prompt_ids, args.new_tokens, args.repeats, baseline, decoding_of(args))
+                rows.append(bench_engine(*passes))
             info = model.info()
             extras = measured_beside(args, model, prompt_ids[0])  # the last budget's are kept
         finally:
