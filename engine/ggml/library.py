@@ -1,17 +1,27 @@
-"""ggml's shared libraries, as llama-cpp-python ships them (the optional `llama` extra).
+"""ggml's shared libraries: the prebuilt `libggml-python` wheel (a dependency), or llama-cpp-python's.
 
 Contract: `library()` is (`Ggml`, "") — the few ggml functions the engine calls, with their C
-signatures, loaded once — or (None, why not) where llama-cpp-python is missing or its libraries
-cannot be used; `available()` says the same as (bool, why not), and `loaded()` is the `Ggml`
-or that reason raised. ggml's warnings and errors go to this module's logger, its debug and
-info lines nowhere.
+signatures, loaded once — or (None, why not) where no ggml library can be used here;
+`available()` says the same as (bool, why not), `loaded()` is the `Ggml` or that reason raised,
+`installed()` whether they are here without loading them, and `source()` names those loaded.
+ggml's warnings and errors go to this module's logger, its debug and info lines nowhere.
+
+Which libraries: llama-cpp-python's where it is installed (the bench's llama.cpp peer runs in
+the same process, and llama.cpp's own libraries ask for ggml by soname: one ggml in the process,
+the one llama.cpp was built with), else the `libggml-python` wheel's (prebuilt for Linux x86-64,
+Windows x86-64 and macOS arm64; its x86-64 build needs AVX2, FMA, F16C and BMI2). A CPU without
+what the prebuilt build needs is told apart before anything is loaded: the engine then keeps the
+exact kernels (the reason says why) rather than die on an illegal instruction.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
 import logging
+import platform
+import sys
 from pathlib import Path
 
 _P = ctypes.c_void_p
@@ -26,7 +36,7 @@ class Ggml:
     """The few ggml functions this module calls, with their C signatures."""
 
     def __init__(self, lib_dir: Path):
-        base, cpu = _load(lib_dir, "libggml-base.so"), _load(lib_dir, "libggml-cpu.so")
+        base, cpu = _load(lib_dir, "ggml-base"), _load(lib_dir, "ggml-cpu")
         i64, size = ctypes.c_int64, ctypes.c_size_t
         self.init = _function(base, "ggml_init", _P, InitParams)
         self.free = _function(base, "ggml_free", None, _P)
@@ -86,12 +96,16 @@ class Ggml:
         _function(base, "ggml_log_set", None, _LogCallback, _P)(_log_to_logging, None)
 
 
-def _load(lib_dir: Path, name: str) -> ctypes.CDLL:
-    """The library by its soname (`<name>.0`) where the wheel has that file: the name llama.cpp's
-    own libraries ask for, so the process holds one ggml (one log, one CPU backend), not a copy
-    that a file of another name would load beside it."""
-    path = lib_dir / f"{name}.0"
-    return ctypes.CDLL(str(path if path.exists() else lib_dir / name), mode=ctypes.RTLD_GLOBAL)
+def _load(lib_dir: Path, stem: str) -> ctypes.CDLL:
+    """The library `stem` in `lib_dir` by this platform's name for it (`libggml-base.so.0`,
+    `libggml-base.dylib`, `ggml-base.dll`). On Linux its soname (`.so.0`) where the wheel has
+    that file: the name llama.cpp's own libraries ask for, so the process holds one ggml (one
+    log, one CPU backend), not a copy that a file of another name would load beside it."""
+    names = {"win32": [f"{stem}.dll"], "darwin": [f"lib{stem}.dylib"]}.get(
+        sys.platform, [f"lib{stem}.so.0", f"lib{stem}.so"]
+    )
+    path = next((lib_dir / n for n in names if (lib_dir / n).exists()), lib_dir / names[-1])
+    return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
 
 
 _LogCallback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
@@ -114,15 +128,74 @@ def _function(lib, name: str, restype, *argtypes):
 
 @functools.cache
 def library() -> tuple[Ggml | None, str]:
+    found = _lib_dir()
+    if isinstance(found, str):
+        return None, found
+    name, lib_dir = found
     try:
-        import llama_cpp
-    except ImportError:
-        return None, "ggml's kernels come with llama-cpp-python: pip install 'moe-chat[llama]'"
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    try:
-        return Ggml(lib_dir), ""
+        ggml = Ggml(lib_dir)
     except (OSError, AttributeError) as err:
-        return None, f"llama-cpp-python's ggml libraries in {lib_dir} cannot be used ({err})"
+        return None, f"{name}'s ggml libraries in {lib_dir} cannot be used ({err})"
+    log.info("ggml's kernels: %s (%s)", name, lib_dir)
+    _SOURCE.append(name)
+    return ggml, ""
+
+
+_SOURCE: list[str] = []
+# what libggml-python's x86-64 build was compiled for (numpy's names for the features)
+PREBUILT_NEEDS = ("AVX2", "FMA3", "F16C", "BMI2")
+
+
+def _lib_dir() -> tuple[str, Path] | str:
+    """(whose, the folder) of the ggml libraries to load, or why there are none: found without
+    importing either package (llama_cpp's import loads llama.cpp itself)."""
+    llama_cpp = _package_dir("llama_cpp")
+    if llama_cpp is not None:
+        return "llama-cpp-python", llama_cpp / "lib"
+    root = _package_dir("libggml")
+    if root is None:
+        return "ggml's kernels come with the libggml-python package, which is not installed"
+    missing = missing_cpu_features()
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}, which the prebuilt ggml (libggml-python) needs"
+    folders = [root / "lib64", root / "lib", root / "bin"]
+    return "libggml-python", next((f for f in folders if f.is_dir()), root / "lib")
+
+
+def _package_dir(name: str) -> Path | None:
+    """The folder of the installed package `name`, or None (also where it is blocked in
+    `sys.modules`, as a test does)."""
+    module = sys.modules.get(name, False)
+    if module is None:
+        return None
+    if module is not False:
+        return Path(module.__file__).parent
+    spec = importlib.util.find_spec(name)
+    return Path(spec.origin).parent if spec is not None and spec.origin else None
+
+
+def installed() -> tuple[bool, str]:
+    """Whether ggml's libraries are here for this CPU, and why not, without loading them (what
+    the settings may offer)."""
+    found = _lib_dir()
+    return (False, found) if isinstance(found, str) else (True, "")
+
+
+def missing_cpu_features() -> list[str]:
+    """What libggml-python's build needs that this CPU lacks (x86-64 only: its arm64 build is for
+    Apple's CPUs, which all have what it uses), as numpy's CPU dispatch detected it at run time."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__
+    except ImportError:  # numpy 1
+        from numpy.core._multiarray_umath import __cpu_features__
+    return [feature for feature in PREBUILT_NEEDS if not __cpu_features__.get(feature, False)]
+
+
+def source() -> str | None:
+    """Whose ggml libraries are loaded ("libggml-python", "llama-cpp-python"), or None."""
+    return _SOURCE[0] if _SOURCE else None
 
 
 def available() -> tuple[bool, str]:

@@ -87,6 +87,8 @@ def test_the_bundle_holds_resources_and_every_architecture_but_no_development_fi
     assert {"engine.remote.worker", "openai", "prometheus_client.parser"} <= modules
     development = {"tests", "pytest", "_pytest", "pytestqt", "ruff"}
     assert not {module for module in modules if module.split(".")[0] in development}
+    # llama.cpp's CPU kernels, where engine.ggml.library looks for them
+    assert "libggml" in modules and list((internal / "libggml").rglob("*ggml-cpu*"))
     # transformers reads its own source at run time: the .py files ride along
     assert list((internal / "transformers").rglob("modeling_utils.py"))
 
