@@ -38,7 +38,7 @@ CACHE_POLICIES: tuple[str, ...] = ("lru", "lfu", "mrs")  # engine.device_cache.e
 EXPERT_DTYPES = ("native", "int8", "int4")
 # The KV cache's storage precision, apart from the compute dtype (engine.model.kv_cache): auto keeps
 # the compute dtype; float8_e4m3fn stores a byte per element with a per-head scale.
-KERNELS = ("exact", "ggml")
+KERNELS = ("auto", "exact", "ggml")  # auto: ggml where it can compute the file, at load
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")
 KV_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
 
@@ -135,7 +135,9 @@ class OffloadConfig:
     # num_ctx): requests past it are refused, and the auto expert budget leaves room for its KV cache
     context_length: int | None = None  # None: the model's window
     # GGUF experts computed on the CPU: "exact" (torch, outputs equal the dequantized model's) or
-    # "ggml" (llama.cpp's own kernels, from llama-cpp-python: 8-bit activations, as llama.cpp computes)
+    # "ggml" (llama.cpp's own kernels, engine.ggml.library: 8-bit activations, as llama.cpp computes);
+    # "auto" (the command line's and the app's default) is ggml for a GGUF on the CPU where its
+    # library runs here, else exact: a loaded model's config holds what it resolved to
     kernels: str = "exact"
 
     def validate(self) -> None:

@@ -136,7 +136,7 @@ def generate(
     refuse_speculation_that_cannot_rewind(model, config.spec.mode)
     started = time.perf_counter()
     live = live or LiveGeneration(started)
-    live.started = started
+    live.started, live.kernels = started, model.config.kernels
     prompt_ids = encode_prompt(model, prompt, config.template_arguments())
     max_new_tokens = _max_new_tokens(model, config, len(prompt_ids))
     eos = set() if config.ignore_eos else eos_token_ids(model)

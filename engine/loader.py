@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from engine.formats.int_quant import QuantSpec
 from engine.formats.layout import ExpertLayout
 from engine.formats.native_experts import IntQuantFormat
 from engine.formats.registry import detect_format
+from engine.ggml import library as ggml_library
 from engine.model.adapters import get_architecture
 from engine.model.adapters.base import Architecture, DiskLayout
 from engine.model.adapters.generic import bind, experts_per_token
@@ -73,6 +75,7 @@ def load_model(
     folder = Path(model_dir).expanduser()
     hf_config, expert_format, checkpoint = _open(folder)
     device = resolve_device(config.device)
+    config = replace(config, kernels=resolve_kernels(config.kernels, checkpoint, device))
     transfer = n_slots = None
     try:
         dtype = resolve_dtype(config.dtype, checkpoint, device, config.kernels)
@@ -322,6 +325,20 @@ def resolve_device(name: str) -> torch.device:
             f"--device {name} was asked for, but no CUDA GPU is available. Use --device cpu or auto."
         )
     return device
+
+
+def resolve_kernels(name: str, checkpoint: Checkpoint, device: torch.device) -> str:
+    """`--kernels` for this load: "auto" is llama.cpp's ggml kernels for a GGUF file on the CPU
+    where its library runs here (said in one line where it does not), else the exact kernels."""
+    if name != "auto":
+        return name
+    if device.type != "cpu" or not isinstance(checkpoint, GgufCheckpoint):
+        return "exact"
+    ready, why = ggml_library.available()
+    if not ready:
+        log.warning("llama.cpp's kernels cannot run here (%s): this GGUF is computed by the exact ones", why)
+        return "exact"
+    return "ggml"
 
 
 def resolve_dtype(

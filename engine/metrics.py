@@ -109,6 +109,7 @@ class GenerationStats:
     step_path: str | None = None
     step_paths: dict[str, int] = field(default_factory=dict)
     step_path_declined: dict[str, str] = field(default_factory=dict)
+    kernels: str = "exact"  # what computed a GGUF's matrices on the CPU: "exact" (torch) or "ggml"
 
     @classmethod
     def build(
@@ -123,6 +124,7 @@ class GenerationStats:
         speculation: SpecSummary | None = None,
         cached_prompt_tokens: int = 0,
         step_paths: dict | None = None,
+        kernels: str = "exact",
     ) -> GenerationStats:
         spec = speculation or SpecSummary()
         phase = {name: phases.get(name, PhaseCounters()) for name in PHASES}
@@ -167,6 +169,7 @@ class GenerationStats:
             verify=PhaseStats.of(phase["verify"]),
             cached_prompt_tokens=cached_prompt_tokens,
             **(step_paths or {}),
+            kernels=kernels,
         )
 
     def to_dict(self) -> dict:
@@ -190,6 +193,7 @@ class LiveGeneration:
     decoder: Any = None  # PlainDecoder | SpeculativeDecoder once built
     steps: StepLog | None = None  # the model's decode-step paths' log
     steps_before: Any = None  # its snapshot when the run began
+    kernels: str = "exact"  # the model's (`OffloadConfig.kernels`, resolved at load)
 
     def stats(self, cache: ExpertCache, now: float, simulated_link: bool) -> GenerationStats:
         end = self.finished or now
@@ -206,4 +210,5 @@ class LiveGeneration:
             speculation=self.decoder.summary() if self.decoder is not None else None,
             cached_prompt_tokens=self.cached_prompt_tokens,
             step_paths=self.steps.since(self.steps_before) if self.steps is not None else None,
+            kernels=self.kernels,
         )

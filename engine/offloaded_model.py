@@ -59,6 +59,7 @@ class ModelInfo:
     context_length: int | None = None  # tokens (prompt + reply) the model was built for; None: unknown
     context_limit: int | None = None  # the context length it was loaded with (None: its own)
     experts_in_place: bool = False  # CPU, no link simulated: the experts are used where the store holds them
+    kernels: str = "exact"  # what computes a GGUF's matrices on the CPU: exact (torch) or ggml (llama.cpp's)
 
 
 class OffloadedModel:
@@ -154,6 +155,7 @@ class OffloadedModel:
             context_length=self.context_length,
             context_limit=self.config.context_length,
             experts_in_place=self.cache.in_place,
+            kernels=self.config.kernels,
         )
 
     def _expert_dtype(self) -> str:

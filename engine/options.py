@@ -68,10 +68,11 @@ def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kernels",
-        default="exact",
-        choices=("exact", "ggml"),
-        help="GGUF experts on the CPU: exact (outputs equal the dequantized model's) or ggml (llama.cpp's "
-        "own kernels from llama-cpp-python: faster, activations in 8 bits as llama.cpp computes them)",
+        default="auto",
+        choices=("auto", "exact", "ggml"),
+        help="a GGUF on the CPU: ggml (llama.cpp's own kernels, prebuilt: faster, activations in 8 bits "
+        "as llama.cpp computes them), exact (outputs equal the dequantized model's), or auto (default: "
+        "ggml where it runs on this CPU)",
     )
     parser.add_argument("--policy", default="lru", choices=("lru", "lfu", "mrs"), help="cache eviction")
     parser.add_argument(

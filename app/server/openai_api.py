@@ -358,12 +358,13 @@ STATS_KEYS = (
     "prefetch_recall",
     "lossless",
     "simulated_link",
+    "kernels",  # what computed a GGUF on the CPU: ggml (llama.cpp's) or exact
 )
 
 
 def engine_stats(finished: Finished) -> dict[str, Any]:
     """MoE Chat's figures for the reply (beside OpenAI's `usage`, as llama.cpp adds `timings`):
-    which drafter and prefetch policy ran, and the DESIGN.md metrics."""
+    which drafter and prefetch policy ran, the kernels, and the DESIGN.md metrics."""
     stats = finished.stats
     return {
         "drafter": stats.get("spec"),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from engine.config import DEVICES, EXPERT_DTYPES, KERNELS, KV_DTYPES
 from engine.device_cache.eviction import POLICIES
 from engine.generation_config import CPU_EXPERT_MODES, PREFETCH_CHOICES, SPEC_CHOICES, SpecConfig
+from engine.ggml import library as ggml_library
 
 MAX_DRAFT_LEN = SpecConfig().max_draft_len
 MAX_SIM_LINK_GBPS = 1000.0
@@ -38,6 +39,15 @@ class FieldInfo:
 
 def _choices(values: tuple[str, ...], labels: dict[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple((value, labels.get(value, value)) for value in values)
+
+
+KERNEL_LABELS = {"auto": "auto (ggml where it runs)", "exact": "exact", "ggml": "ggml (llama.cpp's)"}
+
+
+def _offered_kernels() -> tuple[str, ...]:
+    """The kernels that can run here: ggml only where its libraries are installed for this CPU."""
+    runs, _ = ggml_library.installed()
+    return tuple(k for k in KERNELS if runs or k != "ggml")
 
 
 FIELDS: dict[str, FieldInfo] = {
@@ -73,12 +83,13 @@ FIELDS: dict[str, FieldInfo] = {
     ),
     "kernels": FieldInfo(
         "CPU kernels (GGUF)",
-        "exact: replies are the model's own; ggml: llama.cpp's faster kernels, replies differ slightly.",
-        "How a GGUF model's weights are computed on the CPU. exact dequantizes them as transformers would, "
-        "so replies equal the model's. ggml runs llama.cpp's own kernels on the file's blocks (needs the "
-        "optional llama-cpp-python package): about twice as fast and lighter on RAM, with llama.cpp's "
-        "numerics (activations rounded to 8 bits), so replies can differ slightly.",
-        "choice", _choices(KERNELS, {"exact": "exact", "ggml": "ggml (llama.cpp's)"}), reload=True,
+        "auto: llama.cpp's fast kernels where they run; exact: replies are the dequantized model's own.",
+        "How a GGUF model's weights are computed on the CPU. ggml runs llama.cpp's own kernels on the "
+        "file's blocks (an x86-64 CPU needs AVX2): several times faster and lighter on RAM, with llama.cpp's "
+        "numerics (activations rounded to 8 bits), as llama.cpp's own replies are. exact dequantizes them "
+        "as transformers would, so replies equal the dequantized model's, more slowly. auto (the default) "
+        "is ggml wherever it can run, else exact. Only the kernels that can run here are offered.",
+        "choice", _choices(_offered_kernels(), KERNEL_LABELS), reload=True,
     ),
     "kv_dtype": FieldInfo(
         "KV cache precision",

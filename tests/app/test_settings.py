@@ -313,10 +313,20 @@ def test_screenshot_of_the_dialog(qtbot, tmp_path):
     save_screenshot(dialog, "settings.png", tmp_path)
 
 
+def test_the_settings_offer_only_kernels_that_run_here(monkeypatch):
+    from app.settings import fields
+    from engine.ggml import library
+
+    monkeypatch.setattr(library, "installed", lambda: (False, "no AVX2"))
+    assert fields._offered_kernels() == ("auto", "exact")
+    monkeypatch.setattr(library, "installed", lambda: (True, ""))
+    assert fields._offered_kernels() == ("auto", "exact", "ggml")
+
+
 def test_the_context_length_kv_precision_and_kernels_reach_the_engine():
     offload = AppSettings(context_length=4096, kv_dtype="bfloat16", kernels="ggml").to_offload_config()
     assert offload.context_length == 4096 and offload.kv_dtype == "bfloat16" and offload.kernels == "ggml"
-    assert AppSettings().to_offload_config().kernels == "exact"
+    assert AppSettings().to_offload_config().kernels == "auto"  # ggml where it runs, resolved at load
     with pytest.raises(SettingsError, match="CPU kernels"):
         AppSettings(kernels="fast").validate()
     assert AppSettings().to_offload_config().context_length is None  # the model's own window

@@ -22,9 +22,11 @@ from transformers import AutoTokenizer
 
 from engine.config import OffloadConfig
 from engine.generation import GenerationConfig, generate_text
+from engine.ggml import library as ggml_library
 from engine.loader import load_model
 from engine.model.adapters import SUPPORTED_MODEL_TYPES
 from engine.sampling import SamplingConfig
+from engine.tiny.gguf_writer import write_tiny_gguf
 from engine.tiny.models import TINY_ARCHITECTURES, make_tiny_model, tiny_config
 
 PROMPT = "Hello, who are you?"
@@ -88,7 +90,12 @@ def llama_folder(chat_model, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(chat_model, raw_model, llama_folder, tmp_path_factory):
+def gguf_file(tmp_path_factory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("cli") / "gguf")
+
+
+@pytest.fixture(scope="module")
+def runs(chat_model, raw_model, llama_folder, gguf_file, tmp_path_factory):
     """name -> the `Future` of a slow CLI run, all started at once."""
     # the reference runs decode one token at a time, as every run did before speculation and
     # prefetch became the default (`auto`): they say so with --spec none --prefetch none
@@ -119,6 +126,10 @@ def runs(chat_model, raw_model, llama_folder, tmp_path_factory):
             *("--spec", "self", "--top-r", "1", "--draft-len", "3", "--prefetch", "spmoe", "--cutoff", "0"),
         ),
         "bad cutoff": generate_args(chat_model, "--spec", "self", "--prefetch", "spmoe", "--cutoff", "9"),
+        "gguf": generate_args(gguf_file, "--greedy", "--json", "--max-new-tokens", 4),
+        "gguf exact": generate_args(
+            gguf_file, *("--greedy", "--json", "--max-new-tokens", 4, "--kernels", "exact")
+        ),
     }
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         yield {name: pool.submit(run_cli, *args) for name, args in commands.items()}
@@ -149,6 +160,16 @@ def test_json_output(greedy):
     assert stats["hits"] + stats["misses"] > 0
     assert stats["hit_rate"] == pytest.approx(stats["hits"] / (stats["hits"] + stats["misses"]))
     assert greedy["model"]["model_type"] == "qwen3_moe" and greedy["model"]["device"] == "cpu"
+
+
+def test_a_gguf_runs_on_llama_cpps_kernels_with_no_options_where_they_run(runs):
+    """`--kernels auto` (the default) is ggml for a GGUF on the CPU where its library runs here;
+    the stats and the model say which kernels computed it."""
+    default, exact = result(runs, "gguf").json(), result(runs, "gguf exact").json()
+    want = "ggml" if ggml_library.installed()[0] else "exact"
+    assert default["stats"]["kernels"] == default["model"]["kernels"] == want
+    assert exact["stats"]["kernels"] == exact["model"]["kernels"] == "exact"
+    assert json.loads(result(runs, "greedy").stdout)["stats"]["kernels"] == "exact"  # not a GGUF
 
 
 def test_greedy_is_reproducible(runs, greedy):

@@ -72,6 +72,8 @@ def model_summary(info: dict[str, Any]) -> str:
         parts.append(str(info["device"]))
     if info.get("expert_dtype"):
         parts.append(f"experts {info['expert_dtype']}")
+    if info.get("kernels") == "ggml":  # llama.cpp's; the exact kernels go unsaid, as before
+        parts.append("ggml kernels")
     return " · ".join(parts)
 
 

@@ -211,6 +211,9 @@ def test_formatting_never_invents_a_figure():
     assert fmt_used_total(3 * GIB, None) == "3.0 GiB"
     assert fmt_gbps(None) == NA and fmt_gbps(0.5) == "0.50 GB/s"
     assert model_summary({}) == "" and model_summary({"model_type": "mixtral"}) == "mixtral"
+    kernels = {"model_type": "qwen3_moe", "expert_dtype": "Q4_K", "kernels": "ggml"}
+    assert model_summary(kernels) == "qwen3_moe · experts Q4_K · ggml kernels"
+    assert model_summary(kernels | {"kernels": "exact"}) == "qwen3_moe · experts Q4_K"
 
 
 class _LayoutRequests(QObject):
