@@ -17,9 +17,11 @@ multipliers, sliding windows), where every layer's cache is attention positions.
 several tokens always go through the model's own modules (`ModuleBody` with offsets: each token
 at the first's device position plus its offset, attending to the positions before it and itself).
 A graph is kept for each kind of step (`_kind`: an id or ids, how many, the draft routing it runs
-under), each with its own memory pool: drafting, verifying and plain steps alternate without
-capturing again. SS-MoE's self-draft steps run in graphs too: their top-r cut is computed on the
-device (`DraftRouting.in_graph`); cached-only drafts and substitutes are the host's and go eagerly.
+under), so drafting, verifying and plain steps alternate without capturing again; they share one
+memory pool (they never run at once, and a step's logits are read before the next step, which
+may rewrite them: the contract of one graph already), so a new kind costs little device memory.
+SS-MoE's self-draft steps run in graphs too: their top-r cut is computed on the device
+(`DraftRouting.in_graph`); cached-only drafts and substitutes are the host's and go eagerly.
 
 Outside the graph, after each replay (the epilogue): each layer cache counts its new position
 (`GrowingLayer.written`), the device cache counts the step's hits (as many as the eager step
@@ -92,9 +94,8 @@ class CapturedStep:
         # a step of several tokens (a draft's verification) through the model's own modules
         self.rows = body if isinstance(body, ModuleBody) else _rows_body(model)
         self._capture = capture
-        # a graph and its memory pool for each kind of step: (an id or ids, how many, the draft routing)
-        self._pools: dict[tuple, object] = {}
-        self._graphs: dict[tuple, _Graph] = {}
+        self._pool = None  # the memory pool every graph of the model shares
+        self._graphs: dict[tuple, _Graph] = {}  # a graph for each kind of step (`_kind`)
         self.captures = 0
         self.off_because: str | None = None  # why the graph was turned off, once it was
         self._fused_for: tuple | None = None  # the device and dtype the body's kernels were chosen for
@@ -193,7 +194,7 @@ class CapturedStep:
 
     def _captured(self, buffers: Buffers, tables: tuple, token, past: int) -> _Graph | None:
         """The graph of a step of `token` (an id, or ids `[1, T]`), captured over `buffers` and
-        `tables`: one graph (and memory pool) a `_kind` of step, replacing that kind's last."""
+        `tables`: one graph a `_kind` of step, replacing that kind's last."""
         kind = self._kind(token)
         self._graphs.pop(kind, None)  # its memory back to the pool before the next capture
         device = buffers[0][0].device
@@ -204,9 +205,9 @@ class CapturedStep:
             with self.control.installed(graphed=True):
                 hits = self._hits_of(run, inputs)
                 with torch.inference_mode(), self.control.installed(counts_hits=False):
-                    if kind not in self._pools and device.type == "cuda":
-                        self._pools[kind] = torch.cuda.graph_pool_handle()
-                    graph, logits = self._capture(run, inputs, self._pools.get(kind))
+                    if self._pool is None and device.type == "cuda":
+                        self._pool = torch.cuda.graph_pool_handle()
+                    graph, logits = self._capture(run, inputs, self._pool)
         except Exception as err:  # any failure: the step goes the eager way, from now on
             self.off_because = f"{type(err).__name__}: {err}"
             log.warning("The decode step is no longer captured as a CUDA graph: %s", self.off_because)

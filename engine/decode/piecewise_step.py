@@ -90,9 +90,9 @@ class Pieces:
         return self.hybrid is not None
 
     def experts(self, module, hidden: torch.Tensor, top_k_index, top_k_weights) -> torch.Tensor:
-        """`OffloadedExperts`' one-token experts inside a step run in pieces: a cut where it is
-        captured (the host brings the experts in between the pieces), else the host's work here;
-        with `split`, a second cut (or the CPU's work here) before the CPU's share is added."""
+        """`OffloadedExperts`' experts inside a step run in pieces: a cut where it is captured (the
+        host brings the experts in between the pieces), else the host's work here; with `split`, a
+        second cut (or the CPU's work here) before the CPU's share is added."""
         layer = module.layer
         scores = module.trace.logits.get(layer) if self.cache.policy.uses_scores else None
         self.inputs[layer] = (module, hidden, top_k_weights, scores)
@@ -139,7 +139,8 @@ class Pieces:
             self.cache.wait(slot)
 
     def _cpu_experts(self, layer: int, ids: list[int]) -> list[int]:
-        """The missed experts the CPU computes for this token (`HybridExecutor`'s plan)."""
+        """The missed experts the CPU computes for this step (`HybridExecutor`'s plan, over the
+        routes each expert serves: a draft's steps are planned as a target's)."""
         routes: dict[int, list[int]] = {}
         for k, expert in enumerate(ids):
             routes.setdefault(expert, []).append(k)
