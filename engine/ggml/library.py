@@ -20,6 +20,7 @@ import ctypes
 import functools
 import importlib.util
 import logging
+import os
 import platform
 import sys
 from pathlib import Path
@@ -132,6 +133,8 @@ def library() -> tuple[Ggml | None, str]:
     if isinstance(found, str):
         return None, found
     name, lib_dir = found
+    if sys.platform == "win32":  # ggml-cpu.dll finds ggml-base.dll in its folder (kept while in use)
+        _SOURCE_DIRS.append(os.add_dll_directory(str(lib_dir)))
     try:
         ggml = Ggml(lib_dir)
     except (OSError, AttributeError) as err:
@@ -142,6 +145,7 @@ def library() -> tuple[Ggml | None, str]:
 
 
 _SOURCE: list[str] = []
+_SOURCE_DIRS: list = []  # Windows: the DLL folders added to the search path
 # what libggml-python's x86-64 build was compiled for (numpy's names for the features)
 PREBUILT_NEEDS = ("AVX2", "FMA3", "F16C", "BMI2")
 
