@@ -39,7 +39,8 @@ _INSTALL = (
 # a child process's llama.cpp: the file loaded, two tokens generated (a crash kills the child only)
 _PROBE = (
     "import sys; from llama_cpp import Llama; "
-    "llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=int(sys.argv[2]), verbose=False); "
+    "n = int(sys.argv[2]); llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=n, n_threads_batch=n, "
+    "verbose=False); "
     "[t for _, t in zip(range(2), llm.generate([1, 2, 3], top_k=1, temp=0.0))]"
 )
 PROBE_TIMEOUT_S = 600  # a large file's first read from disk
@@ -103,7 +104,9 @@ class LlamaCppRunner:
         except ImportError as err:
             raise LlamaCppUnavailable(_INSTALL) from err
         self.path, self.threads = Path(path), threads
-        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False)
+        # prompts too on `threads` (llama-cpp-python's batch threads default to every CPU)
+        threaded = {"n_threads": threads, "n_threads_batch": threads}
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, verbose=False, **threaded)
 
     def close(self) -> None:
         self.llm.close()

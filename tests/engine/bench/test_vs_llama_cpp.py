@@ -2,6 +2,7 @@
 
 import json
 import sys
+import types
 from typing import ClassVar
 
 import pytest
@@ -123,3 +124,15 @@ def test_a_llama_cpp_that_hangs_on_the_file_times_out(tmp_path, monkeypatch):
     monkeypatch.setattr(llama_cpp, "PROBE_TIMEOUT_S", 1)
     with pytest.raises(llama_cpp.LlamaCppUnavailable, match="did not generate 2 tokens"):
         llama_cpp.check_available(tmp_path / "model.gguf")
+
+
+def test_llama_cpp_prefills_on_the_same_threads_as_it_decodes(monkeypatch, tmp_path):
+    """llama-cpp-python's batch threads default to every CPU: a one-thread comparison would give
+    llama.cpp's prompts all of them."""
+    made = {}
+    fake = types.ModuleType("llama_cpp")
+    fake.Llama = lambda **options: made.update(options)
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    llama_cpp.LlamaCppRunner(tmp_path / "model.gguf", threads=1)
+    assert made["n_threads"] == made["n_threads_batch"] == 1
+    assert "n_threads_batch=n" in llama_cpp._PROBE  # the crash probe's child too
