@@ -124,15 +124,21 @@ def _pinned_h2d_gbps(torch) -> float:
     """Host-to-device copies of 256 MiB from pinned memory: the best of five, in GB/s."""
     host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
     device = torch.empty_like(host, device="cuda")
+    best = _best_seconds(torch, lambda: device.copy_(host, non_blocking=True))
+    return round(host.numel() / best / 1e9, 2)
+
+
+def _best_seconds(torch, work, repeats: int = 5) -> float:
+    """The shortest of `repeats` runs of `work` on the current stream, timed by CUDA events."""
     best = float("inf")
-    for _ in range(5):
+    for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        device.copy_(host, non_blocking=True)
+        work()
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
-    return round(host.numel() / best / 1e9, 2)
+    return best
 
 
 def _mapped_read_gbps(torch) -> float | None:
@@ -145,14 +151,8 @@ def _mapped_read_gbps(torch) -> float | None:
     view = device_view(host, torch.device("cuda"))
     if view is None:
         return None
-    total, best = torch.empty((), device="cuda"), float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.sum(view, out=total)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
+    total = torch.empty((), device="cuda")
+    best = _best_seconds(torch, lambda: torch.sum(view, out=total))
     if abs(total.item() - host.numel()) > 1e-3 * host.numel():  # it read other memory than the host's
         return None
     return round(host.numel() * 4 / best / 1e9, 2)
