@@ -56,6 +56,7 @@ from engine.decode.step_body import Buffers
 from engine.device_cache.mapped_table import MappedTable
 from engine.device_cache.pipeline import pinned_together
 from engine.moe.batched_experts import forward_resident, resident_asked
+from engine.moe.layer import group_by_expert
 
 
 class Pieces:
@@ -141,10 +142,7 @@ class Pieces:
     def _cpu_experts(self, layer: int, ids: list[int]) -> list[int]:
         """The missed experts the CPU computes for this step (`HybridExecutor`'s plan, over the
         routes each expert serves: a draft's steps are planned as a target's)."""
-        routes: dict[int, list[int]] = {}
-        for k, expert in enumerate(ids):
-            routes.setdefault(expert, []).append(k)
-        return self.hybrid.cpu_experts(layer, routes)
+        return self.hybrid.cpu_experts(layer, group_by_expert([ids]))
 
     @torch.inference_mode()  # the partials are the step's (inference) tensors
     def add_cpu_share(self, layer: int) -> None:

@@ -80,7 +80,7 @@ class _Plan:
     lookahead: Callable[[], list[tuple[int, int]]] | None  # the next layer's experts, once issued
 
 
-def _group_by_expert(index: list[list[int]]) -> dict[int, list[int]]:
+def group_by_expert(index: list[list[int]]) -> dict[int, list[int]]:
     """Expert -> its flat positions `t·K + k` in the `[T][K]` routes."""
     routes: dict[int, list[int]] = {}
     for position, expert in enumerate(e for token in index for e in token):
@@ -181,8 +181,8 @@ class OffloadedExperts(nn.Module):
     def _slot_table(self, hidden: torch.Tensor, draft: DraftRouting | None) -> torch.Tensor | None:
         """The layer's `ExpertCache.slot_table`, for a one-token target step computed in groups or
         by the fused kernels (`resident_asked`), or any target step of a captured graph."""
-        one = hidden.shape[0] == 1 or self.control.graphed
-        if not one or draft is not None or not self.cache.holds_all or not resident_asked(self):
+        through_table = hidden.shape[0] == 1 or self.control.graphed
+        if not through_table or draft is not None or not self.cache.holds_all or not resident_asked(self):
             return None
         return self.cache.slot_table(self.layer)
 
@@ -203,7 +203,7 @@ class OffloadedExperts(nn.Module):
         index, weights = self._routes(top_k_index, top_k_weights, draft)
         out = torch.zeros_like(hidden)  # [T, H]
         top_k = len(index[0]) if index else 0
-        return _Step(hidden, weights.reshape(-1), top_k, out, _group_by_expert(index), index)
+        return _Step(hidden, weights.reshape(-1), top_k, out, group_by_expert(index), index)
 
     def _plan(self, step: _Step, drafting: bool) -> _Plan:
         """CPU misses first (HybriMoE's cost model, target steps only); then hits before misses,
@@ -324,7 +324,7 @@ class OffloadedExperts(nn.Module):
             top_k_weights.reshape(-1),
             top_k_index.shape[-1],
             torch.zeros_like(hidden),
-            _group_by_expert(index),
+            group_by_expert(index),
             index,
         )
         for expert, positions in step.routes.items():

@@ -17,7 +17,7 @@ from engine.formats.gguf.experts import ggml_layout
 from engine.formats.gguf.repack import GGML
 from engine.formats.layout import ExpertLayout
 from engine.moe.batched_experts import accumulate_together, forward_resident, gathered_weights, groupable
-from engine.moe.layer import OffloadedExperts, _group_by_expert, _Step
+from engine.moe.layer import OffloadedExperts, _Step, group_by_expert
 from engine.tiny.models import build_tiny_model
 from tests.engine.cache_helpers import NUM_EXPERTS, ManualTransfer, make_cache
 from tests.engine.formats.gguf.test_blocks import _random_valid_bytes
@@ -59,7 +59,7 @@ def test_ggml_experts_in_a_group_give_the_values_of_one_at_a_time() -> None:
     weights = torch.rand(6, generator=torch.Generator().manual_seed(1))
 
     def step() -> _Step:
-        return _Step(hidden, weights, 2, torch.zeros_like(hidden), _group_by_expert(index), index)
+        return _Step(hidden, weights, 2, torch.zeros_like(hidden), group_by_expert(index), index)
 
     expected = step()
     for expert, positions in expected.routes.items():
