@@ -41,7 +41,10 @@ def live(tmp_path_factory):
     server.stop()
 
 
-NO_THINKING = GenerationConfig(max_new_tokens=8, template_kwargs={"enable_thinking": False})
+# greedy: sampled, a random model may open <think> itself and make the reply reasoning
+NO_THINKING = GenerationConfig(
+    max_new_tokens=8, sampling=SamplingConfig(greedy=True), template_kwargs={"enable_thinking": False}
+)
 
 
 def test_models_a_streamed_reply_and_its_stats(live):
