@@ -134,10 +134,12 @@ class OffloadConfig:
     # tokens a chat may hold (prompt + reply), below the model's own window (llama.cpp's -c, Ollama's
     # num_ctx): requests past it are refused, and the auto expert budget leaves room for its KV cache
     context_length: int | None = None  # None: the model's window
-    # GGUF experts computed on the CPU: "exact" (torch, outputs equal the dequantized model's) or
-    # "ggml" (llama.cpp's own kernels, engine.ggml.library: 8-bit activations, as llama.cpp computes);
-    # "auto" (the command line's and the app's default) is ggml for a GGUF on the CPU where its
-    # library runs here, else exact: a loaded model's config holds what it resolved to
+    # how the CPU computes the model: "exact" (torch, outputs equal the dequantized model's) or
+    # "ggml" (llama.cpp's own kernels, engine.ggml.library, on a GGUF's blocks and BF16/F16/MXFP4
+    # experts: a GGUF's activations in 8 bits, as llama.cpp computes); "auto" (the command line's
+    # and the app's default) is ggml where ggml computes the checkpoint as it is
+    # (engine.store.placement.ggml_computes) and its library runs here, else exact: a loaded
+    # model's config holds what it resolved to
     kernels: str = "exact"
 
     def validate(self) -> None:

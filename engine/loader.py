@@ -38,6 +38,7 @@ from engine.errors import (
     UnsupportedArchitectureError,
 )
 from engine.formats.base import ExpertFormat, ModelExperts, StoredExperts
+from engine.formats.gguf.repack import GGML_PACKINGS
 from engine.formats.int_quant import QuantSpec
 from engine.formats.layout import ExpertLayout
 from engine.formats.native_experts import IntQuantFormat
@@ -54,11 +55,12 @@ from engine.moe.control import ExpertControl
 from engine.moe.layer import OffloadedExperts, moe_blocks
 from engine.moe.routing_trace import RoutingTrace
 from engine.offloaded_model import OffloadedModel
+from engine.resident.ggml_linear import GgmlLinear
 from engine.resident.weights import load_resident
 from engine.store.build import build_expert_store, pack_experts
 from engine.store.disk_cache import StoreKey, load_or_build
 from engine.store.host_store import ExpertStore
-from engine.store.placement import AS_STORED, CpuPlacement
+from engine.store.placement import AS_STORED, CpuPlacement, float_placement, ggml_computes
 from engine.store.staging import pinned_for_copies
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,7 @@ def load_model(
     folder = Path(model_dir).expanduser()
     hf_config, expert_format, checkpoint = _open(folder)
     device = resolve_device(config.device)
-    config = replace(config, kernels=resolve_kernels(config.kernels, checkpoint, device))
+    config = replace(config, kernels=resolve_kernels(config.kernels, expert_format, checkpoint, device))
     transfer = n_slots = None
     try:
         dtype = resolve_dtype(config.dtype, checkpoint, device, config.kernels)
@@ -115,7 +117,7 @@ def load_model(
         hf_model=hf_model,
         tokenizer=tokenizer,
         arch=arch,
-        config=config,
+        config=replace(config, kernels=_kernels_in_use(config.kernels, hf_model, store)),
         device=device,
         dtype=dtype,
         store=store,
@@ -160,7 +162,7 @@ def _expert_store(
         args = (expert_format, checkpoint, model, config.expert_dtype, placement)
         store, experts = build_expert_store(*args, pin=False, report=report)
     else:
-        store, experts = _load_store(folder, expert_format, checkpoint, model, config, report)
+        store, experts = _load_store(folder, expert_format, checkpoint, model, config, device, report)
     return (pinned_for_copies(store) if device.type == "cuda" else store), experts
 
 
@@ -206,10 +208,11 @@ def _load_store(
     checkpoint: Checkpoint,
     model: ModelExperts,
     config: OffloadConfig,
+    device: torch.device,
     report: Callable[[int, int], None] | None,
 ) -> tuple[ExpertStore, StoredExperts]:
-    """The host store of a float checkpoint's experts: packed as they are, or quantized to int8/int4
-    when asked or when the floats do not fit the host memory.
+    """The host store of a float checkpoint's experts: packed as they are (as ggml rows where ggml
+    computes them), or quantized to int8/int4 when asked or when the floats do not fit the host memory.
 
     A quantized store comes from the store cache when it holds one for this model."""
     experts = expert_format.open(checkpoint, model)  # finds the experts' tensors
@@ -222,9 +225,10 @@ def _load_store(
     if quant is not None:
         experts = IntQuantFormat(quant).open(checkpoint, model)
     pin = False  # pinned afterwards only if small (_expert_store)
-    build = partial(pack_experts, experts, AS_STORED, pin, report, each_expert=True)
     if quant is None:
-        return build(), experts
+        placement = float_placement(config.kernels, device, checkpoint.storage_dtype(), model)
+        return pack_experts(experts, placement, pin, report, each_expert=True), experts
+    build = partial(pack_experts, experts, AS_STORED, pin, report, each_expert=True)
     log.warning(
         "Routed experts are quantized to %s: outputs differ from the unquantized model's.", quant.name
     )
@@ -327,18 +331,31 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_kernels(name: str, checkpoint: Checkpoint, device: torch.device) -> str:
-    """`--kernels` for this load: "auto" is llama.cpp's ggml kernels for a GGUF file on the CPU
-    where its library runs here (said in one line where it does not), else the exact kernels."""
+def resolve_kernels(name: str, expert_format: ExpertFormat, checkpoint, device: torch.device) -> str:
+    """`--kernels` for this load: "auto" is llama.cpp's ggml kernels on the CPU for what ggml
+    computes as the checkpoint has it (`ggml_computes`) where its library runs here (said in one
+    line where it does not), else the exact kernels."""
     if name != "auto":
         return name
-    if device.type != "cpu" or not isinstance(checkpoint, GgufCheckpoint):
+    if device.type != "cpu" or not ggml_computes(expert_format, checkpoint):
         return "exact"
     ready, why = ggml_library.available()
     if not ready:
-        log.warning("llama.cpp's kernels cannot run here (%s): this GGUF is computed by the exact ones", why)
+        log.warning("llama.cpp's kernels cannot run here (%s): the model is computed by the exact ones", why)
         return "exact"
     return "ggml"
+
+
+def _kernels_in_use(kernels: str, hf_model: torch.nn.Module, store: ExpertStore) -> str:
+    """ "ggml" where ggml computes some of the model's matrices or of the store's experts; else
+    "exact" (a float32 checkpoint asked for ggml's kernels), said in the log."""
+    if kernels != "ggml" or any(isinstance(m, GgmlLinear) for m in hf_model.modules()):
+        return kernels
+    layouts = (store.layout_of(layer) for layer in store.layer_indices)
+    if any(f.packing in GGML_PACKINGS for layout in layouts for f in layout.fields):
+        return kernels
+    log.warning("ggml's kernels cannot compute this model as it is held: the exact kernels do")
+    return "exact"
 
 
 def resolve_dtype(
@@ -346,9 +363,9 @@ def resolve_dtype(
 ) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
-    if kernels == "ggml" and device.type == "cpu" and isinstance(checkpoint, GgufCheckpoint):
-        # llama.cpp's numerics: float32 activations, the matrices in their blocks (never upcast);
-        # without bfloat16 instructions torch's bfloat16 attention is much slower than float32's
+    if kernels == "ggml" and device.type == "cpu":
+        # llama.cpp's numerics: float32 activations, the matrices in their blocks or float rows
+        # (never upcast); without bfloat16 instructions torch's bfloat16 attention is much slower
         return torch.float32
     stored = checkpoint.storage_dtype()
     if device.type == "cuda" or stored != torch.float16:

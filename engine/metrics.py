@@ -109,7 +109,7 @@ class GenerationStats:
     step_path: str | None = None
     step_paths: dict[str, int] = field(default_factory=dict)
     step_path_declined: dict[str, str] = field(default_factory=dict)
-    kernels: str = "exact"  # what computed a GGUF's matrices on the CPU: "exact" (torch) or "ggml"
+    kernels: str = "exact"  # what computed the model on the CPU: "exact" (torch) or "ggml"
 
     @classmethod
     def build(

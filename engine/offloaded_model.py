@@ -59,7 +59,7 @@ class ModelInfo:
     context_length: int | None = None  # tokens (prompt + reply) the model was built for; None: unknown
     context_limit: int | None = None  # the context length it was loaded with (None: its own)
     experts_in_place: bool = False  # CPU, no link simulated: the experts are used where the store holds them
-    kernels: str = "exact"  # what computes a GGUF's matrices on the CPU: exact (torch) or ggml (llama.cpp's)
+    kernels: str = "exact"  # what computes the model on the CPU: exact (torch) or ggml (llama.cpp's)
 
 
 class OffloadedModel:

@@ -358,7 +358,7 @@ STATS_KEYS = (
     "prefetch_recall",
     "lossless",
     "simulated_link",
-    "kernels",  # what computed a GGUF on the CPU: ggml (llama.cpp's) or exact
+    "kernels",  # what computed the model on the CPU: ggml (llama.cpp's) or exact
 )
 
 

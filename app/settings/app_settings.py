@@ -50,7 +50,7 @@ class AppSettings:
     cpu_experts: str = "never"
     expert_dtype: str = "native"
     kv_dtype: str = "auto"  # the KV cache's storage precision (auto: the compute dtype)
-    kernels: str = "auto"  # GGUF on the CPU: llama.cpp's ggml kernels where they run (auto), exact or ggml
+    kernels: str = "auto"  # on the CPU: llama.cpp's ggml kernels where they run (auto), exact or ggml
     context_length: int | None = None  # tokens a chat may hold; None: the model's window
     policy: str = "lru"
     sim_link_gbps: float | None = None  # only without a GPU

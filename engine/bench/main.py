@@ -14,21 +14,18 @@ Figures measured over a simulated link are simulated: every row says so.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import statistics
 import sys
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from engine.bench import emulated, llama_cpp
 from engine.bench.memory import current_rss_bytes, memory_line
 from engine.bench.op_counts import measured_beside, op_count_lines
-from engine.bench.passes import bench_engine, decoding_of, engine_pass, engine_row
+from engine.bench.passes import bench_engine, decoding_of
 from engine.bench.rows import BenchRow, format_table, step_path_line
-from engine.bench.side_by_side import bench_other, ratio_line, ratios
+from engine.bench.side_by_side import bench_other, compare_side_by_side, ratio_line, ratios
 from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import EngineError
 from engine.options import (
@@ -42,72 +39,6 @@ from engine.prompts import PROMPTS, encode_prompts, lengthened
 
 log = logging.getLogger(__name__)
 FUSED_EXPERTS = {"auto": None, "on": True, "off": False}  # --fused-experts: ExpertControl.fused
-
-
-class TransformersRunner:
-    """transformers' own generate with every expert resident, timed the way the engine reports:
-    decode time = time for N tokens - time for 1 token."""
-
-    def __init__(self, folder: Path, device, dtype):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.torch, self.device = torch, device
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-
-    def _timed(self, ids: list[int], n: int) -> float:
-        inputs = self.torch.tensor([ids], device=self.device)
-        start = time.perf_counter()
-        with self.torch.no_grad():
-            self.model.generate(
-                inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None
-            )
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    def tpot_ms(self, prompt_ids: list[list[int]], new_tokens: int) -> float:
-        decode_s = 0.0
-        for ids in prompt_ids:
-            whole = self._timed(ids, new_tokens)
-            # Under heavy CPU contention one token can take longer than N: fall back to N tokens' mean.
-            decode_s += max(whole - self._timed(ids, 1), whole * (new_tokens - 1) / new_tokens)
-        return decode_s * 1e3 / (len(prompt_ids) * (new_tokens - 1))
-
-    def row(self, tpots: list[float], decode_tokens: int) -> BenchRow:
-        tpot = statistics.median(tpots)
-        return BenchRow(
-            engine="transformers",
-            budget="all (resident)",
-            cache_slots=None,
-            tpot_ms=tpot,
-            tokens_per_s=1e3 / tpot,
-            prefill_tokens_per_s=None,
-            hit_rate=None,
-            h2d_gbps=None,
-            bytes_per_token=None,
-            decode_tokens=decode_tokens,
-            simulated_link=False,
-        )
-
-
-def compare_side_by_side(args, budget: str, prompt_ids, config: OffloadConfig) -> tuple[BenchRow, BenchRow]:
-    """The engine and transformers timed in alternating passes, so drifts of the machine hit both."""
-    from engine.loader import load_model
-
-    model = load_model(model_folder(args), config)
-    try:
-        reference = TransformersRunner(Path(model_folder(args)), model.device, model.dtype)
-        engine_pass(model, [prompt_ids[0][:8]], 4)
-        reference.tpot_ms([prompt_ids[0][:8]], 4)  # warm-ups
-        ours, theirs = [], []
-        for _ in range(args.repeats):
-            ours.append(engine_pass(model, prompt_ids, args.new_tokens))
-            theirs.append(reference.tpot_ms(prompt_ids, args.new_tokens))
-        row = engine_row(model, ours)
-        return row, reference.row(theirs, row.decode_tokens)
-    finally:
-        model.close()
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -144,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": asdict(info),
         "new_tokens": args.new_tokens,
         "prompts": len(prompts),
-        "kernels": args.kernels,
+        "kernels": info.kernels,  # as the load resolved --kernels
         "decoding": {"spec": args.spec, "prefetch": args.prefetch, "cpu_experts": args.cpu_experts},
         "prompt_tokens": [len(ids) for ids in prompt_ids],
     }
@@ -175,10 +106,12 @@ def _loaded(args: argparse.Namespace, offload: OffloadConfig):
     from engine.loader import load_model
     from engine.moe.cuda_graphs import ExpertGraphs
 
-    with emulated.cuda_layout() if args.emulate_cuda else contextlib.nullcontext():
-        model = load_model(model_folder(args), offload)
-    if args.emulate_cuda:
+    if args.emulate_cuda:  # CUDA's layout, with the kernels auto gives there (ggml's are the CPU's)
+        with emulated.cuda_layout():
+            model = load_model(model_folder(args), replace(offload, kernels="exact"))
         emulated.step_as_on_cuda(model)  # every fused kernel asked for, unless turned off below
+    else:
+        model = load_model(model_folder(args), offload)
     model.control.graphs = ExpertGraphs() if args.expert_graphs else None
     if not args.emulate_cuda or args.fused_experts != "auto":
         model.control.fused = FUSED_EXPERTS[args.fused_experts]

@@ -4,7 +4,8 @@ Writes a Qwen3-30B-A3B-shaped model cut to 2 layers (hidden 2048, 128 experts ×
 and 4 KV heads of 128, a 40960-token window; random weights, the demo tokenizer) as one GGUF file
 per type, the files the side-by-side figures against llama.cpp are measured on (`python -m
 engine.bench --vs-llama-cpp FILE`): `Q4_K_M` (routed gate/up and every other matrix Q4_K, down
-projections by llama.cpp's Q4_K_M rule: Q6_K in layer 1), `BF16` (every matrix bfloat16). Building
+projections by llama.cpp's Q4_K_M rule: Q6_K in layer 1), `BF16` (every matrix bfloat16; with
+`--safetensors` also as a Hugging Face folder of the same bfloat16 weights). Building
 one takes a few minutes and ~6 GB of RAM (the model in float32 before it is quantized).
 
 `--layers N` writes the model at depth N for a GPU's expert budget (Qwen3-30B-A3B has 48): the two
@@ -44,12 +45,19 @@ TYPES = {  # name: (routed gate/up, routed down, every other matrix)
 }
 
 
-def write_shape(folder: str | Path, type_name: str, seed: int = 0) -> Path:
-    """The Qwen3-30B-A3B-shaped 2-layer model as `folder/qwen3-30b-a3b-2layers-<type>.gguf`."""
+def write_shape(folder: str | Path, type_name: str, seed: int = 0, safetensors: bool = False) -> Path:
+    """The Qwen3-30B-A3B-shaped 2-layer model as `folder/qwen3-30b-a3b-2layers-<type>.gguf`;
+    `safetensors` (BF16 only): also its very weights as a bfloat16 Hugging Face folder beside it,
+    `folder/qwen3-30b-a3b-2layers-BF16-safetensors/`."""
+    import torch
+
     from engine.tiny.gguf_writer import write_tiny_gguf
 
+    if safetensors and type_name != "BF16":
+        raise ValueError("only the BF16 file's weights are a bfloat16 checkpoint's without rounding")
     expert, down, other = TYPES[type_name]
     folder = Path(folder)
+    name = f"qwen3-30b-a3b-2layers-{type_name}"
     path = write_tiny_gguf(
         folder,
         "qwen3_moe",
@@ -57,9 +65,11 @@ def write_shape(folder: str | Path, type_name: str, seed: int = 0) -> Path:
         down_type=down,
         other_type=other,
         seed=seed,
+        safetensors_dir=folder / f"{name}-safetensors" if safetensors else None,
+        safetensors_dtype=torch.bfloat16,
         **QWEN3_30B_A3B_LAYER,
     )
-    return path.replace(folder / f"qwen3-30b-a3b-2layers-{type_name}.gguf")
+    return path.replace(folder / f"{name}.gguf")
 
 
 def repeat_layers(source: str | Path, layers: int) -> Path:
@@ -111,9 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--layers", type=int, default=2, help="depth of the written file (the 2 random layers repeated)"
     )
+    parser.add_argument(
+        "--safetensors",
+        action="store_true",
+        help="also write the BF16 file's weights as a bfloat16 Hugging Face folder beside it",
+    )
     args = parser.parse_args(argv)
     for type_name in args.types:
-        path = write_shape(args.folder, type_name)
+        path = write_shape(args.folder, type_name, safetensors=args.safetensors and type_name == "BF16")
         if args.layers != 2:
             path = repeat_layers(path, args.layers)
         print(path)

@@ -129,7 +129,7 @@ class Mxfp4Experts:
 class Mxfp4Format:
     """gpt-oss's MXFP4 experts, kept as ggml MXFP4 blocks."""
 
-    name, kept_quantized, repacks_for_cpu = "mxfp4", True, False
+    name, kept_quantized, repacks_for_cpu = "mxfp4", True, True
 
     def detect(self, hf_config, checkpoint) -> bool:
         return isinstance(checkpoint, Checkpoint) and is_mxfp4(hf_config)

@@ -16,8 +16,11 @@ import logging
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from safetensors import SafetensorError, safe_open
 
 from engine.errors import CorruptCheckpointError, MissingTensorsError, ModelNotFoundError
@@ -32,6 +35,13 @@ SUPPORTED_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.f
 # Packed quantized values (MXFP4 blocks and scales, FP8 weights, GPTQ/AWQ int32 words): read as they
 # are, never cast to a float dtype here (engine.formats.fp8_experts and int4_checkpoint dequantize them).
 PACKED_DTYPES = {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32}
+
+
+class FloatRows(NamedTuple):
+    """A float matrix as ggml rows: its ggml type and its bytes, `[out, in × itemsize]`."""
+
+    tensor_type: GGMLQuantizationType
+    data: np.ndarray
 
 
 class Checkpoint:
@@ -163,6 +173,16 @@ class Checkpoint:
     @staticmethod
     def _convert(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+
+    def quantized_tensor(self, name: str, also: frozenset = frozenset()) -> FloatRows | None:
+        """`name` as rows of a ggml float type in `also` (BF16, F16: the file's own numbers), the
+        way a GGUF file's reader gives a matrix ggml computes (engine.resident.ggml_linear); None
+        for a tensor that is not a matrix of such a type."""
+        types = {"BF16": GGMLQuantizationType.BF16, "F16": GGMLQuantizationType.F16}
+        ggml_type = types.get(self.dtype_name(name)) if name in self else None
+        if ggml_type is None or ggml_type not in also or len(self.shape(name)) != 2:
+            return None
+        return FloatRows(ggml_type, self.read(name).view(torch.uint8).numpy())
 
     def storage_dtype(self) -> torch.dtype:
         """The dtype most floating tensors are stored in (the checkpoint's working precision)."""

@@ -4,6 +4,8 @@
   in named stages, its strategy chosen once when it is installed;
 - `control`: `ExpertControl`, what a run installs on every layer (prefetch observers, a draft's
   routing, CPU misses), and `DraftRouting`;
+- `ggml_routes`: `InPlaceGgml`, a step's routes through ggml's `mul_mat_id` where the experts lie
+  in the store (`--kernels ggml` on the CPU);
 - `batched_experts`: a step's device experts gathered and computed as groups;
 - `fused_experts`: a one-token step's experts through the fused GPU kernels (`engine.gpu`), two
   launches a layer, where the layer's blocks and the device allow (decided once a layer);

@@ -47,13 +47,12 @@ from engine.device_cache.expert_cache import ExpertCache
 from engine.device_cache.pipeline import ready_experts
 from engine.errors import UnsupportedArchitectureError
 from engine.formats import int_quant as quant
-from engine.formats.gguf.repack import GGML_PACKINGS
-from engine.ggml import kernels as ggml_kernels
 from engine.model.adapters.base import Architecture
 from engine.model.hf_calls import decoder_of
 from engine.moe.batched_experts import accumulate_in_groups, forward_resident, in_groups, resident_asked
 from engine.moe.control import DraftRouting, ExpertControl
 from engine.moe.fused_experts import FusedExperts
+from engine.moe.ggml_routes import InPlaceGgml
 from engine.moe.routing_trace import RoutingTrace
 from engine.store.host_store import ExpertStore
 
@@ -88,7 +87,7 @@ def group_by_expert(index: list[list[int]]) -> dict[int, list[int]]:
     return routes
 
 
-class OffloadedExperts(nn.Module):
+class OffloadedExperts(InPlaceGgml, nn.Module):
     """Drop-in for a transformers fused experts module, backed by the expert cache."""
 
     def __init__(
@@ -251,59 +250,10 @@ class OffloadedExperts(nn.Module):
             step.out.index_put_((token_idx,), y.to(step.out.dtype), accumulate=True)
 
     @functools.cached_property
-    def grouped_in_ggml(self) -> bool:
-        """Whether the layer's experts go through ggml together: llama.cpp's kernels (`--kernels
-        ggml`) on the store itself (in place: no slot is reused while the step runs)."""
-        fields = self.cache.store.layout_of(self.layer).fields
-        return self.cache.in_place and not self.has_bias and all(f.packing in GGML_PACKINGS for f in fields)
-
-    @functools.cached_property
-    def ggml_fields(self) -> tuple[torch.Tensor, tuple[int, int, int, int], tuple[int, int, int, int]]:
-        """The layer's experts in the store and where gate/up and down lie in each (`linear_routed`)."""
-        fields = {
-            f.name: (f.offset, f.ggml_type, *f.weight_shape)
-            for f in self.cache.store.layout_of(self.layer).fields
-        }
-        gate_up = fields["gate_up_proj" if self.has_gate else "up_proj"]
-        return self.cache.store.layer_buffer(self.layer), gate_up, fields["down_proj"]
-
-    @functools.cached_property
     def fused(self) -> FusedExperts | None:
         """The fused kernels computing this layer's one-token steps over a cache holding every
         expert (`engine.moe.fused_experts`), or None: decided once, at its first such step."""
         return FusedExperts.of(self)
-
-    @functools.cached_property
-    def swiglu_in_ggml(self) -> bool:
-        """Whether the experts gate as SwiGLU (`silu(gate) · up`, gate rows first), which ggml
-        computes itself: asked of the family's own gate on a probe, not read off its name."""
-        if not self.has_gate:
-            return False
-        probe = torch.linspace(-4.0, 4.0, 16).view(2, 8)
-        gate, up = probe.chunk(2, dim=-1)
-        return torch.equal(self.template._apply_gate(probe), torch.nn.functional.silu(gate) * up)
-
-    def _routed_in_ggml(
-        self, hidden: torch.Tensor, weights: torch.Tensor, index: list[list[int]]
-    ) -> torch.Tensor:
-        """Every route of the step through the layer's experts where they lie in the store, one ggml
-        node a projection (llama.cpp's `mul_mat_id`: a token's row quantized once for all its
-        experts); each route's output weighted as `_accumulate` weights it, a token's routes summed
-        in their top-k order: `[T, H]`."""
-        experts, gate_up, down = self.ggml_fields
-        weights = weights.reshape(len(index), -1, 1)  # [T, K, 1]
-        x = hidden  # [T, H]: every route of a token multiplies the same row
-        if self.scales_input:  # Llama 4: a row per route, scaled by its weight
-            x = x[:, None, :] * weights
-        if self.swiglu_in_ggml and x.dtype == torch.float32:  # the whole expert in one ggml graph
-            y = ggml_kernels.routed_swiglu(x, experts, gate_up, down, index)  # [T, K, H]
-        else:
-            up = ggml_kernels.linear_routed(x, experts, gate_up, index).to(x.dtype)  # [T, K, 2I]
-            act = self.template._apply_gate(up) if self.has_gate else self.template.act_fn(up)
-            y = ggml_kernels.linear_routed(act, experts, down, index).to(x.dtype)  # [T, K, H]
-        if not self.scales_input:
-            y = y * weights
-        return y.sum(dim=1, dtype=hidden.dtype)
 
     def _compute_on_cpu(self, positions: list[int], expert: int, step: _Step) -> None:
         """A missing expert computed on the CPU from the host store (Fiddler/HybriMoE): no copy."""

@@ -6,7 +6,8 @@ loader) on `device` and fills it from `checkpoint` under transformers' names and
 skipping the expert tensors in `skip`; what the checkpoint lacks is a `MissingTensorsError`, a
 shape it disagrees on a `CorruptCheckpointError`. A GGUF's big quantized token embedding stays in
 its blocks (engine.resident.ggml_embedding), and with `--kernels ggml` on the CPU its quantized
-matrices too (engine.resident.ggml_linear); on a GPU those of a type the fused GEMV reads
+matrices too (engine.resident.ggml_linear), as do a safetensors checkpoint's BF16/F16 matrices and
+embedding, as ggml rows of the same numbers; on a GPU those of a type the fused GEMV reads
 (engine.resident.device_blocks). On the CPU they lie on huge pages where the system
 gives them (engine.huge_pages).
 """
@@ -21,6 +22,7 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 
 from engine import huge_pages
 from engine.errors import CorruptCheckpointError, DeviceOutOfMemoryError, MissingTensorsError
+from engine.formats.gguf.repack import GGML_FLOATS
 from engine.model.checkpoint import Checkpoint
 from engine.model.gguf_file import GgufCheckpoint
 from engine.resident.device_blocks import fill_blocks, keep_linears_on_device
@@ -36,9 +38,11 @@ def load_resident(hf_model, checkpoint, skip: set[str], dtype, device, progress,
     """The resident weights; a GGUF's big quantized token embedding stays in its blocks, and with
     `--kernels ggml` on the CPU its quantized matrices too (engine.resident.ggml_linear)."""
     gguf = isinstance(checkpoint, GgufCheckpoint)
-    embed = checkpoint.tensors.get("token_embd.weight") if gguf else None
+    ggml = kernels == "ggml" and device.type == "cpu"  # a GGUF's blocks, or a checkpoint's BF16/F16 rows
+    embed = (
+        checkpoint.tensors.get("token_embd.weight") if gguf else _float_embedding(hf_model, checkpoint, ggml)
+    )
     replaced = keep_embedding_quantized(hf_model, embed, dtype)
-    ggml = gguf and kernels == "ggml" and device.type == "cpu"
     linears = keep_linears_quantized(hf_model, checkpoint) if ggml else {}
     # on a GPU the matrices of a type the fused GEMV reads stay in their blocks there
     on_device = keep_linears_on_device(hf_model, checkpoint) if gguf and device.type in BLOCKS_ON else {}
@@ -51,6 +55,16 @@ def load_resident(hf_model, checkpoint, skip: set[str], dtype, device, progress,
     if replaced is not None:
         fill_embedding(hf_model, embed)
         log.info("The token embedding stays in its %s blocks (%s).", embed.tensor_type.name, replaced)
+
+
+def _float_embedding(hf_model, checkpoint: Checkpoint, ggml: bool):
+    """A safetensors checkpoint's token embedding as ggml rows of its BF16/F16 numbers where
+    ggml's kernels compute the model (in float32: a looked-up row converts exactly); else None."""
+    dense = hf_model.get_input_embeddings()
+    if not ggml or dense is None:
+        return None
+    name = next(name for name, module in hf_model.named_modules() if module is dense)
+    return checkpoint.quantized_tensor(f"{name}.weight", also=GGML_FLOATS)
 
 
 def _load_resident_weights(hf_model, checkpoint: Checkpoint, skip: set[str], device, progress) -> None:

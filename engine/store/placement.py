@@ -3,10 +3,13 @@
 Contract: a placement turns the layout a format stores an expert in into the layout the store
 holds (`layout`), allocates a layer's `[E, nbytes]` buffer (`allocate`) and gives the function
 that writes one expert into its row (`writer`: the format's `pack`, then the conversion).
-`AS_STORED` keeps every expert as its format stores it, in host memory. `CpuPlacement` is for a
-GGUF file's experts computed on the CPU: each field takes the packing `repack.packing_for`
-names for the compute dtype and kernels (torch's int4/int8 CPU kernels, or llama.cpp's), and a
-layer with fields in llama.cpp's interleaved rows lives in ggml's own memory (`engine.ggml`).
+`AS_STORED` keeps every expert as its format stores it, in host memory. `CpuPlacement` is for
+experts in ggml blocks (a GGUF file's, gpt-oss's MXFP4) computed on the CPU: each block field takes
+the packing `repack.packing_for` names for the compute dtype and kernels (torch's int4/int8 CPU
+kernels, or llama.cpp's), and a layer with fields in llama.cpp's interleaved rows lives in ggml's
+own memory (`engine.ggml`). `GgmlFloats` is for a float checkpoint's experts computed by ggml on
+the CPU: each weight matrix becomes ggml rows of the checkpoint's own float type (BF16 or F16, the
+same numbers), `(out, in)` whatever the family's orientation.
 """
 
 from __future__ import annotations
@@ -15,13 +18,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+from gguf import GGMLQuantizationType
 
 from engine.errors import InvalidConfigError
+from engine.formats.base import ExpertFormat, ModelExperts
+from engine.formats.fields import PLAIN, GgmlBlocks
 from engine.formats.gguf.experts import repacked_layout
 from engine.formats.gguf.repack import GGML, GGML_X8, packing_for, place
-from engine.formats.layout import ExpertLayout
+from engine.formats.int_quant import is_weight
+from engine.formats.layout import ExpertField, ExpertLayout
+from engine.formats.mxfp4_experts import MXFP4
 from engine.ggml import interleave as ggml_interleave
 from engine.ggml import library as ggml_library
+from engine.model.gguf_file import GgufCheckpoint
 from engine.store.host_store import allocate_layer
 
 Write = Callable[[Mapping[str, object]], None]  # fills the views of one expert in the stored layout
@@ -55,9 +64,7 @@ class CpuPlacement(AsStored):
 
     def __post_init__(self) -> None:
         if self.kernels == "ggml":
-            ready, reason = ggml_library.available()
-            if not ready:
-                raise InvalidConfigError(f"--kernels ggml cannot run: {reason}. Use --kernels exact.")
+            _refuse_without_ggml()
 
     def layout(self, stored: ExpertLayout) -> ExpertLayout:
         return repacked_layout(
@@ -68,7 +75,7 @@ class CpuPlacement(AsStored):
         )
 
     def allocate(self, layout: ExpertLayout, num_experts: int, pin: bool, layer: int) -> torch.Tensor:
-        if not any(f.format.packing == GGML_X8 for f in layout.fields):
+        if not any(f.packing == GGML_X8 for f in layout.fields):
             return super().allocate(layout, num_experts, pin, layer)
         packed = ggml_interleave.allocate(num_experts * layout.nbytes, f"layer {layer}'s experts")
         return packed.view(num_experts, layout.nbytes)
@@ -76,18 +83,98 @@ class CpuPlacement(AsStored):
     def writer(self, stored: ExpertLayout, layout: ExpertLayout) -> Writer:
         """The file's bytes straight into the row where the packing keeps them; else read into a
         one-expert buffer in the file's layout and placed field by field (`repack.place`)."""
-        if all(f.format.packing in (None, GGML) for f in layout.fields):
+        if all(f.packing in (None, GGML) for f in layout.fields):
             return super().writer(stored, layout)
-        staging = torch.empty(stored.nbytes, dtype=torch.uint8)
 
-        def write_placed(write: Write, row: torch.Tensor) -> None:
-            source = stored.views(staging)
-            write(source)
-            target = layout.views(row)
-            for f in layout.fields:
-                blocks = f.format
-                place(
-                    blocks.packing, target[f.name].data, source[f.name].data, blocks.ggml_type, *blocks.shape
-                )
+        def place_blocks(f: ExpertField, target, source) -> None:
+            blocks = f.format
+            place(blocks.packing, target.data, source.data, blocks.ggml_type, *blocks.shape)
 
-        return write_placed
+        return _staged(stored, layout, place_blocks)
+
+
+# a float checkpoint's precision -> the ggml type holding its numbers as they are
+GGML_FLOAT_TYPES = {torch.bfloat16: GGMLQuantizationType.BF16, torch.float16: GGMLQuantizationType.F16}
+
+
+@dataclass(frozen=True)
+class GgmlFloats(AsStored):
+    """A float checkpoint's experts for ggml's kernels on the CPU (used where the store holds them,
+    `engine.moe.layer`): each weight matrix as ggml rows of `stored_dtype` (the checkpoint's own
+    BF16 or F16: read into a wider compute dtype, its numbers come back unchanged), `(out, in)`;
+    a family holding `[in, out]` (`transposed`, gpt-oss) is transposed as it is written. Biases
+    stay plain fields in the compute dtype."""
+
+    stored_dtype: torch.dtype
+    transposed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stored_dtype not in GGML_FLOAT_TYPES:
+            raise ValueError(f"ggml keeps no experts in {self.stored_dtype}")
+        _refuse_without_ggml()
+
+    def layout(self, stored: ExpertLayout) -> ExpertLayout:
+        fields = []
+        ggml_type, itemsize = int(GGML_FLOAT_TYPES[self.stored_dtype]), self.stored_dtype.itemsize
+        for f in stored.fields:
+            if f.format is not PLAIN or not is_weight(f.shape):
+                fields.append(f)
+                continue
+            out, columns = f.shape[::-1] if self.transposed else f.shape
+            rows = GgmlBlocks(ggml_type, (out, columns), GGML)
+            fields.append(ExpertField(f.name, (out, columns * itemsize), torch.uint8, 0, rows))
+        return ExpertLayout.placed(fields)
+
+    def writer(self, stored: ExpertLayout, layout: ExpertLayout) -> Writer:
+        """Each expert read into a one-expert buffer in the model's layout, then each weight
+        written as rows of `stored_dtype`."""
+
+        def place_rows(f: ExpertField, target, weight: torch.Tensor) -> None:
+            target.data.view(self.stored_dtype).copy_(weight.T if self.transposed else weight)
+
+        return _staged(stored, layout, place_rows)
+
+
+def _staged(stored: ExpertLayout, layout: ExpertLayout, place_weight: Callable[..., None]) -> Writer:
+    """Each expert read into a one-expert buffer in the stored layout, then each field put in its
+    row: a plain field (a bias) copied, a weight by `place_weight(field, target view, source view)`."""
+    staging = torch.empty(stored.nbytes, dtype=torch.uint8)
+
+    def write_placed(write: Write, row: torch.Tensor) -> None:
+        source = stored.views(staging)
+        write(source)
+        target = layout.views(row)
+        for f in layout.fields:
+            if f.ggml_type is None:
+                target[f.name].copy_(source[f.name])
+            else:
+                place_weight(f, target[f.name], source[f.name])
+
+    return write_placed
+
+
+def _refuse_without_ggml() -> None:
+    ready, reason = ggml_library.available()
+    if not ready:
+        raise InvalidConfigError(f"--kernels ggml cannot run: {reason}. Use --kernels exact.")
+
+
+def ggml_computes(expert_format: ExpertFormat, checkpoint) -> bool:
+    """Whether ggml's CPU kernels compute this checkpoint's experts as it has them: a GGUF file's
+    blocks (and its matrices), gpt-oss's MXFP4 blocks, a BF16 or F16 checkpoint's floats. Not
+    FP8 (ggml has no such type; as BF16 its block scales would round) or GPTQ/AWQ int4 (a zero
+    point times its scale rounds in a Q4_1 block's float16 minimum): the exact kernels compute them."""
+    if isinstance(checkpoint, GgufCheckpoint) or expert_format.name == MXFP4.name:
+        return True
+    return expert_format.name == "native" and checkpoint.storage_dtype() in GGML_FLOAT_TYPES
+
+
+def float_placement(
+    kernels: str, device: torch.device, stored_dtype: torch.dtype, model: ModelExperts
+) -> AsStored:
+    """Where a float checkpoint's experts lie: as ggml rows (`GgmlFloats`) where ggml computes
+    them on the CPU and the compute dtype holds the checkpoint's numbers unchanged; else as read."""
+    computes = kernels == "ggml" and device.type == "cpu" and stored_dtype in GGML_FLOAT_TYPES
+    if not computes or model.dtype not in (stored_dtype, torch.float32):
+        return AS_STORED
+    return GgmlFloats(stored_dtype, model.transposed)

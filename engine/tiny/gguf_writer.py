@@ -234,11 +234,13 @@ def write_tiny_gguf(
     other_type: QT = QT.F32,
     seed: int = 0,
     safetensors_dir: str | Path | None = None,
+    safetensors_dtype: torch.dtype | None = None,
     **config_overrides,
 ) -> Path:
     """Build a tiny `model_type` model and write it as `folder/tiny-<model_type>-<expert_type>.gguf`.
 
-    `safetensors_dir`: also save the file's weights (dequantized, fp32) there as a hub checkpoint. Not in
+    `safetensors_dir`: also save the file's weights (dequantized, fp32 or `safetensors_dtype`) there
+    as a hub checkpoint. Not in
     `folder`: beside a tokenizer_config.json, transformers 5.23's `AutoTokenizer.from_pretrained(folder,
     gguf_file=...)` takes the class named there (TokenizersBackend) and drops the GGUF's chat template.
     """
@@ -255,7 +257,7 @@ def write_tiny_gguf(
     )
     if safetensors_dir is not None:
         model.load_state_dict(dequantized_state_dict(path, model))
-        save_tiny_model(model, safetensors_dir, tokenizer=tokenizer)
+        save_tiny_model(model, safetensors_dir, dtype=safetensors_dtype, tokenizer=tokenizer)
     return path
 
 

@@ -32,24 +32,31 @@ PARTS = ("gate", "up", "down")  # the file's expert tensors: blk.N.ffn_{part}_ex
 def ggml_layout(fields: Iterable[tuple[str, tuple[int, int], int, int, str | None]]) -> ExpertLayout:
     """Fields `(name, (out, in), ggml_type, bytes per row, packing)` in ggml blocks, as the file has
     them (packing None) or repacked for the CPU (`engine.formats.gguf.repack`)."""
-    return ExpertLayout.placed(
-        ExpertField(name, (out, per_row), torch.uint8, 0, GgmlBlocks(ggml_type, (out, columns), packing))
-        for name, (out, columns), ggml_type, per_row, packing in fields
-    )
+    return ExpertLayout.placed(_ggml_field(*field) for field in fields)
+
+
+def _ggml_field(
+    name: str, shape: tuple[int, int], ggml_type: int, per_row: int, packing: str | None
+) -> ExpertField:
+    return ExpertField(name, (shape[0], per_row), torch.uint8, 0, GgmlBlocks(ggml_type, shape, packing))
 
 
 def repacked_layout(layout: ExpertLayout, packing_of: Callable[[GgmlBlocks], str | None]) -> ExpertLayout:
-    """`layout` (fields in the file's blocks) with each field in the packing `packing_of` names for
-    it; interleaved rows and llama.cpp's own kernels keep the file's bytes."""
+    """`layout` with each field in ggml blocks in the packing `packing_of` names for it
+    (interleaved rows and llama.cpp's own kernels keep the file's bytes); other fields (MXFP4's
+    biases) as they are."""
     fields = []
     for f in layout.fields:
+        if f.ggml_type is None:
+            fields.append(f)
+            continue
         packing, (out, columns) = packing_of(f.format), f.format.shape
         if packing not in (None, *GGML_PACKINGS):
             per_row = packed_nbytes(packing, out, columns) // out
         else:
             per_row = row_bytes(f.format.ggml_type, columns)
-        fields.append((f.name, (out, columns), f.format.ggml_type, per_row, packing))
-    return ggml_layout(fields)
+        fields.append(_ggml_field(f.name, (out, columns), f.format.ggml_type, per_row, packing))
+    return ExpertLayout.placed(fields)
 
 
 class GgufExperts:

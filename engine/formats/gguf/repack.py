@@ -51,9 +51,9 @@ Q6_K_INT8 = "q6_k_int8"
 GGML = "ggml"  # the file's blocks as they are, computed by llama.cpp's kernels (`--kernels ggml`)
 GGML_X8 = "ggml-x8"  # the same blocks with 8 rows interleaved, as llama.cpp computes them on this CPU
 GGML_PACKINGS = frozenset({GGML, GGML_X8})  # the ones ggml computes (engine.ggml.kernels)
-# float types ggml computes too: bfloat16 weights times activations rounded to bfloat16 (a bfloat16
-# model's are already), summed in float32 as torch's bfloat16 matmul sums, at llama.cpp's speed
-GGML_FLOATS = frozenset({Q.BF16})
+# float types ggml computes too: bfloat16 (float16) weights times activations rounded to bfloat16
+# (float16), summed in float32 as torch's bfloat16 matmul sums, at llama.cpp's speed
+GGML_FLOATS = frozenset({Q.BF16, Q.F16})
 GROUP = 32  # int4pack: weights per scale and zero, one Q4_K sub-block
 _N_BLOCK = 16  # int4pack: the kernel takes its output rows in blocks of 16, 32, 48 or 64
 _SOURCE = {INT4PACK: Q.Q4_K, Q6_K_INT8: Q.Q6_K}
