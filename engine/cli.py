@@ -134,25 +134,32 @@ def run_tune(args: argparse.Namespace) -> int:
 
 
 def tune_summary(result) -> list[str]:
-    """A tune result in lines a person reads: each measured point (median, spread, runs), then the
-    choice with its drafter, and how sure it is."""
-    from engine.tune.search import describe
-    from engine.tune.types import CurvePoint
+    """A tune result in lines a person reads: each measured point by drafter (median, spread, runs)
+    with the analytic prediction beside it, then the choice, how sure it is and why it won."""
+    from engine.tune.search import DRAFTERS, describe, predicted
 
-    lines = ["measured (ms/token: median of the runs, low–high):"]
-    points = sorted(result.measured, key=lambda p: (p.drafter, p.draft_len, p.cutoff_layer))
-    width = max((len(describe(point)) for point in points), default=0)
-    for point in points:
-        spread = f"{point.tpot_low_ms:.1f}–{point.tpot_high_ms:.1f}" if point.tpot_low_ms is not None else "–"
-        lines.append(f"  {describe(point):<{width}} {point.tpot_ms:8.1f}  ({spread}, {point.runs} runs)")
-    c = result.choice
-    chosen = describe(CurvePoint(c.cutoff_layer, c.draft_len, 1e3 / c.expected_tokens_per_s, c.drafter))
-    lines.append(
-        f"chosen: {chosen}; {c.cache_experts} cached experts: {c.expected_tokens_per_s:.1f} tok/s expected"
-        + (" (stored result)" if result.reused else "")
+    lines = ["measured ms/token (median of the runs, low–high), the analytic model's beside it:"]
+    points = sorted(
+        result.measured, key=lambda p: (p.drafter, p.draft_len, p.cutoff_layer, p.prefetch, p.policy)
     )
-    if c.certainty:
-        lines.append(c.certainty)
+    width = max((len(describe(point)) for point in points), default=0)
+    drafter = None
+    for point in points:
+        if point.drafter != drafter:
+            drafter = point.drafter
+            lines.append(f"  {DRAFTERS.get(drafter, drafter) if drafter else 'no drafter'}:")
+        spread = f"{point.tpot_low_ms:.1f}–{point.tpot_high_ms:.1f}" if point.tpot_low_ms is not None else "–"
+        guess = predicted(result.prediction, point)
+        analytic = f"predicted {guess:.1f}" if guess is not None else "not predicted"
+        lines.append(
+            f"    {describe(point):<{width}} {point.tpot_ms:8.1f}  ({spread}, {point.runs} runs; {analytic})"
+        )
+    c = result.choice
+    lines.append(
+        f"chosen: {describe(c)}; {c.cache_experts} cached experts: "
+        f"{c.expected_tokens_per_s:.1f} tok/s expected" + (" (stored result)" if result.reused else "")
+    )
+    lines += [line for line in (c.certainty, c.why) if line]
     return lines
 
 
@@ -171,12 +178,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from engine.generation import FinishedEvent, generate
     from engine.loader import load_model
-    from engine.speculative.auto import resolve_config
-    from engine.worker.tuned import stored_choice
+    from engine.worker.tuned import tuned_config
 
     model = load_model(model_folder(args), offload)
     try:
-        gen_config = resolve_config(model, gen_config, stored_choice(model))  # `auto`: drafter, SP-MoE
+        gen_config = tuned_config(model, gen_config)  # `auto`: drafter, SP-MoE, as tuned
         for event in generate(model, args.prompt, gen_config):
             if isinstance(event, FinishedEvent):
                 finished = event

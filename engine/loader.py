@@ -77,7 +77,7 @@ def load_model(
     folder = Path(model_dir).expanduser()
     hf_config, expert_format, checkpoint = _open(folder)
     device = resolve_device(config.device)
-    config = replace(config, kernels=resolve_kernels(config.kernels, expert_format, checkpoint, device))
+    config = replace(config, kernels=resolve_kernels(config, expert_format, checkpoint, device))
     transfer = n_slots = None
     try:
         dtype = resolve_dtype(config.dtype, checkpoint, device, config.kernels)
@@ -331,13 +331,18 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_kernels(name: str, expert_format: ExpertFormat, checkpoint, device: torch.device) -> str:
+def resolve_kernels(
+    config: OffloadConfig, expert_format: ExpertFormat, checkpoint, device: torch.device
+) -> str:
     """`--kernels` for this load: "auto" is llama.cpp's ggml kernels on the CPU for what ggml
     computes as the checkpoint has it (`ggml_computes`) where its library runs here (said in one
-    line where it does not), else the exact kernels."""
-    if name != "auto":
-        return name
+    line where it does not), else the exact kernels. A safetensors model with a simulated link
+    stands in for a GPU's: its experts keep the layout and kernels they have there."""
+    if config.kernels != "auto":
+        return config.kernels
     if device.type != "cpu" or not ggml_computes(expert_format, checkpoint):
+        return "exact"
+    if not isinstance(checkpoint, GgufCheckpoint) and not _in_place(config):
         return "exact"
     ready, why = ggml_library.available()
     if not ready:

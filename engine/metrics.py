@@ -110,6 +110,7 @@ class GenerationStats:
     step_paths: dict[str, int] = field(default_factory=dict)
     step_path_declined: dict[str, str] = field(default_factory=dict)
     kernels: str = "exact"  # what computed the model on the CPU: "exact" (torch) or "ggml"
+    draft_token_ms: float | None = None  # speculation: the drafter's time per draft token
 
     @classmethod
     def build(
@@ -170,6 +171,7 @@ class GenerationStats:
             cached_prompt_tokens=cached_prompt_tokens,
             **(step_paths or {}),
             kernels=kernels,
+            draft_token_ms=spec.draft_ms / spec.drafted_tokens if spec.drafted_tokens else None,
         )
 
     def to_dict(self) -> dict:

@@ -128,31 +128,36 @@ class AppSettings:
         """These settings with an auto-tune choice applied (`engine.tune.types.TuneChoice` as a dict):
         what the tuner measured fastest is what runs.
 
-        The cache gets `cache_experts` experts. A draft length of 0 (plain decoding measured fastest)
-        turns speculation and prefetch off. Otherwise speculation drafts that many tokens with the
-        measured drafter (`drafter`: "draft", the draft model or the demo's, or "self"), and a cutoff
-        of 0 or more turns SP-MoE prefetch on up to that layer, −1 off. A choice that names no
-        drafter (a result stored before the tuner chose one) keeps a chosen speculation mode, or
-        drafts with the draft model where there is one, else with the model itself."""
+        The cache gets `cache_experts` experts, under the measured cache policy (`policy`, where
+        the tuner named one). A draft length of 0 (plain decoding measured fastest) turns
+        speculation off. Otherwise speculation drafts that many tokens with the measured drafter
+        (`drafter`: "draft", the draft model or the demo's; "self", "substitute", "mtp"). A cutoff
+        of 0 or more turns SP-MoE prefetch on up to that layer, −1 off; `prefetch` "next-layer"
+        prefetches the next layer's experts instead. `cpu_experts` "auto" computes misses on the CPU
+        where sooner. A choice that names no drafter (a result stored before the tuner chose one)
+        keeps a chosen speculation mode, or drafts with the draft model where there is one, else
+        with the model itself."""
         draft_len = int(choice["draft_len"])
         cutoff_layer = int(choice["cutoff_layer"])
+        prefetch = "spmoe" if cutoff_layer >= 0 and draft_len > 0 else "none"
         changes: dict[str, Any] = {
             "expert_budget": str(int(choice["cache_experts"])),
             "cutoff_layer": cutoff_layer,
+            "prefetch": "next-layer" if choice.get("prefetch") == "next-layer" else prefetch,
+            "policy": str(choice.get("policy") or self.policy),
+            "cpu_experts": str(choice.get("cpu_experts") or "never"),
         }
         if draft_len <= 0:
-            changes.update(spec_mode="none", prefetch="none")
+            changes.update(spec_mode="none")
         else:
             changes.update(
-                spec_mode=self._tuned_spec_mode(str(choice.get("drafter") or "")),
-                draft_len=draft_len,
-                prefetch="spmoe" if cutoff_layer >= 0 else "none",
+                spec_mode=self._tuned_spec_mode(str(choice.get("drafter") or "")), draft_len=draft_len
             )
         return replace(self, **changes)
 
     def _tuned_spec_mode(self, drafter: str) -> str:
         has_draft = self.model_path is None or bool(self.draft_model)  # the demo ships its draft
-        if drafter == "self" or (drafter == "draft" and has_draft):
+        if drafter in ("self", "substitute", "mtp") or (drafter == "draft" and has_draft):
             return drafter
         if self.spec_mode not in ("none", "auto"):
             return self.spec_mode

@@ -1,8 +1,9 @@
 """`python -m engine.bench --tuned`: tuned settings against the defaults, side by side in one run.
 
 Loads the model once, auto-tunes it (or reuses the stored result), then times the
-default configuration (no speculation, no prefetch) and the tuned one (its draft
-length, cutoff and cache) in alternating passes over the same prompts, and sets
+default configuration (no speculation, no prefetch) and the tuned one (its drafter, draft
+length, cutoff and prefetch; both under its cache policy) in alternating passes over the same
+prompts, and sets
 the analytic prediction of the tuned TPOT beside the measurement. Every figure
 carries `simulated_link`.
 """
@@ -18,22 +19,22 @@ def run_tuned(args) -> dict:
     from engine.loader import load_model
     from engine.options import model_folder, offload_config
     from engine.prompts import PROMPTS, encode_prompts, greedy
-    from engine.resources import demo_draft_dir
+    from engine.speculative.auto import bundled_draft
     from engine.tune.run import TuneConfig, choice_config, tune
+    from engine.worker.tuned import apply_policy
 
     folder = model_folder(args)
     offload, calibration = calibrated_offload(args, folder, offload_config(args))
-    draft_model = args.draft_model or (None if args.model else str(demo_draft_dir()))
     model = load_model(folder, offload)
     try:
+        draft_model = args.draft_model or bundled_draft(model)  # as `generate` and the tune find it
         result = tune(model, TuneConfig(draft_model=draft_model, retune=args.retune))
         choice = result.choice
         prompt_ids = encode_prompts(model, PROMPTS[: args.prompts])
         default = greedy(args.new_tokens)
-        applied = choice_config(default, choice.cutoff_layer, choice.draft_len, draft_model)
-        fixed = choice_config(
-            default, choice.cutoff_layer, choice.draft_len, draft_model, adapt_draft_len=False
-        )
+        applied = choice_config(default, choice, draft_model)
+        fixed = choice_config(default, choice, draft_model, adapt_draft_len=False)
+        apply_policy(model, choice.policy)  # the default runs under it too: only the decoding differs
         configs = {"default": default, "tuned, fixed γ": fixed, "tuned, as applied": applied}
         generate_text(model, prompt_ids[0], replace(applied, max_new_tokens=4))  # warm-up: the drafter
         passes = {name: [] for name in configs}
@@ -86,21 +87,25 @@ def calibrated_offload(args, folder: str, offload):
 
 def _predicted_tpot(result) -> float:
     """The analytic model's TPOT for the chosen settings (a fixed draft length, as searched)."""
-    from engine.tune.analytic import predict_plain_tpot, predict_tpot
+    from engine.tune.analytic import drafter_profiles, predict_plain_tpot, predict_tpot
 
     choice = result.choice
+    profiles = dict(drafter_profiles(result.profile))
+    profile = profiles.get(choice.drafter, result.profile)
     if choice.draft_len > 0:
-        return predict_tpot(
-            result.profile, result.probe, choice.cache_experts, choice.cutoff_layer, choice.draft_len
-        )
-    return predict_plain_tpot(result.profile, result.probe, choice.cache_experts)
+        cutoff, draft_len = choice.cutoff_layer, choice.draft_len
+        return predict_tpot(profile, result.probe, choice.cache_experts, cutoff, draft_len)
+    return predict_plain_tpot(profile, result.probe, choice.cache_experts)
 
 
 def format_tuned(result: dict) -> str:
     c = result["choice"]
     lines = [
-        f"tuned: cutoff layer {c['cutoff_layer']}, draft length {c['draft_len']}, "
-        f"{c['cache_experts']} cached experts" + (" (stored tuning)" if result["reused_tuning"] else ""),
+        f"tuned: {c['drafter'] or 'no drafter'}, cutoff layer {c['cutoff_layer']}, draft length "
+        f"{c['draft_len']}, {c['cache_experts']} cached experts"
+        + (f", {c['prefetch']} prefetch" if c["prefetch"] else "")
+        + (f", {c['policy'].upper()} cache" if c["policy"] else "")
+        + (" (stored tuning)" if result["reused_tuning"] else ""),
         f"{'configuration':<20}{'tpot_ms':>10}{'tok/s':>9}",
     ]
     lines += [f"{r['name']:<20}{r['tpot_ms']:>10.2f}{r['tokens_per_s']:>9.1f}" for r in result["rows"]]

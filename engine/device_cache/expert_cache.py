@@ -357,6 +357,13 @@ class ExpertCache(UnpinnedUses):
             self._transient.clear()
             self._free = list(reversed(self.slots))
 
+    def use_policy(self, policy: EvictionPolicy) -> None:
+        """Evict by `policy` from now on, starting empty as a fresh load does (auto-tune measures
+        each cache policy on one loaded model)."""
+        with self.lock:
+            self.clear()
+            self.policy = policy
+
     def resize(self, n_slots: int) -> None:
         """Forget every resident expert and rebuild the pool with `n_slots` slots (after the device
         ran out of memory, a smaller cache lets the same model go on)."""

@@ -11,8 +11,9 @@ resolves it here, against the loaded model:
 - prefetch: SP-MoE from that draft, or none when nothing drafts (SP-MoE predicts
   from the draft's hidden states);
 - a stored auto-tune result (`TunedChoice`, looked up by the caller: the tune room
-  sits above this one) gives the draft length and the cutoff layer, or turns both
-  off where it measured plain decoding fastest.
+  sits above this one) gives the drafter, the draft length, the cutoff layer or next-layer
+  prefetch, and CPU execution of misses where asked for as `auto`, or turns speculation and
+  SP-MoE off where it measured plain decoding fastest.
 
 Each choice that falls back says why in one log line. Settings that are not
 `auto` pass through unchanged.
@@ -39,7 +40,10 @@ class TunedChoice:
 
     cutoff_layer: int  # last MoE layer SP-MoE prefetches; -1: none
     draft_len: int  # 0: plain decoding measured fastest
-    drafter: str = ""  # what the tuner measured fastest: "draft", "self"; "": not recorded
+    drafter: str = ""  # measured fastest: "draft", "self", "substitute", "mtp"; "": not recorded
+    prefetch: str = ""  # "next-layer" where that measured fastest; "": SP-MoE to the cutoff
+    policy: str = ""  # the cache policy measured fastest (engine.worker.tuned applies it)
+    cpu_experts: str = ""  # "auto" where computing misses on the CPU measured faster
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,10 @@ def refuse_speculation_that_cannot_rewind(model, mode: str) -> None:
 def resolve_config(model, config: GenerationConfig, tuned: TunedChoice | None = None) -> GenerationConfig:
     """`config` with its `auto` speculation and prefetch resolved for `model`."""
     chosen = resolve(model, config.spec, config.prefetch, config.cutoff, tuned)
-    return replace(config, spec=chosen.spec, prefetch=chosen.prefetch, cutoff=chosen.cutoff)
+    config = replace(config, spec=chosen.spec, prefetch=chosen.prefetch, cutoff=chosen.cutoff)
+    if tuned is not None and tuned.cpu_experts and config.cpu_experts == AUTO:
+        config = replace(config, cpu_experts=tuned.cpu_experts)
+    return config
 
 
 def bundled_draft(model) -> str | None:
@@ -104,14 +111,14 @@ def _auto_spec(model, spec: SpecConfig, tuned: TunedChoice | None, reasons: list
         spec = replace(spec, draft_len=min(tuned.draft_len, spec.max_draft_len))
     draft = spec.draft_model or bundled_draft(model)
     top_k = getattr(model, "top_k", 1)
+    if not spec.draft_model and tuned is not None and tuned.drafter in ("self", "substitute") and top_k >= 2:
+        reasons.append(f"the stored auto-tune result measured {tuned.drafter}-drafting fastest")
+        return replace(spec, mode=tuned.drafter, top_r=min(spec.top_r, top_k - 1))
     if not spec.draft_model and (tuned is None or tuned.drafter in ("", "mtp")) and _has_mtp(model):
         reasons.append(
             f"{Path(model.path).name} carries a multi-token-prediction layer: drafting with it (mtp)"
         )
         return replace(spec, mode="mtp")
-    if draft and tuned is not None and tuned.drafter == "self" and 1 <= spec.top_r < top_k:
-        reasons.append("the stored auto-tune result measured self-drafting faster than the draft model")
-        return replace(spec, mode="self")
     if draft:
         return replace(spec, mode="draft", draft_model=draft)
     if 1 <= spec.top_r < top_k and _nothing_copied(model):
@@ -151,6 +158,9 @@ def _has_mtp(model) -> bool:
 def _auto_prefetch(
     spec: SpecConfig, cutoff: int | None, tuned: TunedChoice | None, reasons: list[str]
 ) -> tuple[str, int | None]:
+    if tuned is not None and tuned.prefetch == "next-layer":
+        reasons.append("the stored auto-tune result measured next-layer prefetch fastest")
+        return "next-layer", None
     if spec.mode in ("none", AUTO):
         reasons.append("SP-MoE predicts experts from the draft and nothing drafts: no prefetch")
         return "none", cutoff

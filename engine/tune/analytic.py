@@ -24,6 +24,7 @@ Assumptions, stated once:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from engine.errors import BudgetTooSmallError
@@ -160,12 +161,12 @@ def predict(
     *,
     prefetch_recall: float = PREFETCH_RECALL,
 ) -> Prediction:
-    """Cache size, SP-MoE cutoff per draft length, and the draft length with the lowest TPOT.
+    """Cache size, and for each drafter measured (`Profile.drafters`) the SP-MoE cutoff per draft
+    length and its best draft length; the prediction is the fastest of them and plain decoding.
 
-    Plain decoding (draft_len 0, cutoff −1) is chosen when there is no drafter or when it is
-    predicted faster than every draft length. `curve` holds the predicted TPOT for every cutoff
-    −1..L−1 and every draft length (one plain point without a drafter). Ties go to the shorter
-    draft.
+    `curve` holds plain decoding's point and, per drafter, the predicted TPOT for every cutoff
+    −1..L−1 and every draft length, labelled with the drafter. Ties go to plain decoding, then
+    to the drafter measured first, then to the shorter draft.
     """
     total = profile.moe_layers * profile.num_experts
     cache = cache_experts(
@@ -173,28 +174,70 @@ def predict(
     )
     plain_ms = predict_plain_tpot(profile, probe, cache)
     reasons = [_cache_reason(profile, probe, vram_budget_bytes, cache)]
-    if profile.draft_token_ms is None or profile.acceptance_rate is None:
+    curve = [CurvePoint(-1, 0, plain_ms)]
+    drafters = drafter_profiles(profile)
+    if not drafters:
         reasons.append(f"No drafter measured: plain decoding, {plain_ms:.1f} ms per token predicted.")
-        return _prediction(cache, -1, 0, plain_ms, (CurvePoint(-1, 0, plain_ms),), reasons)
+        return _prediction(cache, -1, 0, plain_ms, tuple(curve), reasons)
     if not draft_lens or any(draft_len < 1 for draft_len in draft_lens):
         raise ValueError(f"draft_lens must be a non-empty set of lengths >= 1, got {draft_lens}")
+    best = (plain_ms, -1, 0, "")
+    for name, drafter in drafters:
+        ms, cutoff, draft_len, points, reason = _drafter_curve(
+            drafter, probe, cache, sorted(set(draft_lens)), prefetch_recall, plain_ms
+        )
+        curve += [dataclasses.replace(point, drafter=name) for point in points]
+        words = _DRAFTER_NAMES.get(name, name)
+        reasons.append(f"{words[:1].upper()}{words[1:]}: {reason}")
+        if ms < best[0]:
+            best = (ms, cutoff, draft_len, name)
+    return _prediction(cache, best[1], best[2], best[0], tuple(curve), reasons, best[3])
+
+
+_DRAFTER_NAMES = {
+    "draft": "the draft model",
+    "self": "self-speculation (the model with fewer experts per token)",
+    "substitute": "substitute experts (low-bit copies kept on the device)",
+    "mtp": "the checkpoint's multi-token-prediction layer",
+}
+
+
+def drafter_profiles(profile: Profile) -> list[tuple[str, Profile]]:
+    """(name, `profile` with that drafter's cost and acceptance) for every drafter measured; a
+    profile with only the single drafter fields (older results) is one drafter, "draft"."""
+    if profile.drafters:
+        return [
+            (
+                d.name,
+                dataclasses.replace(profile, draft_token_ms=d.token_ms, acceptance_rate=d.acceptance_rate),
+            )
+            for d in profile.drafters
+        ]
+    if profile.draft_token_ms is None or profile.acceptance_rate is None:
+        return []
+    return [("draft", profile)]
+
+
+def _drafter_curve(
+    profile: Profile, probe: Probe, cache: int, draft_lens: list[int], recall: float, plain_ms: float
+) -> tuple[float, int, int, list[CurvePoint], str]:
+    """One drafter's best (TPOT, cutoff, draft length), its curve and why, in one sentence."""
 
     def tpot(cutoff_layer: int, draft_len: int) -> float:
-        return predict_tpot(profile, probe, cache, cutoff_layer, draft_len, prefetch_recall=prefetch_recall)
+        return predict_tpot(profile, probe, cache, cutoff_layer, draft_len, prefetch_recall=recall)
 
     cutoffs = {draft_len: choose_cutoff(cutoff_inputs(profile, cache, draft_len)) for draft_len in draft_lens}
-    best_len = min(sorted(set(draft_lens)), key=lambda draft_len: tpot(cutoffs[draft_len].layer, draft_len))
+    best_len = min(draft_lens, key=lambda draft_len: tpot(cutoffs[draft_len].layer, draft_len))
     best_ms = tpot(cutoffs[best_len].layer, best_len)
-    curve = tuple(
+    points = [
         CurvePoint(cutoff_layer, draft_len, tpot(cutoff_layer, draft_len))
-        for draft_len in sorted(set(draft_lens))
+        for draft_len in draft_lens
         for cutoff_layer in range(-1, profile.moe_layers)
-    )
-    reasons.append(_draft_reason(profile, best_len, best_ms, plain_ms))
-    if plain_ms < best_ms:
-        return _prediction(cache, -1, 0, plain_ms, curve, reasons)
-    reasons.append(f"Cutoff layer: {cutoffs[best_len].reason}")
-    return _prediction(cache, cutoffs[best_len].layer, best_len, best_ms, curve, reasons)
+    ]
+    reason = _draft_reason(profile, best_len, best_ms, plain_ms)
+    if best_ms <= plain_ms:
+        reason += f" Cutoff layer: {cutoffs[best_len].reason}"
+    return best_ms, cutoffs[best_len].layer, best_len, points, reason
 
 
 def _prediction(
@@ -204,6 +247,7 @@ def _prediction(
     tpot_ms: float,
     curve: tuple[CurvePoint, ...],
     reasons: list[str],
+    drafter: str = "",
 ) -> Prediction:
     return Prediction(
         cache_experts=cache,
@@ -213,6 +257,7 @@ def _prediction(
         expected_tokens_per_s=1000.0 / tpot_ms,
         curve=curve,
         reasons=tuple(reasons),
+        drafter=drafter,
     )
 
 

@@ -10,7 +10,8 @@
 - the resident (non-expert) weights, the KV cache per token (measured from the cache a
   short prompt produces, so every attention layout counts right) and the peak device
   memory other than the expert cache for `context_tokens` of context;
-- the drafter's per-token acceptance α on a few calibration prompts (greedy).
+- each drafter's per-token acceptance α and draft token time on a few calibration prompts
+  (greedy, a fixed draft length): the draft model, self-speculation, substitutes, MTP.
 
 Timed forwards run on a KV cache that is rewound after each run; each input is run
 once before timing, so its experts are resident (a cache that holds every expert is
@@ -28,14 +29,14 @@ import logging
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-from engine.errors import GenerationCancelled
+from engine.errors import GenerationCancelled, InvalidRequestError
 from engine.generation import FinishedEvent, encode_prompt, generate, generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
 from engine.model.hf_calls import with_cache
@@ -44,7 +45,7 @@ from engine.prompts import PROMPTS
 from engine.speculative.draft_len import alpha_from_acceptance
 from engine.speculative.drafters import load_draft_model
 from engine.speculative.prefetch import measure_load_ms
-from engine.tune.types import Profile
+from engine.tune.types import DrafterProfile, Profile
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 STAGES = ("copy", "layer", "draft", "verify", "memory", "acceptance")
 MAX_VERIFY_TOKENS = 16
+VERIFY_TOKENS = range(1, MAX_VERIFY_TOKENS + 1)  # the verify forwards timed
 PROMPT_TOKENS = 16  # the short prompt timed forwards continue
 TIMED_RUNS = 5
 UNIQUE_TOKENS = 32  # generated per calibration prompt to measure routing overlap
@@ -67,8 +69,12 @@ def profile_model(
     context_tokens: int = 4096,
     progress: Progress | None = None,
     cancel: threading.Event | None = None,
+    drafters: Sequence[str] | None = None,
 ) -> Profile:
-    """Measure `model` (an `OffloadedModel`) and, when `drafter_dir` is given, its draft model."""
+    """Measure `model` (an `OffloadedModel`) and each of `drafters` ("draft": the draft model in
+    `drafter_dir`; "self", "substitute", "mtp": `SpecConfig` modes drafting from the model itself);
+    `drafters` None: the draft model alone, where `drafter_dir` is given."""
+    drafters = _checked_drafters(drafters, drafter_dir)
     if context_tokens < 1:
         raise ValueError(f"context_tokens must be at least 1, got {context_tokens}")
     info = model.info()
@@ -86,15 +92,13 @@ def profile_model(
     layer_ms = _forward_ms(model, kv_cache, continuation[:1], 1, load_ms)
     layer_ms /= model.hf_config.num_hidden_layers
     stage(2)
-    draft_ms = _draft_token_ms(model, drafter_dir, prompt, continuation[:1]) if drafter_dir else None
+    draft_ms = _draft_token_ms(model, drafter_dir, prompt, continuation[:1]) if "draft" in drafters else None
     stage(3)
-    verify_ms = tuple(
-        _forward_ms(model, kv_cache, continuation[:t], 0, load_ms) for t in range(1, MAX_VERIFY_TOKENS + 1)
-    )
+    verify_ms = tuple(_forward_ms(model, kv_cache, continuation[:t], 0, load_ms) for t in VERIFY_TOKENS)
     stage(4)
     peak, estimated = _peak_non_expert_bytes(model, info.resident_nbytes, kv_bytes_per_token, context_tokens)
     stage(5)
-    alpha = _acceptance_rate(model, drafter_dir, cancel) if drafter_dir else None
+    measured = _drafter_profiles(model, drafters, drafter_dir, draft_ms, cancel)
     unique = _unique_experts_measured(model)
     if progress is not None:
         progress("done", len(STAGES), len(STAGES))
@@ -106,17 +110,27 @@ def profile_model(
         top_k=info.top_k,
         expert_nbytes=info.expert_nbytes,
         target_layer_ms=layer_ms,
-        draft_token_ms=draft_ms,
+        draft_token_ms=measured[0].token_ms if measured else None,
         expert_load_ms=load_ms,
         verify_ms=verify_ms,
         non_expert_bytes=info.resident_nbytes,
         kv_bytes_per_token=kv_bytes_per_token,
         context_tokens=context_tokens,
         peak_non_expert_bytes=peak,
-        acceptance_rate=alpha,
+        acceptance_rate=measured[0].acceptance_rate if measured else None,
         peak_is_estimate=estimated,
         unique_experts_measured=unique,
+        drafters=measured,
     )
+
+
+def _checked_drafters(drafters: Sequence[str] | None, drafter_dir: str | None) -> Sequence[str]:
+    """The drafters to profile: the draft model alone by default, where its folder is given."""
+    if drafters is None:
+        return ("draft",) if drafter_dir else ()
+    if "draft" in drafters and not drafter_dir:
+        raise ValueError("the draft model's folder is needed to profile it")
+    return drafters
 
 
 def _stage_reporter(progress: Progress | None, cancel: threading.Event | None) -> Callable[[int], None]:
@@ -249,25 +263,40 @@ def _peak_non_expert_bytes(
     return peak - pool + unmeasured, False
 
 
-def _acceptance_rate(model, drafter_dir: str, cancel: threading.Event | None) -> float | None:
-    """The drafter's per-token acceptance α (MoESD's model) from greedy runs on the calibration
-    prompts: fitted to their accepted / drafted ratio at the mean draft length, since that ratio
-    counts the positions after a rejection as failures too and would understate α."""
-    config = GenerationConfig(
-        max_new_tokens=ALPHA_TOKENS,
-        sampling=SamplingConfig(greedy=True),
-        ignore_eos=True,
-        spec=SpecConfig(
-            mode="draft",
-            draft_model=str(Path(drafter_dir)),
-            draft_len=ALPHA_DRAFT_LEN,
-            adapt_draft_len=False,
-        ),
+def _drafter_profiles(
+    model, drafters: Sequence[str], drafter_dir: str | None, draft_ms: float | None, cancel
+) -> tuple[DrafterProfile, ...]:
+    """Each drafter that drafted on this model, as `_drafter_profile` measures it."""
+    measured = (_drafter_profile(model, name, drafter_dir, draft_ms, cancel) for name in drafters)
+    return tuple(profile for profile in measured if profile is not None)
+
+
+def _drafter_profile(
+    model, name: str, drafter_dir: str | None, draft_ms: float | None, cancel: threading.Event | None
+) -> DrafterProfile | None:
+    """One drafter's per-token acceptance α (MoESD's model) and draft token time, from greedy
+    runs on the calibration prompts at a fixed draft length. α is fitted to the runs' accepted /
+    drafted ratio at their mean draft length, since that ratio counts the positions after a
+    rejection as failures too and would understate α. The draft model's token time is
+    `draft_ms` (timed apart, without its prompt's catch-up); the others' is the runs' own. None
+    where the drafter drafted nothing (it cannot run on this model)."""
+    spec = SpecConfig(
+        mode=name,
+        draft_model=str(Path(drafter_dir)) if name == "draft" else None,
+        draft_len=ALPHA_DRAFT_LEN,
+        adapt_draft_len=False,
     )
-    drafted = accepted = 0.0
+    config = GenerationConfig(
+        max_new_tokens=ALPHA_TOKENS, sampling=SamplingConfig(greedy=True), ignore_eos=True, spec=spec
+    )
+    drafted = accepted = emitted = drafting_ms = 0.0
     steps = 0
     for prompt in _calibration_prompts(model):
-        events = list(generate(model, prompt, config, cancel))
+        try:
+            events = list(generate(model, prompt, config, cancel))
+        except InvalidRequestError as err:  # a drafter this model refuses (substitutes of a GGUF's blocks)
+            log.info("tune: %s cannot draft here: %s", name, err)
+            return None
         finished = events[-1]
         assert isinstance(finished, FinishedEvent)
         if finished.reason == "cancelled":
@@ -279,9 +308,14 @@ def _acceptance_rate(model, drafter_dir: str, cancel: threading.Event | None) ->
         steps += stats.verify_steps
         drafted += steps_drafted
         accepted += stats.acceptance_rate * steps_drafted
+        emitted += (stats.accept_len or 0.0) * stats.verify_steps
+        drafting_ms += (stats.draft_token_ms or 0.0) * steps_drafted
     if not drafted:
+        log.info("tune: %s drafted nothing on this model", name)
         return None
-    return alpha_from_acceptance(accepted / drafted, drafted / steps)
+    alpha = alpha_from_acceptance(accepted / drafted, drafted / steps)
+    token_ms = draft_ms if name == "draft" and draft_ms is not None else drafting_ms / drafted
+    return DrafterProfile(name, token_ms, alpha, ALPHA_DRAFT_LEN, emitted / steps)
 
 
 @torch.inference_mode()

@@ -2,13 +2,15 @@
 
 `tune(model, config)` works on a loaded `OffloadedModel`: a stored result for the
 same (GPU, model, budget, precision) is returned as it is (`reused=True`) unless
-`config.retune`; otherwise it probes the machine, profiles the model, applies the
-papers' models (`engine.tune.analytic`) and measures TPOT on a short calibration
-set at the cutoffs and draft lengths around the analytic choice
-(`engine.tune.search`) for each drafter that applies (the model's draft model, and
-self-speculation), twice per point and again where the best is within the noise of others,
-keeps the fastest median, says how sure that is, and stores it. Progress is reported as
-(stage, done, total); `cancel` stops between measurements.
+`config.retune`; otherwise it probes the machine, profiles the model and every drafter that
+applies (`drafters_for`: its draft model, found as `generate` finds it; its MTP layer; self-
+speculation; substitutes), applies the papers' models per drafter (`engine.tune.analytic`) and
+measures TPOT on a short calibration set at plain decoding and, per drafter, the cutoffs and draft
+lengths around its predicted best (`engine.tune.search`), then the leader under the other prefetch
+and cache policies (and CPU execution of misses on a GPU), twice per point and again where the
+best is within the noise of others; keeps the fastest median, says how sure that is and why it
+won, and stores it. Progress is reported as (stage, done, total); `cancel` stops between
+measurements.
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from dataclasses import dataclass, replace
 
 import psutil
 
+from engine.device_cache.eviction import make_policy
 from engine.generation import encode_prompt, generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
+from engine.speculative.auto import bundled_draft
+from engine.speculative.mtp import has_mtp_layer
 from engine.tune.analytic import predict
 from engine.tune.probe import probe
 from engine.tune.profile import profile_model
-from engine.tune.search import candidate_points, certainty, choose, search
+from engine.tune.search import Setting, candidate_points, certainty, choose, explain, policy_points, search
 from engine.tune.store import TuneStore, model_fingerprint, tune_key
 from engine.tune.types import TuneChoice, TuneResult
 
@@ -70,64 +75,96 @@ def tune(
         expert_nbytes=model.store.expert_nbytes,  # fit the link on this model's own expert size
     )
     budget = model.cache.n_slots * model.store.expert_nbytes
-    key = tune_key(
-        hardware.gpu_uuid,
-        str(model.path),
-        model_fingerprint(str(model.path)),
-        str(budget),
-        model.info().expert_dtype,
-    )
+    fingerprint = model_fingerprint(str(model.path))
+    key = tune_key(hardware.gpu_uuid, str(model.path), fingerprint, str(budget), model.info().expert_dtype)
     stored = None if config.retune else store.get(key)
     if stored is not None:
         log.info("Auto-tune: reusing the stored result for %s", key)
         return stored
 
+    draft_model = config.draft_model or bundled_draft(model)  # as `generate` finds it
+    drafters = drafters_for(model, draft_model)  # as loaded: profiling holds every expert on a CPU
     report("profile", 0, 1)
     with _resident_experts_on_cpu(model):
-        profile = profile_model(model, config.draft_model, config.context_tokens, progress, cancel)
+        profile = profile_model(model, draft_model, config.context_tokens, progress, cancel, drafters)
     prediction = predict(profile, hardware, budget + profile.peak_non_expert_bytes)
-    points = candidate_points(
-        prediction, profile.moe_layers, drafters=drafters_for(model, config.draft_model)
-    )
+    points = candidate_points(prediction, profile.moe_layers, drafters=[d.name for d in profile.drafters])
     prompts = [encode_prompt(model, text) for text in CALIBRATION_PROMPTS]
+    loaded_policy = model.config.policy
 
-    def measure(cutoff: int, draft_len: int, drafter: str) -> list[float]:
-        return _measure_tpot(model, prompts, config, cutoff, draft_len, drafter)
+    def measure(setting: Setting) -> list[float]:
+        with _cache_policy(model, setting.policy or loaded_policy):
+            return _measure_tpot(model, prompts, config, setting, draft_model)
 
     def on_point(done: int, total: int, point) -> None:
         report("search", done, total)
 
-    measured = search(points, measure, on_point, cancel)
-    best = choose(measured)
-    choice = TuneChoice(
-        best.cutoff_layer,
-        best.draft_len,
-        model.cache.n_slots,
-        1e3 / best.tpot_ms,
-        best.drafter,
-        certainty(measured),
-    )
-    result = TuneResult(hardware, profile, prediction, measured, choice, key, reused=False)
+    def others(leader: Setting) -> list[Setting]:
+        return policy_points(leader, model.device.type == "cuda", loaded_policy)
+
+    measured = search(points, measure, on_point, cancel, then=others)
+    result = TuneResult(hardware, profile, prediction, measured, _choice(measured, model), key, reused=False)
     store.put(result)
     return result
 
 
+def _choice(measured, model) -> TuneChoice:
+    """The fastest measured point as the choice, with how sure it is and why it won."""
+    best = choose(measured)
+    return TuneChoice(
+        cutoff_layer=best.cutoff_layer,
+        draft_len=best.draft_len,
+        cache_experts=model.cache.n_slots,
+        expected_tokens_per_s=1e3 / best.tpot_ms,
+        drafter=best.drafter,
+        certainty=certainty(measured),
+        prefetch=best.prefetch,
+        policy=best.policy,
+        cpu_experts=best.cpu_experts,
+        why=explain(measured),
+    )
+
+
 def drafters_for(model, draft_model: str | None) -> tuple[str, ...]:
-    """The drafters that apply: the model's draft model when it has one, and self-speculation
-    (SS-MoE: the target with fewer experts per token) where the router picks two or more."""
-    return (("draft",) if draft_model else ()) + (("self",) if model.top_k >= 2 else ())
+    """The drafters that apply: the model's draft model when it has one, its own MTP layer where
+    the checkpoint carries one, and where the router picks two or more experts a token, the
+    target drafting with fewer (SS-MoE `self`) and, where experts are copied over a link, with
+    low-bit substitutes of its experts held on the device (SubSpec)."""
+    drafters = ["draft"] if draft_model else []
+    if hasattr(model, "draft_models") and has_mtp_layer(model):
+        drafters.append("mtp")
+    if model.top_k >= 2:
+        drafters.append("self")
+        if not (model.cache.in_place or model.cache.holds_all):
+            drafters.append("substitute")
+    return tuple(drafters)
+
+
+@contextlib.contextmanager
+def _cache_policy(model, policy: str):
+    """The expert cache under `policy` while a point is measured (emptied on each change, as a
+    fresh load would start), back to the loaded one afterwards."""
+    if policy == model.config.policy:
+        yield
+        return
+    model.cache.use_policy(make_policy(policy, top_k=model.top_k, alpha=model.config.mrs_alpha))
+    try:
+        yield
+    finally:
+        model.cache.use_policy(
+            make_policy(model.config.policy, top_k=model.top_k, alpha=model.config.mrs_alpha)
+        )
 
 
 def _measure_tpot(
-    model, prompts, config: TuneConfig, cutoff: int, draft_len: int, drafter: str
+    model, prompts, config: TuneConfig, setting: Setting, draft_model: str | None
 ) -> list[float]:
     """One TPOT per pass over the calibration prompts (decode time / tokens, all prompts),
     speculative with a fixed draft length."""
     base = GenerationConfig(
         max_new_tokens=config.new_tokens, sampling=SamplingConfig(greedy=True), ignore_eos=True
     )
-    draft_model = config.draft_model if drafter == "draft" else None
-    gen = choice_config(base, cutoff, draft_len, draft_model, adapt_draft_len=False)
+    gen = choice_config(base, setting, draft_model, adapt_draft_len=False)
     generate_text(model, prompts[0], replace(gen, max_new_tokens=4))  # warm-up: drafter, caches
     runs = []
     for _ in range(config.passes):
@@ -138,28 +175,30 @@ def _measure_tpot(
 
 
 def choice_config(
-    base: GenerationConfig,
-    cutoff_layer: int,
-    draft_len: int,
-    draft_model: str | None,
-    adapt_draft_len: bool = True,
+    base: GenerationConfig, point, draft_model: str | None, adapt_draft_len: bool = True
 ) -> GenerationConfig:
-    """`base` with the speculation and prefetch of a tune point: draft length 0 is plain decoding,
-    cutoff −1 no prefetch; the drafter is `draft_model`, or the target itself (SS-MoE) without one.
-    With `adapt_draft_len` (as the app applies a choice) the draft length is where the online
-    controller starts; without it, it is held there (as the search measures)."""
-    if draft_len == 0:
+    """`base` with what a tune point (a `Setting`, `CurvePoint` or `TuneChoice`) runs with: its
+    drafter (`draft_model` for "draft"; a choice that recorded none drafts with `draft_model`,
+    else the target itself), draft length (0: plain decoding), prefetch (SP-MoE to the cutoff,
+    none at −1, or next-layer) and CPU execution of misses. With `adapt_draft_len` (as the app
+    applies a choice) the draft length is where the online controller starts; without it, it is
+    held there (as the search measures). The cache policy is the model's, set apart."""
+    if point.prefetch == "next-layer":
+        prefetch, cutoff = "next-layer", None
+    else:
+        spmoe = point.cutoff_layer >= 0 and point.draft_len > 0
+        prefetch, cutoff = ("spmoe", point.cutoff_layer) if spmoe else ("none", None)
+    base = replace(base, prefetch=prefetch, cutoff=cutoff, cpu_experts=point.cpu_experts or base.cpu_experts)
+    if point.draft_len == 0:
         return base
+    mode = point.drafter or ("draft" if draft_model else "self")
     spec = SpecConfig(
-        mode="draft" if draft_model else "self",
-        draft_model=draft_model,
-        draft_len=draft_len,
+        mode=mode,
+        draft_model=draft_model if mode == "draft" else None,
+        draft_len=point.draft_len,
         adapt_draft_len=adapt_draft_len,
     )
-    spmoe = cutoff_layer >= 0
-    return replace(
-        base, spec=spec, prefetch="spmoe" if spmoe else "none", cutoff=cutoff_layer if spmoe else None
-    )
+    return replace(base, spec=spec)
 
 
 @contextlib.contextmanager

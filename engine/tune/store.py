@@ -30,7 +30,7 @@ from engine.tune.types import TuneResult
 log = logging.getLogger(__name__)
 
 CONFIG_DIR_ENV = "MOE_CHAT_CONFIG_DIR"
-FORMAT_VERSION = 2  # 2: Profile.acceptance_rate is the per-token α, not accepted / drafted
+FORMAT_VERSION = 3  # 2: α is per token, not accepted / drafted; 3: every drafter and policy measured
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 

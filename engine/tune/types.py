@@ -34,6 +34,18 @@ class Probe:
 
 
 @dataclass(frozen=True)
+class DrafterProfile:
+    """One way of drafting for the model, as measured on it: what a draft token costs and how
+    often the target accepts one."""
+
+    name: str  # "draft" (a separate draft model), "self" (SS-MoE top-r), "substitute" (SubSpec), "mtp"
+    token_ms: float  # one draft token
+    acceptance_rate: float  # per-token α (MoESD's model), fitted to the runs at `draft_len`
+    draft_len: int  # the fixed draft length the acceptance was measured at
+    accept_len: float  # tokens emitted per verify step measured there (bonus included)
+
+
+@dataclass(frozen=True)
 class Profile:
     """The chosen model on this machine."""
 
@@ -56,6 +68,8 @@ class Profile:
     # [t-1]: unique experts per MoE layer that t consecutive generated tokens route to, measured on
     # the calibration text (t = 1…16); None: not measured, MoESD's uniform N(t) is used instead
     unique_experts_measured: tuple[float, ...] | None = None
+    # every drafter measured (`draft_token_ms` and `acceptance_rate` are the first one's)
+    drafters: tuple[DrafterProfile, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,10 +79,16 @@ class CurvePoint:
     cutoff_layer: int  # -1: no prefetch
     draft_len: int
     tpot_ms: float
-    drafter: str = ""  # "draft" (the model's draft model), "self" (SS-MoE); "" for plain decoding
+    drafter: str = ""  # "draft", "self", "substitute", "mtp" (DrafterProfile.name); "" for plain decoding
     tpot_low_ms: float | None = None  # the fastest and slowest run: the error bar
     tpot_high_ms: float | None = None
     runs: int = 1
+    # what else the point ran with, "" where it is the default: the prefetch policy ("next-layer";
+    # "" is SP-MoE to `cutoff_layer`, or none at −1), the cache policy ("lfu", "mrs"; "" the loaded
+    # one) and the CPU's execution of misses ("auto" on a GPU; "" none)
+    prefetch: str = ""
+    policy: str = ""
+    cpu_experts: str = ""
 
 
 @dataclass(frozen=True)
@@ -80,8 +100,9 @@ class Prediction:
     draft_len: int
     expected_tpot_ms: float
     expected_tokens_per_s: float
-    curve: tuple[CurvePoint, ...]  # predicted TPOT per (cutoff, draft length) considered
+    curve: tuple[CurvePoint, ...]  # predicted TPOT per (drafter, cutoff, draft length) considered
     reasons: tuple[str, ...]  # why, in words a user can read
+    drafter: str = ""  # the predicted best's drafter; "" for plain decoding
 
 
 @dataclass(frozen=True)
@@ -90,8 +111,12 @@ class TuneChoice:
     draft_len: int
     cache_experts: int
     expected_tokens_per_s: float
-    drafter: str = ""  # "draft", "self", or "" (plain decoding)
+    drafter: str = ""  # "draft", "self", "substitute", "mtp", or "" (plain decoding)
     certainty: str = ""  # how sure the choice is, in words: against the runner-up and the spread
+    prefetch: str = ""  # as `CurvePoint`'s: "" SP-MoE (or none at cutoff −1), "next-layer"
+    policy: str = ""  # the cache policy measured fastest; "" the loaded one
+    cpu_experts: str = ""  # "auto" where computing misses on the CPU measured faster; "" never
+    why: str = ""  # one sentence: why this configuration won
 
 
 @dataclass(frozen=True)

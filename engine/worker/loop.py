@@ -37,7 +37,6 @@ from engine.generation import FinishedEvent, generate
 from engine.loader import load_model, resolve_device
 from engine.metrics import LiveGeneration
 from engine.resources import demo_draft_dir, demo_model_dir
-from engine.speculative.auto import resolve_config
 from engine.text.reasoning import thinks
 from engine.worker.protocol import (
     PROTOCOL_VERSION,
@@ -62,7 +61,7 @@ from engine.worker.protocol import (
     loads,
 )
 from engine.worker.telemetry import Telemetry
-from engine.worker.tuned import stored_choice
+from engine.worker.tuned import tuned_config
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +240,7 @@ class Worker:
         if config.spec.mode == "draft" and not config.spec.draft_model and self.model_is_demo:
             config = replace(config, spec=replace(config.spec, draft_model=str(demo_draft_dir())))
         # `auto` (every front-end's default): the model's drafter and SP-MoE, at the tuned settings
-        config = resolve_config(self.model, config, stored_choice(self.model))
+        config = tuned_config(self.model, config)
         messages = [m.to_template() for m in request.messages]
         self._generating_id = request.request_id
         try:

@@ -327,7 +327,7 @@ def test_tune_reads_sim_link_as_the_bench_does(monkeypatch):
     assert offload_config(parsed[0]).sim_link_gbps == 16.0
 
 
-def test_tune_prints_each_point_the_chosen_drafter_and_how_sure():
+def test_tune_prints_each_point_by_drafter_with_its_prediction_the_choice_and_why():
     from types import SimpleNamespace
 
     from engine.cli import tune_summary
@@ -336,14 +336,30 @@ def test_tune_prints_each_point_the_chosen_drafter_and_how_sure():
     measured = (
         CurvePoint(-1, 0, 36.0, "", 35.0, 37.5, 2),
         CurvePoint(1, 4, 25.0, "draft", 24.0, 26.0, 4),
+        CurvePoint(1, 4, 24.0, "draft", 23.0, 25.0, 2, policy="mrs"),
         CurvePoint(1, 4, 31.0, "self", 30.0, 33.0, 2),
     )
+    curve = (CurvePoint(-1, 0, 40.0), CurvePoint(1, 4, 22.5, "draft"), CurvePoint(1, 4, 28.0, "self"))
     sure = "Sure: 19% faster than the runner-up, beyond the spread of the runs (…)."
-    choice = TuneChoice(1, 4, 24, 40.0, "draft", sure)
-    lines = tune_summary(SimpleNamespace(measured=measured, choice=choice, reused=False))
-    assert any("plain decoding" in line and "36.0" in line and "35.0–37.5, 2 runs" in line for line in lines)
-    assert any(line.strip().startswith("self-speculation, draft length 4") for line in lines)
-    assert lines[-2] == (
-        "chosen: the draft model, draft length 4, prefetch to layer 1; 24 cached experts: 40.0 tok/s expected"
+    why = "The draft model, draft length 4, prefetch to layer 1, MRS cache won at 24.0 ms/token, 1.50× plain."
+    choice = TuneChoice(1, 4, 24, 41.7, "draft", sure, policy="mrs", why=why)
+    prediction = SimpleNamespace(curve=curve)
+    lines = tune_summary(
+        SimpleNamespace(measured=measured, choice=choice, reused=False, prediction=prediction)
     )
-    assert lines[-1] == sure
+    text = "\n".join(lines)
+    assert any(
+        "plain decoding" in line and "36.0" in line and "35.0–37.5, 2 runs; predicted 40.0" in line
+        for line in lines
+    )
+    assert any(
+        line.strip().startswith("self-speculation, draft length 4") and "predicted 28.0" in line
+        for line in lines
+    )
+    assert "MRS cache" in text and "not predicted" in text  # a policy the analytic model does not cover
+    assert text.index("  the draft model:") < text.index("  self-speculation:")  # grouped by drafter
+    assert lines[-3] == (
+        "chosen: the draft model, draft length 4, prefetch to layer 1, MRS cache; 24 cached experts: "
+        "41.7 tok/s expected"
+    )
+    assert lines[-2:] == [sure, why]

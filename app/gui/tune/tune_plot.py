@@ -2,6 +2,7 @@
 
 `TuneCurvePlot` is a QWidget drawn with QPainter (no QtCharts). Each drafter has its own
 colour family and marker: the draft model blue circles, self-speculation orange squares,
+substitutes green, MTP purple,
 plain decoding a grey line across (its spread a grey band); each draft length a shade of
 its drafter's colour. A measured point is its median with its spread (low–high) as an
 error bar, nudged sideways per series so bars at one cutoff do not hide each other; the
@@ -25,8 +26,16 @@ PLAIN_COLOR = "#666666"
 DRAFTER_SHADES = {  # darkest first: the shortest draft length measured gets the first
     "draft": ("#08519c", "#3182bd", "#6baed6", "#9ecae1"),
     "self": ("#a63603", "#e6550d", "#fd8d3c", "#fdae6b"),
+    "substitute": ("#006d2c", "#31a354", "#74c476", "#a1d99b"),
+    "mtp": ("#54278f", "#756bb1", "#9e9ac8", "#bcbddc"),
 }
-DRAFTER_NAMES = {"draft": "draft model", "self": "self", "": "speculation"}
+DRAFTER_NAMES = {
+    "draft": "draft model",
+    "self": "self",
+    "substitute": "substitutes",
+    "mtp": "MTP",
+    "": "speculation",
+}
 Series = tuple[str, int]  # (drafter, draft length); ("", 0) is plain decoding
 Bar = tuple[int, float, float, float]  # (cutoff layer, median, low, high) in ms
 
@@ -43,7 +52,7 @@ def series_by_drafter(points: list[dict[str, Any]]) -> dict[Series, list[Bar]]:
         low, high = point.get("tpot_low_ms"), point.get("tpot_high_ms")
         bar = (int(point["cutoff_layer"]), tpot, tpot if low is None else low, tpot if high is None else high)
         groups.setdefault(key, []).append(bar)
-    order = {"": 0, "draft": 1, "self": 2}
+    order = {"": 0, "draft": 1, "self": 2, "substitute": 3, "mtp": 4}
     return {
         key: sorted(groups[key]) for key in sorted(groups, key=lambda k: (order.get(k[0], 3), k[0], k[1]))
     }
@@ -115,18 +124,22 @@ class TuneCurvePlot(QWidget):
         predicted: list[dict[str, Any]],
         chosen: dict[str, Any] | None = None,
     ) -> None:
-        """Plot these curve points; the prediction only for the draft lengths measured, drawn with the
-        drafter it was made for (the draft model where one was measured, else self); `chosen` (the
-        TuneChoice dict) is ringed."""
+        """Plot these curve points (the measured ones run with the default prefetch and cache
+        policies: the others are the summary's); each drafter's prediction for the draft lengths
+        measured, drawn with it (a prediction that names no drafter, from an older result, with the
+        draft model where one was measured, else self); `chosen` (the TuneChoice dict) is ringed."""
+        measured = [p for p in measured if not any(p.get(k) for k in ("prefetch", "policy", "cpu_experts"))]
         self._measured = series_by_drafter(measured)
         drafters = {drafter for drafter, draft_len in self._measured if draft_len}
-        predicted_drafter = "draft" if "draft" in drafters else min(drafters, default="")
+        unnamed = "draft" if "draft" in drafters else min(drafters, default="")
         self._predicted = {}
-        for draft_len, points in series_by_draft_len(predicted).items():
-            key = ("", 0) if draft_len == 0 else (predicted_drafter, draft_len)
-            if key in self._measured:
-                self._predicted[key] = points
-        kept = [p for p in predicted if (int(p["draft_len"]) == 0 or predicted_drafter) and self._kept(p)]
+        for drafter in {str(p.get("drafter") or "") for p in predicted}:
+            own = [p for p in predicted if str(p.get("drafter") or "") == drafter]
+            for draft_len, points in series_by_draft_len(own).items():
+                key = ("", 0) if draft_len == 0 else (drafter or unnamed, draft_len)
+                if key in self._measured:
+                    self._predicted[key] = points
+        kept = [p for p in predicted if self._kept(p, unnamed)]
         self._ranges = axis_ranges(measured, kept)
         self._chosen = None
         if chosen is not None:
@@ -135,8 +148,10 @@ class TuneCurvePlot(QWidget):
             self._chosen = (key, int(chosen.get("cutoff_layer", -1)))
         self.update()
 
-    def _kept(self, point: dict[str, Any]) -> bool:
-        return any(draft_len == int(point["draft_len"]) for _, draft_len in self._predicted)
+    def _kept(self, point: dict[str, Any], unnamed: str) -> bool:
+        draft_len = int(point["draft_len"])
+        key = ("", 0) if draft_len == 0 else (str(point.get("drafter") or "") or unnamed, draft_len)
+        return key in self._predicted
 
     def series_color(self, key: Series) -> QColor:
         """The colour of one series: a shade of its drafter's colour by draft length; plain is grey."""

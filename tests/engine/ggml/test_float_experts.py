@@ -138,14 +138,20 @@ def test_mxfp4_experts_go_through_ggml_with_their_biases_as_llama_cpp_computes_t
 def test_what_ggml_cannot_hold_as_it_is_stays_on_the_exact_kernels_and_says_so(folders, tmp_path, caplog):
     """float32 (the verification precision) and FP8 under auto; a BF16 checkpoint computed in
     float16 (its numbers would round) or its experts quantized to int8 (its matrices then stay
-    ggml's); `--kernels ggml` asked of float32 weights: the exact kernels, named in the model's
-    config (which the stats report)."""
+    ggml's); a BF16 checkpoint over a simulated link; `--kernels ggml` asked of float32 weights:
+    the exact kernels, named in the model's config (which the stats report)."""
     fp8 = write_fp8_model(tmp_path / "fp8", tmp_path / "reference")
     cases = [
         (folders["qwen3 f32"], AUTO, "exact"),
         (fp8, AUTO, "exact"),
         (folders["qwen3 bf16"], dataclasses.replace(AUTO, dtype="float16"), "ggml"),
         (folders["qwen3 bf16"], dataclasses.replace(AUTO, expert_dtype="int8"), "ggml"),
+        # a simulated link: the CPU stands in for a GPU, whose layout and kernels the experts keep
+        (
+            folders["qwen3 bf16"],
+            dataclasses.replace(AUTO, expert_budget=ExpertBudget(experts=8), sim_link_gbps=1.0),
+            "exact",
+        ),
         (folders["qwen3 f32"], dataclasses.replace(AUTO, kernels="ggml"), "exact"),
     ]
     for folder, config, kernels in cases:

@@ -99,6 +99,25 @@ def test_a_tune_result_that_measured_self_fastest_drafts_with_self_though_a_draf
         "spmoe",
         1,
     )
-    assert "self-drafting faster" in " ".join(chosen.reasons)
+    assert "self-drafting fastest" in " ".join(chosen.reasons)
     drafted = resolve(model(demo_model_dir()), AUTO, "auto", None, TunedChoice(1, 4, drafter="draft"))
     assert drafted.spec.mode == "draft"
+
+
+def test_a_tune_result_names_substitutes_next_layer_prefetch_and_cpu_misses(tmp_path):
+    """What the tuner measured fastest is what `auto` runs: SubSpec's substitutes, next-layer
+    prefetch in place of SP-MoE's, and misses on the CPU where the request leaves that to auto."""
+    tuned = TunedChoice(-1, 3, drafter="substitute", prefetch="next-layer", cpu_experts="auto")
+    config = GenerationConfig(spec=AUTO, prefetch="auto", cpu_experts="auto")
+    chosen = resolve_config(model(tmp_path, top_k=4), config, tuned)
+    assert (chosen.spec.mode, chosen.spec.draft_len, chosen.prefetch, chosen.cutoff) == (
+        "substitute",
+        3,
+        "next-layer",
+        None,
+    )
+    assert chosen.cpu_experts == "auto"
+    plain = resolve_config(model(tmp_path), config, TunedChoice(-1, 0, prefetch="next-layer"))
+    assert (plain.spec.mode, plain.prefetch) == ("none", "next-layer")
+    asked = GenerationConfig(spec=SpecConfig(mode="self", top_r=1), prefetch="spmoe", cpu_experts="never")
+    assert resolve_config(model(tmp_path), asked, tuned) == asked  # what a request names stays

@@ -22,7 +22,7 @@ from engine.tune.analytic import (
     predict_plain_tpot,
     predict_tpot,
 )
-from engine.tune.types import Probe, Profile
+from engine.tune.types import CurvePoint, DrafterProfile, Probe, Profile
 
 MIB = 1 << 20
 
@@ -159,7 +159,8 @@ def test_predict_chooses_draft_length_and_cutoff() -> None:
     assert prediction.cutoff_layer == 2
     assert prediction.expected_tpot_ms == pytest.approx(25.78125 / 2.44)
     assert prediction.expected_tokens_per_s == pytest.approx(1000 * 2.44 / 25.78125)
-    assert len(prediction.curve) == 2 * 5  # cutoffs −1..3 for each draft length
+    assert len(prediction.curve) == 1 + 2 * 5  # plain, then cutoffs −1..3 for each draft length
+    assert prediction.curve[0] == CurvePoint(-1, 0, 14.0) and prediction.drafter == "draft"
     gamma2 = [point for point in prediction.curve if point.draft_len == 2]
     assert min(gamma2, key=lambda point: point.tpot_ms).cutoff_layer == 2  # curve agrees with the rule
     assert any("Draft length 2" in reason for reason in prediction.reasons)
@@ -172,6 +173,30 @@ def test_predict_prefers_plain_decoding_when_drafts_are_rarely_accepted() -> Non
     assert (prediction.draft_len, prediction.cutoff_layer) == (0, -1)
     assert prediction.expected_tpot_ms == pytest.approx(14.0)
     assert any("Plain decoding" in reason for reason in prediction.reasons)
+
+
+def test_each_drafter_has_its_own_curve_and_the_fastest_wins() -> None:
+    """Two drafters measured: the draft model as above (10.57 ms at γ = 2) and a cheaper one the
+    target accepts as often (α = 0.8, 1 ms a token); each drafter's points are labelled with it,
+    the prediction is the cheaper one's, and a reason is given for each."""
+    draft = DrafterProfile("draft", 4.0, 0.8, 4, 3.0)
+    cheap = DrafterProfile("self", 1.0, 0.8, 4, 3.0)
+    profile = dataclasses.replace(PROFILE, drafters=(draft, cheap))
+    prediction = predict(profile, PROBE, 124 * MIB, draft_lens=(2, 4), prefetch_recall=0.5)
+    by_drafter = {name: [p for p in prediction.curve if p.drafter == name] for name in ("draft", "self")}
+    assert len(by_drafter["draft"]) == len(by_drafter["self"]) == 2 * 5
+    alone = predict(
+        dataclasses.replace(PROFILE, acceptance_rate=0.8), PROBE, 124 * MIB, (2, 4), prefetch_recall=0.5
+    )
+    assert [p.tpot_ms for p in by_drafter["draft"]] == [p.tpot_ms for p in alone.curve[1:]]
+    # a cheaper draft hides fewer copies, but never costs more than it saves
+    assert all(s.tpot_ms <= d.tpot_ms for s, d in zip(by_drafter["self"], by_drafter["draft"], strict=True))
+    assert prediction.drafter == "self" and prediction.expected_tpot_ms == min(
+        p.tpot_ms for p in by_drafter["self"]
+    )
+    assert (
+        sum(reason.startswith(("The draft model", "Self-speculation")) for reason in prediction.reasons) == 2
+    )
 
 
 def test_predict_without_a_drafter() -> None:

@@ -2,80 +2,136 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 
 import pytest
 
 from engine.errors import GenerationCancelled
-from engine.tune.search import candidate_points, certainty, choose, search, summarize
+from engine.tune.search import (
+    PLAIN,
+    Setting,
+    candidate_points,
+    certainty,
+    choose,
+    explain,
+    policy_points,
+    search,
+    summarize,
+)
 from engine.tune.types import CurvePoint, Prediction
 
 MOE_LAYERS = 10
 
 
-def _prediction(cutoff_layer: int, draft_len: int, curve_lens: tuple[int, ...] = (2, 4, 6, 8)) -> Prediction:
+def _prediction(
+    cutoff_layer: int, draft_len: int, curve_lens: tuple[int, ...] = (2, 4, 6, 8), drafters=("",)
+) -> Prediction:
+    """A prediction whose curve, for each drafter, is fastest at (cutoff_layer, draft_len)."""
     cutoffs = range(-1, MOE_LAYERS)
-    curve = tuple(CurvePoint(cutoff, length, 1.0) for length in curve_lens for cutoff in cutoffs)
+    curve = [CurvePoint(-1, 0, 50.0)]
+    curve += [
+        CurvePoint(cutoff, length, 1.0 + abs(cutoff - cutoff_layer) + abs(length - draft_len), drafter)
+        for drafter in drafters
+        for length in curve_lens
+        for cutoff in cutoffs
+    ]
     return Prediction(
         cache_experts=16,
         cutoff_layer=cutoff_layer,
         draft_len=draft_len,
         expected_tpot_ms=1.0,
         expected_tokens_per_s=1000.0,
-        curve=curve,
+        curve=tuple(curve),
         reasons=(),
     )
 
 
-def _u_shaped(cutoff: int, draft_len: int, drafter: str = "draft") -> list[float]:
+def _u_shaped(point: Setting) -> list[float]:
     """Large experts (SP-MoE Fig. 9, Mixtral): TPOT falls, then rises; minimum at (3, 4); no noise."""
-    return [10.0 + (cutoff - 3) ** 2 + 0.5 * abs(draft_len - 4)]
+    return [10.0 + (point.cutoff_layer - 3) ** 2 + 0.5 * abs(point.draft_len - 4)]
 
 
-def _monotone(cutoff: int, draft_len: int, drafter: str = "draft") -> list[float]:
+def _monotone(point: Setting) -> list[float]:
     """Small experts (DeepSeek): TPOT falls all the way to the last layer; best draft 6."""
-    return [30.0 - cutoff + abs(draft_len - 6)]
+    return [30.0 - point.cutoff_layer + abs(point.draft_len - 6)]
 
 
-def test_candidates_span_the_analytic_choice_and_both_ends() -> None:
+def test_candidates_span_each_drafters_predicted_best_and_both_ends() -> None:
     points = candidate_points(_prediction(cutoff_layer=2, draft_len=4), MOE_LAYERS)
-    assert sorted({cutoff for cutoff, _, _ in points}) == [-1, 0, 1, 2, 3, 4, 9]
-    # the prediction and its neighbours, and plain decoding: the baseline, measured once
-    assert sorted({length for _, length, _ in points}) == [0, 2, 4, 6]
-    assert points[0] == (-1, 0, "") and len(points) == 1 + 7 * 3
-    assert {drafter for _, length, drafter in points if length} == {"draft"}
-    assert points == sorted(points, key=lambda point: (point[1], point[0]))
+    assert points[0] == PLAIN and [p for p in points if p.draft_len == 0] == [PLAIN]
+    # at the predicted draft length: the cutoff ± 1 and both ends; at the predicted cutoff: the
+    # neighbouring lengths among those the curve considered
+    assert [(p.cutoff_layer, p.draft_len) for p in points[1:]] == [(c, 4) for c in (-1, 1, 2, 3, 9)] + [
+        (2, 2),
+        (2, 6),
+    ]
+    assert {p.drafter for p in points[1:]} == {"draft"}
+    wide = candidate_points(_prediction(cutoff_layer=2, draft_len=4), MOE_LAYERS, cutoff_span=2)
+    assert sorted({p.cutoff_layer for p in wide if p.draft_len == 4}) == [-1, 0, 1, 2, 3, 4, 9]
 
 
-def test_candidates_stay_in_range_and_take_given_draft_lengths() -> None:
-    points = candidate_points(_prediction(cutoff_layer=-1, draft_len=2), MOE_LAYERS, draft_lens=[5, 3, 5])
-    assert points == [(c, d, "draft") for d in (3, 5) for c in (-1, 0, 1, 9)]
-    at_end = candidate_points(_prediction(cutoff_layer=9, draft_len=8), MOE_LAYERS, cutoff_span=1)
-    assert sorted({c for c, _, _ in at_end}) == [-1, 8, 9]
-    assert sorted({d for _, d, _ in at_end}) == [0, 4, 6, 8]  # 8 is the longest considered: shifted inward
+def test_candidates_stay_in_range_at_the_ends() -> None:
+    at_end = candidate_points(_prediction(cutoff_layer=9, draft_len=8), MOE_LAYERS)
+    assert sorted({p.cutoff_layer for p in at_end[1:]}) == [-1, 8, 9]
+    assert sorted({p.draft_len for p in at_end}) == [0, 6, 8]  # 8 is the longest considered
+    at_start = candidate_points(_prediction(cutoff_layer=-1, draft_len=2), MOE_LAYERS)
+    assert sorted({p.cutoff_layer for p in at_start[1:]}) == [-1, 0, 9]
 
 
-def test_candidates_for_plain_decoding_and_unknown_draft_lengths() -> None:
-    # no drafter: the prediction's curve is the single plain point
-    assert candidate_points(_prediction(-1, 0, curve_lens=(0,)), MOE_LAYERS) == [(-1, 0, "")]
-    # plain predicted faster, a drafter measured: plain and the two shortest drafts are measured
-    plain_wins = candidate_points(_prediction(cutoff_layer=-1, draft_len=0), MOE_LAYERS)
-    assert plain_wins == [(-1, 0, "")] + [(c, d, "draft") for d in (2, 4) for c in (-1, 0, 1, 9)]
-    unknown = candidate_points(_prediction(2, 5, curve_lens=()), MOE_LAYERS)
-    assert sorted({d for _, d, _ in unknown}) == [0, 3, 5, 7]
+def test_a_speculative_point_is_measured_even_where_plain_decoding_is_predicted_faster() -> None:
+    """The root of a tune that measured only plain decoding: the points come from each drafter's
+    own curve, not from the overall prediction."""
+    plain_wins = dataclasses.replace(_prediction(cutoff_layer=3, draft_len=6), cutoff_layer=-1, draft_len=0)
+    points = candidate_points(plain_wins, MOE_LAYERS, drafters=("self",))
+    assert {(p.cutoff_layer, p.draft_len, p.drafter) for p in points if p.draft_len == 6} == {
+        (c, 6, "self") for c in (-1, 2, 3, 4, 9)
+    }
+    # no drafter profiled: plain decoding alone; a drafter missing from the curve is not measured
+    assert candidate_points(_prediction(-1, 0, curve_lens=()), MOE_LAYERS) == [PLAIN]
+    labelled = _prediction(2, 4, drafters=("self",))
+    assert {p.drafter for p in candidate_points(labelled, MOE_LAYERS, drafters=("draft", "self"))} == {
+        "",
+        "self",
+    }
 
 
-def test_every_drafter_that_applies_gets_the_speculative_points_and_plain_is_measured_once() -> None:
-    points = candidate_points(_prediction(-1, 0), MOE_LAYERS, drafters=("draft", "self"))
-    assert points[0] == (-1, 0, "") and [p for p in points if p[1] == 0] == [(-1, 0, "")]
-    assert [p[:2] for p in points if p[2] == "draft"] == [p[:2] for p in points if p[2] == "self"]
-    assert len(points) == 1 + 2 * 2 * 4
+def test_every_drafter_gets_the_points_around_its_own_best() -> None:
+    two = _prediction(2, 4, drafters=("draft",))
+    other = _prediction(5, 8, drafters=("mtp",))
+    both = dataclasses.replace(two, curve=two.curve + other.curve[1:])
+    points = candidate_points(both, MOE_LAYERS, drafters=("draft", "mtp"))
+    assert {p.draft_len for p in points if p.drafter == "draft"} == {2, 4, 6}
+    assert {p.cutoff_layer for p in points if p.drafter == "mtp" and p.draft_len == 8} == {-1, 4, 5, 6, 9}
+
+
+def test_the_leaders_other_policies() -> None:
+    leader = Setting(3, 4, "self")
+    cpu = policy_points(leader, on_gpu=False, loaded_policy="lru")
+    assert cpu == [
+        Setting(-1, 4, "self", "next-layer"),
+        Setting(3, 4, "self", policy="lfu"),
+        Setting(3, 4, "self", policy="mrs"),
+    ]
+    gpu = policy_points(leader, on_gpu=True, loaded_policy="mrs")
+    assert Setting(3, 4, "self", cpu_experts="auto") in gpu and Setting(3, 4, "self", policy="lru") in gpu
+
+
+def test_search_measures_the_leaders_policies_after_the_first_pass() -> None:
+    def measure(point: Setting) -> list[float]:
+        return [_u_shaped(point)[0] - (1.0 if point.policy == "mrs" else 0.0)]
+
+    points = candidate_points(_prediction(cutoff_layer=3, draft_len=4), MOE_LAYERS)
+    measured = search(points, measure, then=lambda leader: policy_points(leader, False, "lru"))
+    best = choose(measured)
+    assert (best.cutoff_layer, best.draft_len, best.policy) == (3, 4, "mrs")
+    assert "MRS cache" in explain(measured) and "plain decoding" in explain(measured)
 
 
 def test_search_finds_the_bottom_of_a_u_shaped_curve() -> None:
     # the analytic choice (1, 4) is off by two layers; the measured minimum is (3, 4)
-    points = candidate_points(_prediction(cutoff_layer=1, draft_len=4), MOE_LAYERS)
+    points = candidate_points(_prediction(cutoff_layer=2, draft_len=4), MOE_LAYERS)
     measured = search(points, _u_shaped)
     assert len(measured) == len(points)
     best = choose(measured)
@@ -90,20 +146,19 @@ def test_search_finds_the_end_of_a_monotone_curve() -> None:
 
 
 def test_a_point_is_the_median_of_its_runs_with_their_spread() -> None:
-    point = summarize(2, 4, "self", [7.0, 5.0, 9.0])
+    point = summarize(Setting(2, 4, "self"), [7.0, 5.0, 9.0])
     assert point == CurvePoint(2, 4, 7.0, "self", 5.0, 9.0, 3)
 
 
 def test_noise_between_neighbours_is_measured_again_until_the_choice_is_clear() -> None:
     """A busy machine: each run of a point is off by up to ±40 %; the true best is (1, 4, self)."""
-    true_ms = {(0, 4, "self"): 10.0, (1, 4, "self"): 8.0, (2, 4, "self"): 12.0}
+    true_ms = {Setting(0, 4, "self"): 10.0, Setting(1, 4, "self"): 8.0, Setting(2, 4, "self"): 12.0}
     noise = {key: itertools.chain([1.4, 0.9], itertools.repeat(1.0)) for key in true_ms}
-    noise[(0, 4, "self")] = itertools.chain([0.6], itertools.repeat(1.0))  # a lucky first run: 6.0 ms
+    noise[Setting(0, 4, "self")] = itertools.chain([0.6], itertools.repeat(1.0))  # a lucky first run: 6.0 ms
     calls = []
 
-    def measure(cutoff: int, draft_len: int, drafter: str) -> list[float]:
-        calls.append((cutoff, draft_len, drafter))
-        key = (cutoff, draft_len, drafter)
+    def measure(key: Setting) -> list[float]:
+        calls.append(key)
         return [true_ms[key] * next(noise[key]), true_ms[key] * next(noise[key])]
 
     measured = search(list(true_ms), measure, max_rounds=3)
@@ -122,7 +177,7 @@ def test_the_certainty_says_when_the_best_two_are_within_noise() -> None:
 
 def test_progress_after_every_point() -> None:
     calls: list[tuple[int, int, CurvePoint]] = []
-    points = [(-1, 2, "draft"), (0, 2, "draft"), (1, 2, "draft")]
+    points = [Setting(-1, 2, "draft"), Setting(0, 2, "draft"), Setting(1, 2, "draft")]
     measured = search(points, _u_shaped, progress=lambda *call: calls.append(call), max_rounds=0)
     assert calls == [(1, 3, measured[0]), (2, 3, measured[1]), (3, 3, measured[2])]
     # cutoff 0, draft 2: 10 + (0 − 3)² + 0.5·2 = 20
@@ -133,8 +188,8 @@ def test_cancel_stops_between_points() -> None:
     cancel = threading.Event()
     measured_points: list[tuple[int, int]] = []
 
-    def measure(cutoff: int, draft_len: int, drafter: str) -> list[float]:
-        measured_points.append((cutoff, draft_len))
+    def measure(point: Setting) -> list[float]:
+        measured_points.append(point[:2])
         return [1.0]
 
     def progress(done: int, total: int, point: CurvePoint) -> None:
@@ -142,9 +197,7 @@ def test_cancel_stops_between_points() -> None:
             cancel.set()
 
     with pytest.raises(GenerationCancelled, match="2 of 4"):
-        search(
-            [(-1, 2, "draft"), (0, 2, "draft"), (1, 2, "draft"), (2, 2, "draft")], measure, progress, cancel
-        )
+        search([Setting(c, 2, "draft") for c in (-1, 0, 1, 2)], measure, progress, cancel)
     assert measured_points == [(-1, 2), (0, 2)]
 
 
@@ -152,12 +205,12 @@ def test_cancel_before_the_first_point_measures_nothing() -> None:
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(GenerationCancelled):
-        search([(-1, 2, "draft")], lambda *point: pytest.fail("measured after cancel"), cancel=cancel)
+        search([Setting(-1, 2, "draft")], lambda point: pytest.fail("measured after cancel"), cancel=cancel)
 
 
 def test_a_bad_measurement_is_an_error() -> None:
     with pytest.raises(ValueError, match="positive finite"):
-        search([(0, 2, "draft")], lambda *point: [float("nan")])
+        search([Setting(0, 2, "draft")], lambda point: [float("nan")])
 
 
 def test_choose_breaks_ties_by_smaller_cutoff_then_shorter_draft() -> None:

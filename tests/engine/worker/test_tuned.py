@@ -5,12 +5,14 @@ from types import SimpleNamespace
 import pytest
 
 from engine.config import ExpertBudget, OffloadConfig
+from engine.generation_config import GenerationConfig, SpecConfig
 from engine.loader import load_model
 from engine.resources import demo_model_dir
 from engine.speculative.auto import TunedChoice
 from engine.tune.run import tune
 from engine.tune.store import TuneStore
-from engine.worker.tuned import stored_choice
+from engine.tune.types import TuneChoice
+from engine.worker.tuned import apply_policy, stored_choice, tuned_config
 
 
 class KeySpy(TuneStore):
@@ -46,6 +48,27 @@ def test_the_lookup_uses_the_tuners_key(demo, tmp_path):
     assert lookup.keys == tuner.keys
 
 
-def test_a_stored_result_gives_its_cutoff_and_draft_length(demo, tmp_path):
-    stored = SimpleNamespace(choice=SimpleNamespace(cutoff_layer=2, draft_len=5))
+def test_a_stored_result_gives_what_it_chose(demo, tmp_path):
+    stored = SimpleNamespace(choice=TuneChoice(2, 5, 24, 30.0))
     assert stored_choice(demo, KeySpy(tmp_path / "tune.json", stored)) == TunedChoice(2, 5)
+    full = SimpleNamespace(choice=TuneChoice(-1, 4, 24, 30.0, "substitute", "", "next-layer", "mrs", "auto"))
+    expected = TunedChoice(-1, 4, "substitute", "next-layer", "mrs", "auto")
+    assert stored_choice(demo, KeySpy(tmp_path / "tune.json", full)) == expected
+
+
+def test_a_requests_config_follows_the_stored_choice_and_its_cache_policy(demo, tmp_path):
+    """The worker's and the command line's `auto`: drafter and prefetch from the stored result, and
+    the expert cache under the policy the tune measured fastest (put in place once)."""
+    stored = SimpleNamespace(choice=TuneChoice(-1, 3, 24, 30.0, "self", "", "next-layer", "mrs"))
+    store = KeySpy(tmp_path / "tune.json", stored)
+    assert demo.cache.policy.name == "lru"
+    try:
+        config = tuned_config(demo, GenerationConfig(spec=SpecConfig(mode="auto"), prefetch="auto"), store)
+        assert (config.spec.mode, config.spec.draft_len, config.prefetch) == ("self", 3, "next-layer")
+        policy = demo.cache.policy
+        assert policy.name == "mrs"
+        tuned_config(demo, GenerationConfig(), store)
+        assert demo.cache.policy is policy  # in place already: the cache is not emptied again
+    finally:
+        apply_policy(demo, "lru")
+    assert demo.cache.policy.name == "lru"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from app.gui.tune.tune_plot import (
     series_by_draft_len,
     series_by_drafter,
 )
+from app.gui.tune.tune_text import describe_choice
 from app.gui.tune.tune_wizard import NO_GPU_TEXT, TuneWizard
 from app.settings import AppSettings, SettingsError
 from engine.generation_config import SamplingConfig
@@ -110,12 +112,14 @@ def test_flow_progress_result_and_apply(qtbot, tmp_path):
     assert wizard.currentPage() is result_page
     choice = RESULT["choice"]
     text = result_page.choice_label.text()
-    assert "draft length 8 with the draft model" in text and "cutoff layer none (no prefetch)" in text
+    assert "draft length 4 with the draft model" in text and "cutoff layer 2 (SP-MoE prefetch" in text
     assert f"expected {choice['expected_tokens_per_s']:.1f} tokens/s" in text
-    assert choice["certainty"].startswith("Sure:") and choice["certainty"] in text
+    assert choice["certainty"].startswith("Sure:") and html.escape(choice["certainty"]) in text
+    assert " won at " in choice["why"] and html.escape(choice["why"]) in text  # why, in one sentence
     assert "simulated link" in result_page.probe_label.text()
     assert result_page.reused_label.text() == "Measured just now."
-    assert "Draft length 8" in result_page.reasons_label.text()
+    reasons = result_page.reasons_label.text()  # the analytic model's words, per drafter
+    assert all(name in reasons for name in ("The draft model:", "Self-speculation", "Substitute experts"))
     assert wizard.button(QWizard.WizardButton.FinishButton).text() == "Apply"
     _screenshot(wizard, tmp_path)
     with qtbot.waitSignal(wizard.sig_apply) as applied:
@@ -123,8 +127,8 @@ def test_flow_progress_result_and_apply(qtbot, tmp_path):
     settings = applied.args[0]
     assert settings.expert_budget == str(choice["cache_experts"])
     assert settings.cutoff_layer == choice["cutoff_layer"]
-    # the choice: the demo's draft model drafting 8, no prefetch (cutoff -1 measured fastest)
-    assert (settings.spec_mode, settings.draft_len, settings.prefetch) == ("draft", 8, "none")
+    # the choice: the demo's draft model drafting 4, SP-MoE prefetch to layer 2
+    assert (settings.spec_mode, settings.draft_len, settings.prefetch) == ("draft", 4, "spmoe")
 
 
 def _screenshot(wizard: TuneWizard, tmp_path: Path) -> None:
@@ -309,12 +313,43 @@ def test_plot_has_a_series_per_drafter_the_prediction_and_the_chosen_point(qtbot
     qtbot.addWidget(plot)
     plot.set_data(RESULT["measured"], RESULT["prediction"]["curve"], RESULT["choice"])
     labels = [label for label, _, _ in plot.legend_entries()]
-    assert {p["drafter"] for p in RESULT["measured"] if p["draft_len"]} == {"draft", "self"}
+    assert {p["drafter"] for p in RESULT["measured"] if p["draft_len"]} == {"draft", "self", "substitute"}
     assert "chosen" in labels and "predicted (dashed)" in labels
     assert ("plain decoding" in labels) == any(p["draft_len"] == 0 for p in RESULT["measured"])
-    for drafter, name in (("draft", "draft model"), ("self", "self")):
-        lens = {p["draft_len"] for p in RESULT["measured"] if p["drafter"] == drafter and p["draft_len"]}
-        assert {f"{name}, {k} tokens" for k in lens} <= set(labels)
-    assert plot.series_color(("draft", 2)) != plot.series_color(("self", 2))
+    for drafter, name in (("draft", "draft model"), ("self", "self"), ("substitute", "substitutes")):
+        default = [
+            p for p in RESULT["measured"] if p["drafter"] == drafter and not (p["prefetch"] or p["policy"])
+        ]
+        assert {f"{name}, {p['draft_len']} tokens" for p in default} <= set(labels)
+    colours = {plot.series_color(key).name() for key in (("draft", 2), ("self", 2), ("substitute", 2))}
+    assert len(colours) == 3
+    # the leader under another prefetch or cache policy is the summary's, not a curve's
+    variants = [p for p in RESULT["measured"] if p["prefetch"] or p["policy"]]
+    assert variants and sum(len(bars) for bars in plot._measured.values()) == len(RESULT["measured"]) - len(
+        variants
+    )
+    # each drafter's prediction, drawn with it
+    assert {drafter for drafter, length in plot._predicted if length} == {"draft", "self", "substitute"}
     plot.resize(760, 340)
     assert plot.grab().width() == 760
+
+
+def test_with_tune_applies_substitutes_mtp_next_layer_prefetch_the_cache_policy_and_cpu_misses():
+    choice = {"cutoff_layer": -1, "draft_len": 3, "cache_experts": 8, "drafter": "substitute"}
+    tuned = AppSettings(model_path="/models/qwen").with_tune(
+        {**choice, "prefetch": "next-layer", "policy": "mrs", "cpu_experts": "auto"}
+    )
+    assert (tuned.spec_mode, tuned.draft_len, tuned.prefetch) == ("substitute", 3, "next-layer")
+    assert (tuned.policy, tuned.cpu_experts, tuned.expert_budget) == ("mrs", "auto", "8")
+    mtp = AppSettings(model_path="/models/qwen", policy="lfu").with_tune(
+        {**choice, "drafter": "mtp", "cutoff_layer": 2}
+    )
+    assert (mtp.spec_mode, mtp.prefetch, mtp.cutoff_layer, mtp.policy, mtp.cpu_experts) == (
+        "mtp",
+        "spmoe",
+        2,
+        "lfu",  # no policy measured better: the chosen one stays
+        "never",
+    )
+    assert "next-layer prefetch" in describe_choice({**choice, "prefetch": "next-layer", "policy": "mrs"})
+    assert "(MRS)" in describe_choice({**choice, "policy": "mrs"})
