@@ -124,44 +124,21 @@ class AppSettings:
             cutoff=self.cutoff_layer,
         )
 
-    def with_tune(self, choice: dict[str, Any]) -> AppSettings:
-        """These settings with an auto-tune choice applied (`engine.tune.types.TuneChoice` as a dict):
-        what the tuner measured fastest is what runs.
+    def tune_blockers(self) -> dict[str, str]:
+        """The settings that fix, for every model, what a tune chooses per model: {field: its
+        value}. A stored tune result runs as a model's `auto` (engine.worker.tuned), so it runs
+        only where speculation and prefetch are `auto` and no cutoff layer is set."""
+        fixed = {name: str(getattr(self, name)) for name in ("spec_mode", "prefetch")}
+        fixed = {name: value for name, value in fixed.items() if value != "auto"}
+        if self.cutoff_layer is not None:
+            fixed["cutoff_layer"] = str(self.cutoff_layer)
+        return fixed
 
-        The cache gets `cache_experts` experts, under the measured cache policy (`policy`, where
-        the tuner named one). A draft length of 0 (plain decoding measured fastest) turns
-        speculation off. Otherwise speculation drafts that many tokens with the measured drafter
-        (`drafter`: "draft", the draft model or the demo's; "self", "substitute", "mtp"). A cutoff
-        of 0 or more turns SP-MoE prefetch on up to that layer, −1 off; `prefetch` "next-layer"
-        prefetches the next layer's experts instead. `cpu_experts` "auto" computes misses on the CPU
-        where sooner. A choice that names no drafter (a result stored before the tuner chose one)
-        keeps a chosen speculation mode, or drafts with the draft model where there is one, else
-        with the model itself."""
-        draft_len = int(choice["draft_len"])
-        cutoff_layer = int(choice["cutoff_layer"])
-        prefetch = "spmoe" if cutoff_layer >= 0 and draft_len > 0 else "none"
-        changes: dict[str, Any] = {
-            "expert_budget": str(int(choice["cache_experts"])),
-            "cutoff_layer": cutoff_layer,
-            "prefetch": "next-layer" if choice.get("prefetch") == "next-layer" else prefetch,
-            "policy": str(choice.get("policy") or self.policy),
-            "cpu_experts": str(choice.get("cpu_experts") or "never"),
-        }
-        if draft_len <= 0:
-            changes.update(spec_mode="none")
-        else:
-            changes.update(
-                spec_mode=self._tuned_spec_mode(str(choice.get("drafter") or "")), draft_len=draft_len
-            )
-        return replace(self, **changes)
-
-    def _tuned_spec_mode(self, drafter: str) -> str:
-        has_draft = self.model_path is None or bool(self.draft_model)  # the demo ships its draft
-        if drafter in ("self", "substitute", "mtp") or (drafter == "draft" and has_draft):
-            return drafter
-        if self.spec_mode not in ("none", "auto"):
-            return self.spec_mode
-        return "draft" if has_draft else "self"
+    def with_tune(self) -> AppSettings:
+        """These settings with speculation, prefetch and the cutoff left to each model's `auto`, so
+        a model's stored tune result runs for it (and other models keep theirs, or the defaults).
+        Nothing else changes: a tune never writes a budget, draft length or policy for all models."""
+        return replace(self, spec_mode="auto", prefetch="auto", cutoff_layer=None)
 
 
 def needs_reload(old: AppSettings, new: AppSettings) -> bool:

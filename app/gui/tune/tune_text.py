@@ -24,35 +24,58 @@ _DRAFTERS = {
 }
 
 
-def describe_choice(choice: dict[str, Any], applied: AppSettings | None = None) -> str:
-    """The chosen settings as rich text: what Apply sets when `applied` is given (the one source of
-    the summary), else the choice itself; then how sure the measurement is."""
+def describe_choice(choice: dict[str, Any]) -> str:
+    """The tuned choice for the loaded model as rich text, then how sure the measurement is and why
+    the winner won."""
     cutoff = int(choice.get("cutoff_layer", -1))
     draft_len = int(choice.get("draft_len", 0))
     drafter = choice.get("drafter", "")
-    prefetch, policy = choice.get("prefetch", ""), choice.get("policy", "")
-    if applied is not None:
-        draft_len = 0 if applied.spec_mode == "none" else applied.draft_len
-        drafter = applied.spec_mode if applied.spec_mode in _DRAFTERS else "draft"
-        cutoff = (
-            applied.cutoff_layer if applied.prefetch == "spmoe" and applied.cutoff_layer is not None else -1
-        )
-        prefetch, policy = ("next-layer" if applied.prefetch == "next-layer" else ""), applied.policy
     cutoff_text = (
         "none (no prefetch)" if cutoff < 0 else f"{cutoff} (SP-MoE prefetch for MoE layers 0–{cutoff})"
     )
-    if prefetch == "next-layer":
+    if choice.get("prefetch") == "next-layer":
         cutoff_text = "next-layer prefetch"
     draft_text = "0 (plain decoding, no speculation)" if draft_len == 0 else str(draft_len)
     drafter_text = f" with {_DRAFTERS.get(drafter, drafter)}" if draft_len and drafter else ""
+    policy = choice.get("policy", "")
     policy_text = f" ({policy.upper()})" if policy else ""
     notes = [text for text in (choice.get("certainty", ""), choice.get("why", "")) if text]
     return (
-        f"<b>Chosen:</b> draft length {draft_text}{drafter_text} · cutoff layer {cutoff_text} · "
-        f"{choice.get('cache_experts', '?')} cached experts{policy_text} · "
+        f"<b>Chosen for this model:</b> draft length {draft_text}{drafter_text} · cutoff layer "
+        f"{cutoff_text} · {choice.get('cache_experts', '?')} cached experts{policy_text} · "
         f"<b>expected {float(choice.get('expected_tokens_per_s', 0.0)):.1f} tokens/s</b>"
         + "".join(f"<br>{html.escape(text)}" for text in notes)
     )
+
+
+_FIELD_WORDS = {"spec_mode": "speculation", "prefetch": "prefetch", "cutoff_layer": "the cutoff layer"}
+
+
+def describe_apply(settings: AppSettings, use_auto: bool, budget: str | None = None) -> str:
+    """What Apply changes in the settings, said before it does: a tune result belongs to its model
+    (and GPU, budget, precision) and runs as that model's `auto`; settings that fix speculation or
+    prefetch for every model change only when the user ticks the box (`use_auto`); `budget`: a
+    new expert budget typed on page 2."""
+    fixed = settings.tune_blockers()
+    named = ", ".join(f"{_FIELD_WORDS[name]} ({value})" for name, value in fixed.items())
+    if not fixed:
+        text = (
+            "Apply changes none of your settings: from the next reply this model runs the choice "
+            "above as its auto; other models keep their own tuning, or the defaults."
+        )
+    elif use_auto:
+        text = (
+            f"Apply sets {named} to auto, for every model: each then runs its own tuned choice, "
+            "or the defaults. Nothing else changes."
+        )
+    else:
+        text = (
+            f"Your settings fix {named} for every model, so the choice above does not run. Tick the "
+            "box to leave them to each model's auto; Apply leaves them as they are otherwise."
+        )
+    if budget is not None:
+        text += f" The expert budget becomes {budget} and the model reloads: tune again after it."
+    return text
 
 
 def describe_probe(probe: dict[str, Any]) -> str:

@@ -6,10 +6,12 @@ budget, the profiling run (`client.tune(...)`, answered by `sig_tune_progress`
 and `sig_tune_result` or `sig_error` for its request id; Cancel and Retry), and
 the result: measured TPOT (median and spread) against the prefetch cutoff layer per
 drafter and draft length, with the engine's prediction dashed on the same axes
-(`TuneCurvePlot`), the
-chosen settings and the reasons. "Apply" emits `sig_apply` with
-`settings.with_tune(choice)`; a budget typed on page 2 that differs from the
-settings replaces the tuned one and takes effect when the model is reloaded.
+(`TuneCurvePlot`), the choice and the reasons. The engine stores the result for the
+loaded model (and GPU, budget, precision), where it runs as that model's `auto`: "Apply"
+emits `sig_apply` with the settings unchanged but for what the page says it changes —
+speculation and prefetch left to each model's auto where the user ticks that
+(`settings.with_tune()`), and a budget typed on page 2 (taking effect when the model is
+reloaded).
 The wizard never imports the engine's torch side: the result is a plain dict.
 """
 
@@ -36,7 +38,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.gui.tune.tune_plot import TuneCurvePlot
-from app.gui.tune.tune_text import describe_choice, describe_probe, gib
+from app.gui.tune.tune_text import describe_apply, describe_choice, describe_probe, gib
 from app.settings import AppSettings
 from engine.config import ExpertBudget
 from engine.errors import EngineError
@@ -285,22 +287,27 @@ class ResultPage(QWizardPage):
         self.reasons_label = _wrapped("", self)
         self.probe_label = _wrapped("", self)
         self.reused_label = _wrapped("", self)
+        self.use_auto_check = QCheckBox("Leave speculation and prefetch to each model's auto", self)
+        self.use_auto_check.toggled.connect(self._show_apply)
+        self.apply_label = _wrapped("", self)
         layout = QVBoxLayout(self)
         layout.addWidget(self.plot, 1)
         for label in (self.choice_label, self.reasons_label, self.probe_label, self.reused_label):
             layout.addWidget(label)
+        layout.addWidget(self.use_auto_check)
+        layout.addWidget(self.apply_label)
 
     def initializePage(self) -> None:
-        result = self._profiling_page.result or {}
-        self.show_result(result, self.wizard().tuned_settings() if self.wizard() else None)
+        self.show_result(self._profiling_page.result or {})
 
-    def show_result(self, result: dict[str, Any], applied: AppSettings | None = None) -> None:
-        """Fill the page from a TuneResult dict; the summary says what Apply sets (`applied`)."""
+    def show_result(self, result: dict[str, Any]) -> None:
+        """Fill the page from a TuneResult dict, and say what Apply will change."""
         choice = result.get("choice", {})
         self.plot.set_data(
             list(result.get("measured", [])), list(result.get("prediction", {}).get("curve", [])), choice
         )
-        self.choice_label.setText(describe_choice(choice, applied))
+        self.choice_label.setText(describe_choice(choice))
+        self._show_apply()
         reasons = result.get("prediction", {}).get("reasons", [])
         predicted = "Before measuring, the papers' models predicted (the measured runs decided):"
         self.reasons_label.setText("\n".join([predicted, *(f"• {reason}" for reason in reasons)]))
@@ -310,6 +317,15 @@ class ResultPage(QWizardPage):
             if result.get("reused")
             else "Measured just now."
         )
+
+    def _show_apply(self) -> None:
+        wizard = self.wizard()
+        if not isinstance(wizard, TuneWizard):
+            return
+        settings, budget_page = wizard.settings, wizard.budget_page
+        self.use_auto_check.setVisible(bool(settings.tune_blockers()))
+        budget = budget_page.budget() if budget_page.budget_changed() else None
+        self.apply_label.setText(describe_apply(settings, self.use_auto_check.isChecked(), budget))
 
 
 # ---- the wizard -----------------------------------------------------------------------------------
@@ -335,13 +351,21 @@ class TuneWizard(QWizard):
         for page in (self.hardware_page, self.budget_page, self.profiling_page, self.result_page):
             self.addPage(page)
 
+    @property
+    def settings(self) -> AppSettings:
+        return self._settings
+
     def tuned_settings(self) -> AppSettings | None:
-        """The settings Apply gives, or None before a result has arrived."""
-        result = self.profiling_page.result
-        if result is None:
+        """The settings Apply gives, or None before a result has arrived: the same settings (the
+        result is the loaded model's own `auto`, stored by the engine), with speculation and
+        prefetch left to each model's auto where the user ticked that, and a budget typed on
+        page 2 (it applies after a reload)."""
+        if self.profiling_page.result is None:
             return None
-        tuned = self._settings.with_tune(result["choice"])  # the measured drafter, draft length, cutoff
-        if self.budget_page.budget_changed():  # the user's new budget wins; it applies after a reload
+        tuned = self._settings
+        if self.result_page.use_auto_check.isChecked():
+            tuned = tuned.with_tune()
+        if self.budget_page.budget_changed():
             tuned = replace(tuned, expert_budget=self.budget_page.budget())
         return tuned
 

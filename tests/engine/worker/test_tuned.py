@@ -72,3 +72,26 @@ def test_a_requests_config_follows_the_stored_choice_and_its_cache_policy(demo, 
     finally:
         apply_policy(demo, "lru")
     assert demo.cache.policy.name == "lru"
+
+
+@pytest.mark.slow
+def test_a_tune_of_one_model_is_not_another_models(demo, tmp_path):
+    """The result is filed under the tuned model (and GPU, budget, precision): another model finds
+    nothing and runs its own `auto` defaults."""
+    from engine.tiny.models import make_tiny_model
+    from engine.tune.run import TuneConfig
+
+    store = TuneStore(tmp_path / "tune.json")
+    tune(demo, TuneConfig(new_tokens=4, passes=1), store=store)
+    assert stored_choice(demo, store) is not None
+    other = load_model(
+        make_tiny_model(tmp_path / "other"),
+        OffloadConfig(device="cpu", expert_budget=ExpertBudget(experts=24)),
+    )
+    try:
+        assert stored_choice(other, store) is None
+        assert (
+            tuned_config(other, GenerationConfig(), store) == GenerationConfig()
+        )  # the defaults, as they were
+    finally:
+        other.close()

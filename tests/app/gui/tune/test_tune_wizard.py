@@ -17,7 +17,7 @@ from app.gui.tune.tune_plot import (
     series_by_draft_len,
     series_by_drafter,
 )
-from app.gui.tune.tune_text import describe_choice
+from app.gui.tune.tune_text import describe_apply, describe_choice
 from app.gui.tune.tune_wizard import NO_GPU_TEXT, TuneWizard
 from app.settings import AppSettings, SettingsError
 from engine.generation_config import SamplingConfig
@@ -121,14 +121,18 @@ def test_flow_progress_result_and_apply(qtbot, tmp_path):
     reasons = result_page.reasons_label.text()  # the analytic model's words, per drafter
     assert all(name in reasons for name in ("The draft model:", "Self-speculation", "Substitute experts"))
     assert wizard.button(QWizard.WizardButton.FinishButton).text() == "Apply"
+    # the settings fix speculation for every model: said before Apply, and changed only when ticked
+    assert result_page.use_auto_check.isVisible() and not result_page.use_auto_check.isChecked()
+    assert "fix speculation (draft)" in result_page.apply_label.text()
+    assert wizard.tuned_settings() == AppSettings(spec_mode="draft", draft_len=3)
+    result_page.use_auto_check.setChecked(True)
+    assert "Apply sets speculation (draft) to auto" in result_page.apply_label.text()
     _screenshot(wizard, tmp_path)
     with qtbot.waitSignal(wizard.sig_apply) as applied:
         wizard.button(QWizard.WizardButton.FinishButton).click()
     settings = applied.args[0]
-    assert settings.expert_budget == str(choice["cache_experts"])
-    assert settings.cutoff_layer == choice["cutoff_layer"]
-    # the choice: the demo's draft model drafting 4, SP-MoE prefetch to layer 2
-    assert (settings.spec_mode, settings.draft_len, settings.prefetch) == ("draft", 4, "spmoe")
+    # the budget, draft length and policy stay the user's; the choice runs as the model's auto
+    assert settings == AppSettings(spec_mode="auto", draft_len=3)
 
 
 def _screenshot(wizard: TuneWizard, tmp_path: Path) -> None:
@@ -192,59 +196,20 @@ def test_closing_the_wizard_cancels_the_running_tune(qtbot):
     assert client.cancelled == ["tune-1"]
 
 
-def test_with_tune_plain_decoding_turns_speculation_and_prefetch_off():
-    settings = AppSettings(spec_mode="draft", prefetch="spmoe", draft_len=5)
-    tuned = settings.with_tune(
-        {"cutoff_layer": -1, "draft_len": 0, "cache_experts": 24, "expected_tokens_per_s": 9}
-    )
-    assert (tuned.spec_mode, tuned.prefetch, tuned.expert_budget, tuned.cutoff_layer) == (
-        "none",
-        "none",
-        "24",
-        -1,
-    )
-    assert tuned.draft_len == 5
-    tuned.validate()
-
-
-def test_with_tune_speculation_on_the_demo_turns_draft_mode_and_spmoe_on():
-    tuned = AppSettings().with_tune(
-        {"cutoff_layer": 2, "draft_len": 4, "cache_experts": 64, "expected_tokens_per_s": 1}
-    )
-    assert (tuned.spec_mode, tuned.draft_len, tuned.prefetch, tuned.cutoff_layer) == ("draft", 4, "spmoe", 2)
-    assert tuned.expert_budget == "64"
-    tuned.validate()
-    assert tuned.generation_config(SamplingConfig(), 8).cutoff == 2
-
-
-def test_with_tune_applies_the_drafter_the_tuner_measured():
-    """A model without a separate draft: the tuner measured self-speculation, so it runs, whatever
-    the speculation setting was (auto, off); the demo's draft model when that was measured."""
-    for spec_mode in ("auto", "none", "draft"):
-        settings = AppSettings(model_path="/models/qwen", spec_mode=spec_mode, draft_model="/models/draft")
-        tuned = settings.with_tune({"cutoff_layer": 1, "draft_len": 3, "cache_experts": 8, "drafter": "self"})
-        assert (tuned.spec_mode, tuned.prefetch, tuned.cutoff_layer, tuned.draft_len) == (
-            "self",
-            "spmoe",
-            1,
-            3,
-        )
-        tuned.validate()
-    tuned = AppSettings(spec_mode="self").with_tune(
-        {"cutoff_layer": -1, "draft_len": 2, "cache_experts": 8, "drafter": "draft"}
-    )
-    assert (tuned.spec_mode, tuned.prefetch) == ("draft", "none")  # cutoff -1: no prefetch was fastest
-    tuned.validate()
-
-
-def test_with_tune_from_a_result_without_a_drafter_keeps_a_chosen_mode_else_picks_one():
-    """A result stored before the tuner chose drafters names none: an explicit mode stays, auto/off
-    becomes the draft model where there is one, else the model itself (as `auto` resolves)."""
-    choice = {"cutoff_layer": 1, "draft_len": 3, "cache_experts": 8}
-    assert AppSettings(model_path="/models/qwen").with_tune(choice).spec_mode == "self"
-    assert AppSettings(model_path="/m", draft_model="/d").with_tune(choice).spec_mode == "draft"
-    assert AppSettings(spec_mode="none").with_tune(choice).spec_mode == "draft"  # the demo's draft
-    assert AppSettings(model_path="/m", spec_mode="substitute").with_tune(choice).spec_mode == "substitute"
+def test_a_tune_changes_no_setting_that_holds_for_every_model():
+    """A tune result is its model's `auto` (stored per GPU, model, budget and precision): Apply
+    writes no budget, draft length, policy or speculation mode that every other model would then
+    run with, and says what it changes before it does."""
+    settings = AppSettings(model_path="/models/qwen", expert_budget="auto", draft_len=5, policy="lfu")
+    assert settings.tune_blockers() == {} and settings.with_tune() == settings
+    assert describe_apply(settings, use_auto=False).startswith("Apply changes none of your settings")
+    fixed = AppSettings(spec_mode="none", prefetch="spmoe", cutoff_layer=2, draft_len=5)
+    assert fixed.tune_blockers() == {"spec_mode": "none", "prefetch": "spmoe", "cutoff_layer": "2"}
+    assert fixed.with_tune() == AppSettings(draft_len=5)  # only what kept the choice from running
+    said = describe_apply(fixed, use_auto=False)
+    assert "fix speculation (none), prefetch (spmoe), the cutoff layer (2)" in said and "does not run" in said
+    assert "Apply sets speculation (none)" in describe_apply(fixed, use_auto=True)
+    assert "budget becomes 8GiB" in describe_apply(settings, False, budget="8GiB")
 
 
 def test_cutoff_layer_setting_is_checked_and_reaches_the_generation_config():
@@ -334,22 +299,8 @@ def test_plot_has_a_series_per_drafter_the_prediction_and_the_chosen_point(qtbot
     assert plot.grab().width() == 760
 
 
-def test_with_tune_applies_substitutes_mtp_next_layer_prefetch_the_cache_policy_and_cpu_misses():
+def test_the_choice_names_its_drafter_prefetch_and_cache_policy():
     choice = {"cutoff_layer": -1, "draft_len": 3, "cache_experts": 8, "drafter": "substitute"}
-    tuned = AppSettings(model_path="/models/qwen").with_tune(
-        {**choice, "prefetch": "next-layer", "policy": "mrs", "cpu_experts": "auto"}
-    )
-    assert (tuned.spec_mode, tuned.draft_len, tuned.prefetch) == ("substitute", 3, "next-layer")
-    assert (tuned.policy, tuned.cpu_experts, tuned.expert_budget) == ("mrs", "auto", "8")
-    mtp = AppSettings(model_path="/models/qwen", policy="lfu").with_tune(
-        {**choice, "drafter": "mtp", "cutoff_layer": 2}
-    )
-    assert (mtp.spec_mode, mtp.prefetch, mtp.cutoff_layer, mtp.policy, mtp.cpu_experts) == (
-        "mtp",
-        "spmoe",
-        2,
-        "lfu",  # no policy measured better: the chosen one stays
-        "never",
-    )
+    assert "draft length 3 with substitute experts" in describe_choice(choice)
     assert "next-layer prefetch" in describe_choice({**choice, "prefetch": "next-layer", "policy": "mrs"})
     assert "(MRS)" in describe_choice({**choice, "policy": "mrs"})
