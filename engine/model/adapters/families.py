@@ -53,6 +53,7 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
     "nemotron_h",
     "qwen3_next",
     "qwen3_5_moe",
+    "qwen3_5_moe_text",  # qwen3_5_moe's language model saved alone (Qwen3_5MoeForCausalLM), as fine-tunes publish it
     "sarvam_mla",
     "solar_open",
 )
@@ -106,7 +107,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "nemotron_h_omni": NO_CAUSAL_LM,
     "nllb-moe": NO_CAUSAL_LM,
     "openai_privacy_filter": NO_CAUSAL_LM,
-    "qwen3_5_moe_text": "the text part of qwen3_5_moe: checkpoints name qwen3_5_moe",
     "qwen3_omni_moe_talker_text": NO_CAUSAL_LM,
     "qwen3_omni_moe_text": NO_CAUSAL_LM,
     "qwen3_omni_moe_thinker": NO_CAUSAL_LM,
