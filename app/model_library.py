@@ -11,10 +11,10 @@ then is it listed as installed, and only a marked folder is ever removed when a 
 cancelled. An installed model's `path` is what the engine's `--model` takes: the folder, or the
 GGUF file itself when it sits in a subfolder of the repo.
 
-Imported folders are registered *by reference* (`imported.json` beside the downloads): a model
-is tens of GB, so a copy would double the disk it uses and take minutes, and the user keeps
-the folder where they put it. Deleting an imported model therefore only forgets it; the files
-stay. The demo model is always listed and can never be deleted.
+Imported models — a folder, or a GGUF file — are registered *by reference* (`imported.json`
+beside the downloads): a model is tens of GB, so a copy would double the disk it uses and take
+minutes, and the user keeps the files where they put them. Deleting an imported model therefore
+only forgets it; the files stay. The demo model is always listed and can never be deleted.
 
 A folder is validated with `engine.model.check.check_model_folder`, which reads safetensors
 headers or a GGUF header; `check_folder` runs it in a spawned child so this (GUI) process never
@@ -43,11 +43,17 @@ log = logging.getLogger(__name__)
 PARTIAL_MARKER = ".moe-chat-download"
 IMPORTS_FILE = "imported.json"
 CHECK_TIMEOUT_S = 300.0
+SPLIT_PART = re.compile(r"-(?P<index>\d{5})-of-\d{5}\.gguf$")  # a split GGUF set's part
 QUANT_NAME = re.compile(r"^[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*$")  # Q4_K_M, UD-Q4_K_XL; never "--" or ":"
 
 
 class ModelImportError(Exception):
-    """A folder cannot be imported; the message lists why."""
+    """A folder cannot be imported; the message lists why. `choices`: a folder holding several GGUF
+    models, each a file the user may import instead."""
+
+    def __init__(self, message: str, choices: tuple[Path, ...] = ()):
+        super().__init__(message)
+        self.choices = choices
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,22 @@ def key_of_folder(name: str) -> str | None:
     return None
 
 
+def gguf_models_in(folder: Path) -> list[Path]:
+    """The GGUF models at the top of `folder`: each file, or each split set's first part (as the
+    engine reads a folder: engine.model.gguf_file.find_gguf), projector files left out."""
+    files = sorted(p for p in folder.glob("*.gguf") if not p.name.startswith("mmproj"))
+    return [p for p in files if not (m := SPLIT_PART.search(p.name)) or m["index"] == "00001"]
+
+
+def path_size(path: Path) -> int:
+    """Bytes of a model: a folder's files, or a GGUF file with the other parts of its split set."""
+    if path.is_dir():
+        return folder_size(path)
+    match = SPLIT_PART.search(path.name)
+    parts = path.parent.glob(path.name[: match.start()] + "-*-of-*.gguf") if match else [path]
+    return sum(part.stat().st_size for part in parts if part.is_file())
+
+
 def gguf_files_in(folder: Path) -> list[Path]:
     """The `.gguf` files under `folder` (any depth, without the Hub client's `.cache`), sorted."""
     found = []
@@ -180,9 +202,14 @@ class ModelLibrary:
                     models.append(InstalledModel(key, str(path), "downloaded", key, folder_size(folder)))
         for entry in self._imports():
             path = Path(entry["path"])
-            size = folder_size(path) if path.is_dir() else path.stat().st_size if path.is_file() else 0
+            size = path_size(path) if path.exists() else 0
             models.append(InstalledModel(entry["name"], str(path), "imported", None, size, not path.exists()))
         return models
+
+    def name_of(self, path: str | Path) -> str | None:
+        """The listed name of the model at `path` (an import's own name), or None if not listed."""
+        target = Path(path).expanduser().resolve()
+        return next((m.name for m in self.list_installed() if Path(m.path).resolve() == target), None)
 
     def find(self, key: str) -> InstalledModel | None:
         return next((m for m in self.list_installed() if m.repo_id == key), None)
@@ -222,18 +249,27 @@ class ModelLibrary:
         shutil.rmtree(folder)
         log.info("Deleted %s", folder)
 
-    def import_folder(self, path: str | Path) -> InstalledModel:
-        """Validate `path` (in a child process) and register it by reference."""
-        folder = Path(path).expanduser().resolve()
-        check = self._checker(folder)
+    def import_model(self, path: str | Path) -> InstalledModel:
+        """Validate `path` — a model folder, or a `.gguf` file (a split set's first part) — in a
+        child process and register it by reference, named as a GGUF names itself (`general.name`
+        and its quant type), else by its folder. A folder holding several GGUF models is refused
+        with them as `ModelImportError.choices`."""
+        target = Path(path).expanduser().resolve()
+        choices = gguf_models_in(target) if target.is_dir() else []
+        if len(choices) > 1:
+            names = ", ".join(p.name for p in choices)
+            raise ModelImportError(
+                f"{target} holds several GGUF models ({names}): choose one.", tuple(choices)
+            )
+        check = self._checker(target)
         if not check.ok:
             raise ModelImportError("\n".join(check.problems))
         for model in self.list_installed():
-            if Path(model.path).resolve() == folder:
+            if Path(model.path).resolve() == target:
                 return model  # already listed: the demo, a download, or an earlier import
-        entry = {"name": folder.name, "path": str(folder)}
+        entry = {"name": check.name or target.name, "path": str(target)}
         self._write_imports([*self._imports(), entry])
-        return InstalledModel(entry["name"], entry["path"], "imported", None, folder_size(folder))
+        return InstalledModel(entry["name"], entry["path"], "imported", None, path_size(target))
 
     # -- downloads in progress (used by app.gui.models.downloads) ------------------------------------
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 INDEX_NAME = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 FLOAT_DTYPES = {"BF16": 2, "F16": 2, "F32": 4}
+SPLIT_SUFFIX = re.compile(r"-\d{5}-of-\d{5}$")  # a split set's part number, left out of its name
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "BOOL": 1}
 
 
@@ -43,6 +45,7 @@ class ModelCheck:
     num_params: int = 0
     weight_bytes: int = 0
     weight_files: tuple[str, ...] = ()
+    name: str | None = None  # a GGUF's own name for itself: `general.name` and its quant type
 
     @property
     def ok(self) -> bool:
@@ -132,7 +135,21 @@ def _check_gguf(parts: list[Path]) -> ModelCheck:
         num_params=sum(int(t.n_elements) for t in tensors),
         weight_bytes=sum(part.stat().st_size for part in parts),
         weight_files=tuple(part.name for part in parts),
+        name=_gguf_name(fields, parts[0]),
     )
+
+
+def _gguf_name(fields: dict, first: Path) -> str:
+    """The model's name as its GGUF file gives it (`general.name`, else the file's stem) and its
+    quant type (`general.file_type`, llama.cpp's names: Q4_K_M …) where the file says."""
+    from gguf import LlamaFileType
+
+    name = str(fields.get("general.name") or "").strip() or SPLIT_SUFFIX.sub("", first.stem)
+    try:
+        quant = LlamaFileType(int(fields["general.file_type"])).name.removeprefix("MOSTLY_")
+    except (KeyError, ValueError, TypeError):
+        return name
+    return name if quant.lower() in name.lower() else f"{name} ({quant})"
 
 
 def unsupported_architecture_message(model_type: object) -> str:

@@ -130,9 +130,9 @@ def test_a_folder_outside_the_library_is_never_deleted(tmp_path):
 @pytest.mark.slow
 def test_an_imported_folder_is_checked_registered_by_reference_and_forgotten(tmp_path, tiny_model):
     library = ModelLibrary(tmp_path / "models")
-    model = library.import_folder(tiny_model)
+    model = library.import_model(tiny_model)
     assert (model.name, model.path, model.source) == ("my-moe", str(tiny_model), "imported")
-    assert library.import_folder(tiny_model) == model  # not listed twice
+    assert library.import_model(tiny_model) == model  # not listed twice
     assert [m.path for m in library.list_installed()] == [str(demo_model_dir()), str(tiny_model)]
     assert ModelLibrary(tmp_path / "models").list_installed()[1] == model  # kept on disk
 
@@ -145,7 +145,7 @@ def test_an_imported_folder_that_disappeared_is_listed_as_missing(tmp_path, tiny
     copy = tmp_path / "copy"
     copy.mkdir()
     library = ModelLibrary(tmp_path / "models", checker=lambda path: _ok_check(path))
-    library.import_folder(copy)
+    library.import_model(copy)
     copy.rmdir()
     assert library.list_installed()[1].missing
 
@@ -163,7 +163,7 @@ def test_a_folder_the_engine_cannot_load_is_refused_with_the_reasons(tmp_path, t
     (broken / "config.json").write_text('{"model_type": "llama"}')
     library = ModelLibrary(tmp_path / "models")
     with pytest.raises(ModelImportError) as caught:
-        library.import_folder(broken)
+        library.import_model(broken)
     reasons = str(caught.value).splitlines()
     assert reasons[0].startswith("Architecture 'llama' is not supported.")
     assert any("has no tokenizer" in r for r in reasons) and any("No *.safetensors" in r for r in reasons)
@@ -180,3 +180,52 @@ def test_the_folder_check_runs_in_a_child_so_this_process_never_loads_safetensor
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.split() == ["True", "False", "False"]
     assert check_folder(tiny_model).model_type == "olmoe"
+
+
+@pytest.fixture(scope="module")
+def two_ggufs(tmp_path_factory) -> tuple[Path, Path]:
+    from gguf import GGMLQuantizationType as QT
+
+    from engine.tiny.gguf_writer import write_tiny_gguf
+
+    folder = tmp_path_factory.mktemp("ggufs")
+    return write_tiny_gguf(folder, expert_type=QT.Q4_K), write_tiny_gguf(folder, expert_type=QT.Q8_0)
+
+
+def test_a_gguf_file_is_imported_by_itself_under_the_name_it_gives_itself(tmp_path, two_ggufs):
+    from engine.model.check import check_model_folder
+
+    library = ModelLibrary(tmp_path / "models", checker=check_model_folder)
+    model = library.import_model(two_ggufs[0])
+    assert (model.name, model.path, model.source) == (
+        "tiny-qwen3_moe-Q4_K (Q4_K_M)",
+        str(two_ggufs[0]),
+        "imported",
+    )
+    assert model.size_bytes == two_ggufs[0].stat().st_size
+    assert library.list_installed()[1] == model and library.name_of(two_ggufs[0]) == model.name
+
+
+def test_a_folder_of_several_gguf_models_names_them_to_choose_from(tmp_path, two_ggufs):
+    from engine.model.check import check_model_folder
+
+    library = ModelLibrary(tmp_path / "models", checker=check_model_folder)
+    with pytest.raises(ModelImportError, match="holds several GGUF models") as caught:
+        library.import_model(two_ggufs[0].parent)
+    assert caught.value.choices == two_ggufs
+    assert library.import_model(caught.value.choices[1]).name == "tiny-qwen3_moe-Q8_0"  # named already
+
+
+def test_a_split_sets_first_part_is_the_model_its_parts_summed(tmp_path, two_ggufs):
+    from engine.model.check import check_model_folder
+    from engine.tiny.gguf_writer import write_split_gguf
+
+    source = tmp_path / "split" / "big.gguf"
+    source.parent.mkdir()
+    source.write_bytes(two_ggufs[0].read_bytes())
+    parts = write_split_gguf(source, 2)
+    source.unlink()
+    library = ModelLibrary(tmp_path / "models", checker=check_model_folder)
+    model = library.import_model(parts[0])
+    assert model.size_bytes == sum(part.stat().st_size for part in parts)
+    assert "00001" not in model.name

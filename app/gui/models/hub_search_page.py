@@ -25,8 +25,9 @@ from PySide6.QtWidgets import (
 )
 
 from app.catalog import format_params
+from app.gui.models.background import BackgroundCall
 from app.gui.models.hub_client import HubModel, search_models
-from app.gui.models.picker_widgets import BackgroundCall, fitted_widths, make_table
+from app.gui.models.picker_widgets import fitted_widths, make_table
 from app.model_library import ModelSource
 
 SEARCH_COLUMNS = ("Model", "Status", "", "Architecture", "Parameters", "Downloads", "Notes")

@@ -48,12 +48,12 @@ from app.catalog import (
     load_catalog,
     system_ram_bytes,
 )
+from app.gui.models.background import BackgroundCall
 from app.gui.models.downloads import DownloadManager, DownloadProgress, DownloadState
 from app.gui.models.hub_client import load_token, store_token
 from app.gui.models.hub_search_page import HubSearchPage
 from app.gui.models.picker_widgets import (
     NBSP,
-    BackgroundCall,
     DownloadRow,
     LocalModelsPage,
     catalog_cells,
@@ -155,7 +155,7 @@ class ModelPicker(QDialog):
         self.search_box, self.search_table = self.search_page.search_box, self.search_page.table
         self.search_status = self.search_page.status
         self.tabs.addTab(self.search_page, "Search the Hub")
-        self.tabs.addTab(self.local_page, "Local folders")
+        self.tabs.addTab(self.local_page, "On this computer")
         self.remote_page = RemotePage(self.remotes)
         self.remote_page.sig_engine_chosen.connect(self._use_engine)
         self.tabs.addTab(self.remote_page, "Remote")

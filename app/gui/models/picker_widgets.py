@@ -1,5 +1,4 @@
-"""Pieces of the model picker: catalog cells, a download's row widgets, the local-folders page,
-a background call.
+"""Pieces of the model picker: catalog cells, a download's row widgets, the local-models page.
 
 `catalog_cells(entry)` are the texts of a catalog row by column, its release's format and quant
 among them. `fitted_widths` shrinks a table's columns towards their minimum widths to fit a narrow
@@ -11,24 +10,19 @@ make sense in the current state are visible. `show(progress, installed, partial)
 way its state changes, so the catalog and the search results render a download the same way.
 It is named by the download's key (`app.model_library.ModelSource.key`).
 
-`LocalModelsPage` lists the installed models (the demo, downloads, imported folders) with
-Import… and Delete. Imported folders are registered by reference (see `app.model_library`).
+`LocalModelsPage` lists the installed models (the demo, downloads, imported files and folders)
+with Open a GGUF file…, Import a folder… and Delete; imports go through `ModelImporter`
+(app.gui.models.model_import) and are registered by reference (see `app.model_library`).
 
-`BackgroundCall(work, on_success, on_failure, owner)` runs a blocking function (a Hub search,
-a folder check in a child process, a token check) on a worker thread and delivers its result,
-or the exception it raised, on the GUI thread; nothing is delivered once `owner` is destroyed.
-An expected failure (`EXPECTED_ERRORS`) is logged as one warning line, its traceback at debug
-level (the log file); anything else is a bug and logged with its traceback.
+Blocking work (a folder check in a child process) runs on a `BackgroundCall`
+(app.gui.models.background).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable
-from typing import ClassVar
 
-from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtCore import Signal
 from PySide6.QtGui import QColor, QPalette
 from PySide6.QtWidgets import (
     QAbstractItemView,
@@ -46,18 +40,17 @@ from PySide6.QtWidgets import (
 )
 
 from app.catalog import CatalogEntry, format_bytes, format_params
-from app.download_child import DownloadProgress, DownloadState, HubError
-from app.model_library import InstalledModel, ModelImportError, ModelLibrary
-from engine.errors import EngineError
+from app.download_child import DownloadProgress, DownloadState
+from app.gui.models.model_import import ModelImporter, choose_model_file
+from app.model_library import InstalledModel, ModelLibrary
 
 log = logging.getLogger(__name__)
 
 FAILED_COLOUR = "#b3261e"
 INSTALLED_COLOUR = "#1b7f3b"
 SELECTION_COLOUR = "#cfe2f6"
-LOCAL_COLUMNS = ("Model", "Source", "Size", "Folder")
+LOCAL_COLUMNS = ("Model", "Source", "Size", "Location")
 NBSP = "\u00a0"
-EXPECTED_ERRORS = (HubError, ModelImportError, ValueError, EngineError)  # EngineError: a remote's
 STATUS_MARGINS = (6, 2, 6, 2)
 
 
@@ -201,58 +194,6 @@ class DownloadRow:
             self.progress_bar.setValue(round(progress.fraction * 1000))
 
 
-class BackgroundCall(QObject):
-    """Run `work()` on a worker thread; report on the GUI thread (see the module docstring)."""
-
-    _sig_finished = Signal(object, object)
-    """The work ended: its result, or None, and the exception it raised, or None."""
-
-    _running: ClassVar[set[BackgroundCall]] = set()  # each call lives until it has reported
-
-    def __init__(
-        self,
-        work: Callable[[], object],
-        on_success: Callable[[object], None],
-        on_failure: Callable[[Exception], None],
-        owner: QObject | None = None,
-    ):
-        super().__init__()
-        self._work, self._on_success, self._on_failure = work, on_success, on_failure
-        self._owner_gone = False
-        if owner is not None:
-            owner.destroyed.connect(self._forget_owner)
-        self._sig_finished.connect(self._deliver, Qt.ConnectionType.QueuedConnection)
-
-    def start(self) -> None:
-        BackgroundCall._running.add(self)
-        threading.Thread(target=self._run, name="background-call", daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            result = self._work()
-        except EXPECTED_ERRORS as err:  # reported to the user, not raised on a bare thread
-            log.warning("%s", err)
-            log.debug("Details:", exc_info=True)
-            self._sig_finished.emit(None, err)
-        except Exception as err:
-            log.warning("Background work failed", exc_info=True)
-            self._sig_finished.emit(None, err)
-        else:
-            self._sig_finished.emit(result, None)
-
-    def _forget_owner(self) -> None:
-        self._owner_gone = True
-
-    def _deliver(self, result: object, error: Exception | None) -> None:
-        BackgroundCall._running.discard(self)
-        if self._owner_gone:
-            return
-        if error is None:
-            self._on_success(result)
-        else:
-            self._on_failure(error)
-
-
 class LocalModelsPage(QWidget):
     """The installed models, Import… and Delete."""
 
@@ -265,18 +206,22 @@ class LocalModelsPage(QWidget):
         super().__init__(parent)
         self.library = library
         self.installed: list[InstalledModel] = []
+        file_button = QPushButton("Open a GGUF file…")
+        file_button.clicked.connect(self._choose_file)
         import_button = QPushButton("Import a folder…")
         import_button.clicked.connect(self._choose_folder)
         self.delete_button = QPushButton("Delete")
         self.delete_button.clicked.connect(self._delete_selected)
         note = QLabel(
-            "An imported folder stays where it is: MoE Chat checks it and remembers the path. "
-            "Deleting an imported model only forgets it; deleting a download removes its files."
+            "An imported file or folder stays where it is: MoE Chat checks it and remembers the path "
+            "(or drop it on the window). Deleting an imported model only forgets it; deleting a "
+            "download removes its files."
         )
         note.setWordWrap(True)
         self.table = make_table(LOCAL_COLUMNS, (260, 100, 90, 600), row_height=28)
         self.table.itemSelectionChanged.connect(self._update_delete_button)
         row = QHBoxLayout()
+        row.addWidget(file_button)
         row.addWidget(import_button)
         row.addWidget(self.delete_button)
         row.addWidget(note, 1)
@@ -305,21 +250,23 @@ class LocalModelsPage(QWidget):
     def _choose_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Import a model folder")
         if folder:
-            self.import_folder(folder)
+            self.import_model(folder)
 
-    def import_folder(self, folder: str) -> None:
-        """Check `folder` in a child process, then register it; the outcome goes to `sig_message`."""
-        self.sig_message.emit(f"Checking {folder}…")
-        work = lambda: self.library.import_folder(folder)  # noqa: E731
-        BackgroundCall(work, self._imported, self._import_failed, owner=self).start()
+    def _choose_file(self) -> None:
+        path = choose_model_file(self)
+        if path:
+            self.import_model(path)
+
+    def import_model(self, path: str) -> None:
+        """Check a folder or GGUF file in a child process, then register it (asking which file where
+        a folder holds several); the outcome goes to `sig_message`."""
+        self.sig_message.emit(f"Checking {path}…")
+        ModelImporter(self.library, self, self._imported, self.sig_message.emit).start(path)
 
     def _imported(self, model: InstalledModel) -> None:
         self.refresh()
         self.sig_message.emit(f"Imported {model.name}.")
         self.sig_changed.emit()
-
-    def _import_failed(self, error: Exception) -> None:
-        self.sig_message.emit(f"Cannot import: {error}")
 
     def delete(self, model: InstalledModel) -> None:
         """Delete a download or forget an imported folder, after asking."""

@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.gui.models.picker_widgets import BackgroundCall
+from app.gui.models.background import BackgroundCall
 from app.settings.remotes import RemoteStore
 from engine.errors import EngineError
 from engine.remote.endpoint import RemoteEndpoint

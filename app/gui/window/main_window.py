@@ -62,6 +62,7 @@ class MainWindow(EngineChoice, QMainWindow):
         self.state = EngineState.STARTING
 
         self.banners = BannerArea(self)
+        self.setAcceptDrops(True)  # a GGUF file or model folder dropped on the window opens it
         self.conversations = ConversationList(self.store, self)
         self.chat_view = ChatView(self)
         self.dashboard = Dashboard(self, columns=2)
@@ -122,6 +123,7 @@ class MainWindow(EngineChoice, QMainWindow):
         file_menu = self.menuBar().addMenu("&File")
         self._action(file_menu, "&New chat", self.new_conversation, QKeySequence.StandardKey.New)
         self._action(file_menu, "&Models…", self.open_model_picker, "Ctrl+M")
+        self._action(file_menu, "&Open a GGUF file…", self.open_model_file, QKeySequence.StandardKey.Open)
         self._action(file_menu, "&Settings…", self.open_settings, QKeySequence.StandardKey.Preferences)
         file_menu.addSeparator()
         self._action(file_menu, "&Quit", self.close, QKeySequence.StandardKey.Quit)

@@ -30,7 +30,10 @@ def model_name(model: dict) -> str:
     path = Path(str(model.get("path", "")))
     if path == demo_model_dir():
         return "MoE Chat Demo"
-    return path.name or model.get("model_type", "model")
+    from app.model_library import ModelLibrary
+
+    known = ModelLibrary().name_of(path)  # an imported GGUF's own name (general.name, quant type)
+    return known or path.name or model.get("model_type", "model")
 
 
 class EngineChoice:
@@ -98,6 +101,41 @@ class EngineChoice:
         if remote_tab:
             picker.tabs.setCurrentWidget(picker.remote_page)
         picker.exec()
+
+    def open_model_file(self) -> None:
+        """File → Open a GGUF file…: import the file (or a split set's first part) and load it."""
+        from app.gui.models.model_import import choose_model_file
+
+        path = choose_model_file(self)
+        if path:
+            self.import_and_use(path)
+
+    def import_and_use(self, path: str) -> None:
+        """Check and register a GGUF file or model folder (a file dialog's or a drop's), asking which
+        file where a folder holds several GGUF models, then load it."""
+        from app.gui.models.model_import import ModelImporter
+        from app.model_library import ModelLibrary
+
+        def failed(message: str) -> None:
+            self.banners.show_banner(message, "warning", key="import")
+
+        self.banners.show_banner(f"Checking {path}…", "info", key="import")
+        done = lambda model: (self.banners.clear("import"), self._use_model(model.path))  # noqa: E731
+        ModelImporter(ModelLibrary(), self, done, failed).start(path)
+
+    def dragEnterEvent(self, event) -> None:  # a GGUF file or a model folder dragged on the window
+        from app.gui.models.model_import import dropped_model_path
+
+        if dropped_model_path(event.mimeData()) is not None:
+            event.acceptProposedAction()
+
+    def dropEvent(self, event) -> None:
+        from app.gui.models.model_import import dropped_model_path
+
+        path = dropped_model_path(event.mimeData())
+        if path is not None:
+            event.acceptProposedAction()
+            self.import_and_use(path)
 
     def _use_model(self, path: str) -> None:
         from app.gui.engine.engine_client import ConnectionState

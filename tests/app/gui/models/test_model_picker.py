@@ -325,11 +325,11 @@ def test_a_local_folder_is_imported_and_can_be_chosen(qtbot, picker, tiny_models
     picker.tabs.setCurrentIndex(2)
     bad = tmp_path / "not-a-model"
     bad.mkdir()
-    picker.local_page.import_folder(str(bad))
+    picker.local_page.import_model(str(bad))
     qtbot.waitUntil(lambda: picker.message_label.text().startswith("Cannot import:"), timeout=TIMEOUT_MS)
     assert "has no config.json" in picker.message_label.text()
 
-    picker.local_page.import_folder(str(tiny_models["olmoe"]))
+    picker.local_page.import_model(str(tiny_models["olmoe"]))
     qtbot.waitUntil(lambda: picker.message_label.text() == "Imported olmoe.", timeout=TIMEOUT_MS)
     table = picker.local_page.table
     assert [table.item(r, 1).text() for r in range(table.rowCount())] == ["bundled", "imported"]

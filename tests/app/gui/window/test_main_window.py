@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 from PySide6.QtCore import QElapsedTimer, QTimer
@@ -228,7 +229,55 @@ def test_the_tune_wizard_opens_for_a_loaded_model_and_its_result_is_applied(qtbo
     window.model_info = {"model_type": "qwen3_moe"}  # as after sig_loaded
     window.open_tune_wizard()
     assert len(shown) == 1
-    tuned = window.settings.with_tune({"cutoff_layer": 2, "draft_len": 4, "cache_experts": 24})
+    tuned = replace(window.settings.with_tune(), expert_budget="24")  # a budget typed in the wizard
     shown[0].sig_apply.emit(tuned)
     assert window.settings == tuned and SettingsStore().load() == tuned
+    window.close()
+
+
+def test_a_gguf_file_dropped_on_the_window_is_imported_under_its_name_and_opened(qtbot, dirs, monkeypatch):
+    """Drop a GGUF file (as from a file manager): checked, registered by its own name, loaded; a
+    folder of two GGUF models asks which one; what cannot be a model is not accepted."""
+    from gguf import GGMLQuantizationType as QT
+    from PySide6.QtCore import QMimeData, QPoint, Qt, QUrl
+    from PySide6.QtGui import QDropEvent
+
+    from app.gui.models import model_import
+    from app.model_library import ModelLibrary
+    from engine.tiny.gguf_writer import write_tiny_gguf
+
+    folder = dirs / "ggufs"
+    first = write_tiny_gguf(folder, expert_type=QT.Q4_K)
+    second = write_tiny_gguf(folder, expert_type=QT.Q8_0, other_type=QT.Q8_0)
+    window = MainWindow(client=None)
+    qtbot.addWidget(window)
+    used = []
+    monkeypatch.setattr(window, "_use_model", used.append)
+
+    def drop(path) -> QDropEvent:
+        mime = QMimeData()
+        mime.setUrls([QUrl.fromLocalFile(str(path))])
+        event = QDropEvent(
+            QPoint(5, 5),
+            Qt.DropAction.CopyAction,
+            mime,
+            Qt.MouseButton.LeftButton,
+            Qt.KeyboardModifier.NoModifier,
+        )
+        window.dropEvent(event)
+        return event
+
+    assert drop(first).isAccepted()
+    qtbot.waitUntil(lambda: used == [str(first)], timeout=60_000)
+    assert ModelLibrary().name_of(first) == "tiny-qwen3_moe-Q4_K (Q4_K_M)"
+    asked = []
+    monkeypatch.setattr(
+        model_import, "choose_from_list", lambda parent, where, files: asked.append(files) or files[1]
+    )
+    drop(folder)
+    qtbot.waitUntil(lambda: len(used) == 2, timeout=60_000)
+    assert asked == [(first, second)] and used[1] == str(second)
+    text = dirs / "notes.txt"
+    text.write_text("not a model")
+    assert not drop(text).isAccepted() and len(used) == 2
     window.close()
