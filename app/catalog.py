@@ -25,21 +25,23 @@ import psutil
 
 from app.catalog_checks import BF16, FORMATS, check_release, check_status, check_values
 from app.model_library import ModelSource
-from engine.config import format_bytes
+from engine.config import format_bytes  # noqa: F401 (the picker formats sizes with it from here)
+from engine.model import fit_estimate
+from engine.model.fit_estimate import (  # noqa: F401 (the catalog's callers and tests use them from here)
+    GIB,
+    HOST_STORE_FACTORS,
+    RAM_OVERHEAD,
+    Fit,
+    ModelBytes,
+    vram_headroom,
+)
 from engine.model.kv_size import KvShape
 from engine.resources import demo_model_dir, resources_dir
 
 log = logging.getLogger(__name__)
 
 CATALOG_FILE = "catalog.json"
-GIB = 2**30
-RAM_OVERHEAD = 2 * GIB  # the worker process: Python, torch, tokenizer, activations
 CONTEXT_TOKENS = 8192  # the context the fit counts a KV cache for (LM Studio's and Ollama's usual)
-RAM_USABLE = 0.85  # the share of RAM the OS and other programs leave to us
-TIGHT_RAM = 0.6  # above this share of usable RAM the fit is "tight"
-# BF16 experts the loader converts when they do not fit (engine.formats.int_quant, groups of 64 with a
-# bf16 scale and offset each): int8 is 1 + 4/64 bytes a weight, int4 1/2 + 4/64, of BF16's 2
-HOST_STORE_FACTORS = {"int8": 17 / 32, "int4": 9 / 32}
 # Bits a routed-expert weight takes in a GGUF of this quant, as llama.cpp's quantize writes them:
 # Q4_K_M keeps gate/up in Q4_K (4.5) and down in Q6_K (6.5625) in half the layers (its
 # use_more_bits rule), Q4_K in the rest; Q5_K_M likewise with Q5_K (5.5). Blocks carry their scales.
@@ -131,15 +133,6 @@ class CatalogEntry:
             return int(dense)
         # a GGUF's big token embedding stays in its blocks (engine.resident.ggml_embedding)
         return int(dense - self.embedding_params * (2 - bits / 8))
-
-
-@dataclass(frozen=True)
-class Fit:
-    fits_in_ram: bool
-    ram_needed_bytes: int
-    gpu_cacheable_fraction: float | None  # of the routed experts; None without a GPU
-    summary: str
-    level: str  # "good", "tight" or "no": the colour cue
 
 
 _FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -268,11 +261,6 @@ def gpu_memory_bytes() -> int | None:
         pynvml.nvmlShutdown()
 
 
-def vram_headroom(vram_bytes: int) -> int:
-    """Device memory the loader's auto budget keeps for activations and the allocator."""
-    return max(GIB, vram_bytes // 10)
-
-
 def kv_bytes(entry: CatalogEntry, context_tokens: int = CONTEXT_TOKENS) -> int:
     """The KV cache at `context_tokens` tokens, in BF16 (0 when the entry does not say its shape)."""
     return entry.kv.nbytes(context_tokens) if entry.kv is not None else 0
@@ -281,53 +269,13 @@ def kv_bytes(entry: CatalogEntry, context_tokens: int = CONTEXT_TOKENS) -> int:
 def estimate_fit(
     entry: CatalogEntry, ram_bytes: int, vram_bytes: int | None, context_tokens: int = CONTEXT_TOKENS
 ) -> Fit:
-    """Where the model would live on a computer with `ram_bytes` RAM and `vram_bytes` GPU memory,
-    with a KV cache for `context_tokens` tokens (on the GPU beside the resident weights, else in RAM).
-
-    A BF16 release whose experts do not fit is counted as the loader will keep it: its experts
-    converted to int8, or int4 (engine.loader.host_store_quant), said in the summary."""
-    kv = kv_bytes(entry, context_tokens)
-    resident = entry.resident_bytes + kv
-    spare_vram = None if vram_bytes is None else vram_bytes - resident - vram_headroom(vram_bytes)
-    on_gpu = spare_vram is not None and spare_vram >= 0
-    usable_ram = int(ram_bytes * RAM_USABLE)
-    stored_as, expert_bytes = "", entry.expert_bytes
-    for name, factor in (("", 1.0), *(HOST_STORE_FACTORS.items() if not entry.quantized else ())):
-        stored_as, expert_bytes = name, int(entry.expert_bytes * factor)
-        # On the GPU only the routed experts stay in RAM; on the CPU the rest of the model does too.
-        ram_needed = expert_bytes + (0 if on_gpu else resident) + RAM_OVERHEAD
-        if ram_needed <= usable_ram:
-            break
-    fits = ram_needed <= usable_ram
-    fraction = None  # of the experts the GPU can cache
-    if spare_vram is not None:
-        fraction = min(1.0, spare_vram / max(expert_bytes, 1)) if on_gpu else 0.0
-    summary = _fit_summary(resident, fits, ram_needed, ram_bytes, vram_bytes, on_gpu, fraction)
-    if not on_gpu and vram_bytes is not None:
-        summary = summary.replace("{context}", f"{context_tokens // 1024}k-token")
-    if stored_as and fits:
-        summary = f"{summary} (experts kept as {stored_as}: outputs differ slightly)"
-    if not fits:
-        level = "no"
-    elif stored_as or (vram_bytes is not None and not on_gpu) or ram_needed > TIGHT_RAM * usable_ram:
-        level = "tight"
-    else:
-        level = "good"
-    return Fit(fits, ram_needed, fraction, summary, level)
-
-
-def _fit_summary(resident, fits, ram_needed, ram_bytes, vram_bytes, on_gpu, fraction) -> str:
-    ram = f"~{format_bytes(ram_needed)} of {format_bytes(ram_bytes)} RAM"
-    if not fits:
-        return f"Too big: needs ~{format_bytes(ram_needed)} RAM, this computer has {format_bytes(ram_bytes)}"
-    if vram_bytes is None:
-        return f"Fits (CPU only): {ram}"
-    if not on_gpu:
-        return (
-            f"CPU only: the non-expert weights and an {{context}} KV cache (~{format_bytes(resident)}) "
-            f"exceed the GPU's {format_bytes(vram_bytes)}; {ram}"
-        )
-    return f"Fits: {ram}; the GPU caches {fraction:.0%} of the experts"
+    """Where the release would live on a computer with `ram_bytes` RAM and `vram_bytes` GPU memory,
+    with a KV cache for `context_tokens` tokens (engine.model.fit_estimate, as `python -m engine fit`
+    estimates a model on disk)."""
+    model = ModelBytes(
+        entry.expert_bytes, entry.resident_bytes, kv_bytes(entry, context_tokens), not entry.quantized
+    )
+    return fit_estimate.estimate_fit(model, ram_bytes, vram_bytes, context_tokens)
 
 
 # -- formatting, shared by the picker and the download states (and format_bytes from engine.config) --

@@ -10,7 +10,7 @@ import re
 
 from app.model_library import QUANT_NAME
 from engine.model.adapters import SUPPORTED_MODEL_TYPES
-from engine.model.check import GGUF_MODEL_TYPES
+from engine.model.check_gguf import GGUF_MODEL_TYPES
 
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 BF16 = "safetensors-bf16"

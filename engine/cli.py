@@ -1,4 +1,4 @@
-"""Command line: `python -m engine generate …`, `tune …` and `make-tiny …`.
+"""Command line: `python -m engine generate …`, `tune …`, `fit …` and `make-tiny …`.
 
 `generate` loads a model folder with its experts offloaded and streams the
 reply to stdout; with `--json` it prints one JSON object instead:
@@ -8,6 +8,8 @@ hit_rate, h2d_bytes, misses, hits, simulated_link, spec, prefetch, accept_len, �
 prefetches with SP-MoE (`--spec auto --prefetch auto`, see `engine.options`).
 `tune` prints each measured point (median ms/token, spread, runs), the choice
 with its drafter, and how sure the choice is; with `--json` the whole result.
+`fit MODEL` says whether a model folder or GGUF file fits this computer and where it would live,
+in the words of the app's model picker (engine.model.fit_estimate), reading headers only.
 Bad input exits with status 2 and the error on stderr.
 """
 
@@ -19,6 +21,7 @@ import logging
 import multiprocessing
 import sys
 from dataclasses import asdict, replace
+from pathlib import Path
 
 from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import EngineError
@@ -67,6 +70,37 @@ def _tune_parser(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per calibration prompt and point")
     p.add_argument("--retune", action="store_true", help="measure again even if a stored result matches")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _fit_parser(sub) -> None:
+    p = sub.add_parser("fit", help="whether a model folder or GGUF file fits this computer, and where")
+    p.add_argument("model", help="a model folder, or a .gguf file (a split set's first part)")
+    p.add_argument("--ctx-size", type=int, default=8192, help="the context its KV cache is counted for")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    """The fit estimate of a model on disk: its headers read, this computer's RAM and GPU memory."""
+    from engine.model.check import check_model_folder
+    from engine.model.fit_estimate import ModelBytes, estimate_fit, machine_memory
+    from engine.model.folder import open_checkpoint
+    from engine.model.kv_size import KvShape
+
+    check = check_model_folder(args.model)
+    if not check.ok:
+        print("error: " + "\n".join(check.problems), file=sys.stderr)
+        return 2
+    hf_config, checkpoint = open_checkpoint(Path(args.model).expanduser())
+    checkpoint.close()
+    kv = KvShape.from_config(hf_config.get_text_config().to_dict()).nbytes(args.ctx_size)
+    ram, vram = machine_memory()
+    model = ModelBytes(check.expert_bytes, check.resident_bytes, kv, check.float_experts)
+    fit = estimate_fit(model, ram, vram, args.ctx_size)
+    if args.json:
+        print(json.dumps({"model": asdict(model), "ram_bytes": ram, "vram_bytes": vram, "fit": asdict(fit)}))
+    else:
+        print(f"{check.name or check.path}: {fit.summary}")
+    return 0 if fit.fits_in_ram else 1
 
 
 def checked_offload(args: argparse.Namespace) -> OffloadConfig:
@@ -223,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     _generate_parser(sub)
     _make_tiny_parser(sub)
     _tune_parser(sub)
+    _fit_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
@@ -234,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "tune":
             return run_tune(args)
+        if args.command == "fit":
+            return run_fit(args)
         from engine.tiny.models import make_tiny_model
 
         path = make_tiny_model(args.out, model_type=args.arch, seed=args.seed)

@@ -6,7 +6,9 @@
 - `derived_config`: configs derived for families transformers reads differently;
 - `adapters/`: one small entry per Hugging Face `model_type` (where the MoE blocks are,
   the router rule, shared experts);
-- `check`: a model folder's completeness, without loading it;
+- `check`, `check_gguf`, `model_check`: a model folder's or GGUF file's completeness, without
+  loading it, and the `ModelCheck` it gives;
+- `fit_estimate`: whether a model fits this computer's RAM and GPU, and where it would live;
 - `hf_calls`: the few transformers call conventions the engine relies on;
 - `kv_cache`, `kv_size`, `prefix_cache`: the KV cache, its size, and the caches of the latest
   replies that a new turn reuses;

@@ -21,44 +21,17 @@ from pathlib import Path
 
 from engine.errors import UnsupportedQuantizationError
 from engine.model.adapters import SUPPORTED_MODEL_TYPES, get_architecture
+from engine.model.check_gguf import check_gguf
 from engine.model.derived_config import base_model_type
+from engine.model.model_check import FLOAT_DTYPES, ModelCheck
 
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-FLOAT_DTYPES = {"BF16": 2, "F16": 2, "F32": 4}
-SPLIT_SUFFIX = re.compile(r"-\d{5}-of-\d{5}$")  # a split set's part number, left out of its name
+# a checkpoint's routed-expert tensors (per-expert or fused, any family's naming), not shared experts
+ROUTED_EXPERTS = re.compile(r"\.experts\.")
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "BOOL": 1}
-
-
-@dataclass(frozen=True)
-class ModelCheck:
-    """What a model folder holds, and every reason it cannot be loaded (none: it can)."""
-
-    path: str
-    problems: tuple[str, ...]
-    model_type: str | None = None
-    num_experts: int | None = None
-    top_k: int | None = None
-    num_tensors: int = 0
-    num_params: int = 0
-    weight_bytes: int = 0
-    weight_files: tuple[str, ...] = ()
-    name: str | None = None  # a GGUF's own name for itself: `general.name` and its quant type
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def summary(self) -> str:
-        """One line: what the folder is, or its first problem."""
-        if not self.ok:
-            return self.problems[0]
-        experts = f", {self.num_experts} experts, top-{self.top_k}" if self.num_experts else ""
-        count = self.num_params
-        params = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
-        return f"{self.model_type}{experts}, {params} parameters in {len(self.weight_files)} file(s)"
 
 
 def check_model_folder(path: str | Path) -> ModelCheck:
@@ -73,7 +46,7 @@ def check_model_folder(path: str | Path) -> ModelCheck:
     except EngineError as err:
         return ModelCheck(str(folder), (str(err),))
     if parts is not None:
-        return _check_gguf(parts)
+        return check_gguf(parts)
     if not folder.is_dir():
         what = "is a file; give the model's folder" if folder.exists() else "does not exist"
         return ModelCheck(str(folder), (f"Model folder not found: {folder} {what}.",))
@@ -95,61 +68,10 @@ def check_model_folder(path: str | Path) -> ModelCheck:
         num_params=weights.num_params,
         weight_bytes=weights.nbytes,
         weight_files=tuple(sorted(weights.files)),
+        expert_bytes=weights.expert_bytes,
+        resident_bytes=weights.resident_bytes,
+        float_experts=weights.float_experts,
     )
-
-
-GGUF_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss"}
-
-
-def _check_gguf(parts: list[Path]) -> ModelCheck:
-    """A GGUF file's header: its architecture, experts and tensors (the data is not read)."""
-    from gguf import GGUFReader
-
-    tensors, fields = [], {}
-    for part in parts:
-        try:
-            reader = GGUFReader(part)
-        except (ValueError, OSError, IndexError, KeyError) as err:
-            problem = (
-                f"{part} is not a readable GGUF file ({err}). It is truncated or corrupt: download it again."
-            )
-            return ModelCheck(str(parts[0]), (problem,))
-        tensors += reader.tensors
-        fields = fields or {name: field.contents() for name, field in reader.fields.items()}
-    arch = fields.get("general.architecture")
-    model_type = GGUF_MODEL_TYPES.get(arch)
-    problems = []
-    if model_type is None or model_type not in SUPPORTED_MODEL_TYPES:
-        supported = ", ".join(sorted(GGUF_MODEL_TYPES))
-        problems.append(
-            f"{parts[0].name} is a GGUF model of architecture {arch!r}; "
-            f"MoE Chat reads GGUF files of {supported}."
-        )
-    return ModelCheck(
-        path=str(parts[0]),
-        problems=tuple(problems),
-        model_type=model_type or arch,
-        num_experts=fields.get(f"{arch}.expert_count"),
-        top_k=fields.get(f"{arch}.expert_used_count"),
-        num_tensors=len(tensors),
-        num_params=sum(int(t.n_elements) for t in tensors),
-        weight_bytes=sum(part.stat().st_size for part in parts),
-        weight_files=tuple(part.name for part in parts),
-        name=_gguf_name(fields, parts[0]),
-    )
-
-
-def _gguf_name(fields: dict, first: Path) -> str:
-    """The model's name as its GGUF file gives it (`general.name`, else the file's stem) and its
-    quant type (`general.file_type`, llama.cpp's names: Q4_K_M …) where the file says."""
-    from gguf import LlamaFileType
-
-    name = str(fields.get("general.name") or "").strip() or SPLIT_SUFFIX.sub("", first.stem)
-    try:
-        quant = LlamaFileType(int(fields["general.file_type"])).name.removeprefix("MOSTLY_")
-    except (KeyError, ValueError, TypeError):
-        return name
-    return name if quant.lower() in name.lower() else f"{name} ({quant})"
 
 
 def unsupported_architecture_message(model_type: object) -> str:
@@ -259,6 +181,9 @@ class _Weights:
     num_tensors: int = 0
     num_params: int = 0
     nbytes: int = 0
+    expert_bytes: int = 0  # the routed experts as stored
+    resident_bytes: int = 0  # the rest in BF16, as the loader holds it
+    float_experts: bool = False
 
 
 def _read_weights(folder: Path, problems: list[str], quant: str | None = None) -> _Weights:
@@ -291,7 +216,7 @@ def _read_weights(folder: Path, problems: list[str], quant: str | None = None) -
             continue
         for tensor, (dtype, shape) in headers.items():
             found[tensor] = name
-            _count(weights, dtype, shape)
+            _count(weights, tensor, dtype, shape)
         _check_dtypes(folder / name, headers, problems, quant)
     if weight_map is not None:
         _check_against_index(folder, weight_map, found, problems)
@@ -326,11 +251,17 @@ def _read_header(path: Path, problems: list[str]) -> dict[str, tuple[str, list[i
         return None
 
 
-def _count(weights: _Weights, dtype: str, shape: list[int]) -> None:
+def _count(weights: _Weights, name: str, dtype: str, shape: list[int]) -> None:
     numel = math.prod(shape)
+    nbytes = numel * FLOAT_DTYPES.get(dtype, _DTYPE_BYTES.get(dtype, 1))
     weights.num_tensors += 1
     weights.num_params += numel
-    weights.nbytes += numel * FLOAT_DTYPES.get(dtype, _DTYPE_BYTES.get(dtype, 1))
+    weights.nbytes += nbytes
+    if ROUTED_EXPERTS.search(name):
+        weights.expert_bytes += nbytes
+        weights.float_experts = weights.float_experts or dtype in ("BF16", "F16")
+    else:
+        weights.resident_bytes += 2 * numel
 
 
 def _check_dtypes(

@@ -22,6 +22,7 @@ from app.catalog import (
     vram_headroom,
 )
 from app.model_library import ModelSource, folder_size
+from engine.config import format_bytes
 from engine.model.adapters import SUPPORTED_MODEL_TYPES
 from engine.model.check import check_model_folder
 from engine.resources import demo_model_dir, resources_dir
@@ -238,10 +239,14 @@ def test_without_a_gpu_the_whole_model_must_fit_in_ram(catalog):
     assert small.fits_in_ram and small.level == "tight"
     expert_bytes = int(olmoe.expert_bytes * HOST_STORE_FACTORS["int8"])
     assert small.ram_needed_bytes == expert_bytes + olmoe.resident_bytes + kv_bytes(olmoe) + RAM_OVERHEAD
-    assert small.summary.endswith("(experts kept as int8: outputs differ slightly)")
+    assert small.summary.endswith("(experts kept as int8, lossy: outputs differ slightly)")
     tiny = estimate_fit(olmoe, 4 * GIB, None)  # not even as int4
     assert not tiny.fits_in_ram and tiny.level == "no"
-    assert tiny.summary.startswith("Too big: needs ~") and tiny.summary.endswith("this computer has 4.0 GiB")
+    # the need at the release's own precision, the int4 one beside it, and the RAM it is compared with
+    assert tiny.ram_needed_bytes == roomy.ram_needed_bytes
+    assert tiny.summary.startswith(f"Too big: needs ~{format_bytes(roomy.ram_needed_bytes)} of RAM (~")
+    assert "even with its experts as int4, lossy" in tiny.summary
+    assert "about 3.4 GiB of this computer's 4.0 GiB RAM can hold a model" in tiny.summary
 
 
 def test_with_a_gpu_only_the_experts_stay_in_ram_and_the_rest_caches_experts(catalog):
@@ -307,7 +312,9 @@ def test_a_gpu_too_small_for_the_non_expert_weights_means_cpu_only(catalog):
     fit = estimate_fit(mixtral, 256 * GIB, 2 * GIB)
     assert fit.gpu_cacheable_fraction == 0.0
     assert fit.ram_needed_bytes == mixtral.download_bytes + kv_bytes(mixtral) + RAM_OVERHEAD
-    assert fit.summary.startswith("CPU only: the non-expert weights and an 8k-token KV cache (~4.5 GiB)")
+    assert fit.summary.startswith(
+        "CPU only: the non-expert weights and the KV cache for 8k tokens (~4.5 GiB)"
+    )
     assert fit.level == "tight"
 
 
@@ -338,3 +345,17 @@ def test_a_kv_shape_that_makes_no_sense_is_a_clear_catalog_error(tmp_path):
 
         with pytest.raises(CatalogError, match="olmoe-1b-7b-0924-instruct"):
             load_catalog(write_catalog(tmp_path, change))
+
+
+def test_a_bf16_release_too_big_for_a_24_gib_computer_says_its_own_size_and_the_usable_ram(catalog):
+    """The 56.9 GiB BF16 release on a 24 GiB machine: its need as BF16, not a silent int4 figure
+    below a Q4_K_M file's, and the usable RAM it is compared with."""
+    bf16, q4 = catalog["qwen3-30b-a3b"], catalog[Q4]
+    fit = estimate_fit(bf16, 24 * GIB, None)
+    assert not fit.fits_in_ram and fit.ram_needed_bytes > estimate_fit(q4, 24 * GIB, None).ram_needed_bytes
+    assert fit.summary.startswith(f"Too big: needs ~{format_bytes(fit.ram_needed_bytes)} of RAM")
+    assert "even with its experts as int4, lossy" in fit.summary
+    assert (
+        "about 20.4 GiB of this computer's 24.0 GiB RAM can hold a model (the rest stays with the system)"
+        in fit.summary
+    )

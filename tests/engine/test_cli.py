@@ -363,3 +363,29 @@ def test_tune_prints_each_point_by_drafter_with_its_prediction_the_choice_and_wh
         "41.7 tok/s expected"
     )
     assert lines[-2:] == [sure, why]
+
+
+def test_fit_says_where_a_model_on_disk_would_live_as_the_picker_says_it(capsys, monkeypatch):
+    """`python -m engine fit MODEL` reads the headers and estimates with the picker's estimator: the
+    demo fits a 24 GiB computer; on a 2 GiB one it is too big, in words naming the usable RAM and
+    what converting its BF16 experts to int4 would need."""
+    from engine.cli import main
+    from engine.model import fit_estimate
+    from engine.model.fit_estimate import GIB
+    from engine.resources import demo_model_dir
+
+    monkeypatch.setattr(fit_estimate, "machine_memory", lambda: (24 * GIB, None))
+    assert main(["fit", str(demo_model_dir()), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    model = report["model"]
+    assert model["convertible"] and model["expert_bytes"] > 4 * model["resident_bytes"] > 0
+    assert report["fit"]["summary"].startswith("Fits (CPU only): ~") and report["fit"]["level"] == "good"
+    monkeypatch.setattr(fit_estimate, "machine_memory", lambda: (2 * GIB, None))
+    assert main(["fit", str(demo_model_dir())]) == 1
+    line = capsys.readouterr().out.strip()
+    assert (
+        line.startswith(f"{demo_model_dir()}: Too big: needs ~")
+        and "even with its experts as int4, lossy" in line
+    )
+    assert "about 1.7 GiB of this computer's 2.0 GiB RAM can hold a model" in line
+    assert main(["fit", str(demo_model_dir().parent / "no-such-model")]) == 2
