@@ -4,8 +4,9 @@ OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema", "
 {"schema": …}}) becomes an llguidance grammar over the model's own tokenizer. Before each token
 is drawn, the tokens the grammar cannot take next are masked out of the scores (llguidance's
 bitmask, computed from the grammar's state), and the drawn token is
-fed to the grammar; once the JSON is complete only an end-of-turn token is allowed. The reply
-therefore always parses and validates.
+fed to the grammar; once the JSON is complete only an end-of-turn token is allowed. As the token
+limit nears, what is open is closed (`ConstrainedSampler`: closing tokens wherever the grammar
+allows one), so the reply ends by itself, and parses and validates, before the limit.
 
 A forced `tool_choice` ("required", or a named function) is a grammar too: one call, written in
 the model's own call format, of one of the functions, its arguments held to the function's
@@ -27,6 +28,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.errors import InvalidRequestError
@@ -119,11 +121,48 @@ def harmony_call_lark(calls: dict[str, dict], constrain: bool = True) -> str:
     return "\n".join(rules) + "\n"
 
 
+# the last tokens of a constrained reply's budget, where it checks whether what is open still fits
+CLOSING_WINDOW = 64
+CLOSERS = frozenset('"]}')  # what ends a JSON string, array or object
+SPACE_MARKS = "ĠĊ▁ \t\n"  # how byte-level and sentencepiece vocabularies spell white space
+
+
+def token_texts(tokenizer: Any, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per token of the vocabulary: (bool: it only ends JSON strings, arrays and objects — `"`,
+    `}`, `"}` …; int: the unescaped quotes it writes, which open or close a string; int: how soon
+    it ends what is open — its length in characters, white space aside, a tie going to a token
+    that ends an array or object rather than a string's quote, or to a digit rather than a sign)."""
+    closing = np.zeros(vocab_size, dtype=bool)
+    quotes, preference = np.zeros(vocab_size, dtype=np.int32), np.zeros(vocab_size, dtype=np.int32)
+    for text, token in vocabulary(tokenizer).items():
+        if 0 <= token < vocab_size:
+            bare = text.strip(SPACE_MARKS)
+            closing[token] = bool(bare) and set(bare) <= CLOSERS
+            quotes[token] = text.count('"') - text.count('\\"')
+            preference[token] = 4 * len(bare) + 2 * (closing[token] and '"' not in bare) + bare.isdigit()
+    return closing, quotes, preference
+
+
 class ConstrainedSampler(Sampler):
-    """A `Sampler` whose draws follow an llguidance grammar (`request_grammar`)."""
+    """A `Sampler` whose draws follow an llguidance grammar (`request_grammar`), and which closes
+    what is open before its token `budget` runs out.
+
+    In the budget's last `CLOSING_WINDOW` tokens it works out, on a copy of the grammar's state,
+    the shortest way it knows to an accepted end (`_closing_path`: at each step a token that ends a
+    string, array or object where the grammar allows one — an open string's quote first (the reply's
+    quotes say whether one is open), then `]` or `}`, and a value about to open becomes an empty
+    string — else the longest token the grammar allows, which spells a required key or a forced tag
+    soonest). Once that path and the end-of-turn token only just fit, it follows
+    the path: the JSON, or the call, ends valid before the limit instead of being cut."""
 
     def __init__(
-        self, sampler: Sampler, tokenizer: Any, vocab_size: int, eos: Iterable[int], grammar: tuple[str, str]
+        self,
+        sampler: Sampler,
+        tokenizer: Any,
+        vocab_size: int,
+        eos: Iterable[int],
+        grammar: tuple[str, str],
+        budget: int | None = None,
     ):
         import llguidance
         import llguidance.hf
@@ -140,6 +179,12 @@ class ConstrainedSampler(Sampler):
             raise InvalidRequestError(f"{asked_by}'s schema cannot be used: {error}")
         self.matcher = llguidance.LLMatcher(lltokenizer, grammar)
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)  # int32 [1, V / 32]
+        self._vocab_size, self._eos = vocab_size, eos_ids
+        self._left = budget  # tokens still to come; None: no limit to close before
+        self._closing: list[int] | None = None  # the path to the end, once it is being followed
+        texts = token_texts(tokenizer, vocab_size) if budget is not None else (None, None, None)
+        self._closers, self._quotes, self._preference = texts
+        self._in_string = False  # whether the reply so far leaves a JSON string open
 
     def _scores(self, logits: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         scores = super()._scores(logits, history)  # [1, V] float32
@@ -149,7 +194,47 @@ class ConstrainedSampler(Sampler):
         return scores if scores.device.type == "cpu" else torch.from_numpy(masked).to(scores.device)
 
     def sample(self, logits: torch.Tensor, history: torch.Tensor) -> int:
-        token = super().sample(logits, history)
+        token = self._closing_token()
+        if token is None:
+            token = super().sample(logits, history)
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+        if self._left is not None:
+            self._left -= 1
+            self._in_string ^= bool(self._quotes[token] % 2)
         return token
+
+    def _closing_token(self) -> int | None:
+        """The next token of the path to the end where the budget leaves no more room, else None."""
+        if self._left is None or self._left > CLOSING_WINDOW:
+            return None
+        if self._closing is None:
+            if self.matcher.is_accepting():
+                return self._eos[0] if self._left <= 1 and self._eos else None
+            path = self._closing_path(self._left)
+            if len(path) + 1 < self._left:  # the end and its end-of-turn token fit later still
+                return None
+            self._closing = path
+        return self._closing.pop(0) if self._closing else (self._eos[0] if self._eos else None)
+
+    def _closing_path(self, limit: int) -> list[int]:
+        """The tokens that take a copy of the grammar's state to an accepted end soonest, as far
+        as `limit` tokens go."""
+        matcher, path, in_string = self.matcher.deep_copy(), [], self._in_string
+        while len(path) < limit and not matcher.is_accepting():
+            self._guidance.fill_next_token_bitmask(matcher, self._bitmask, 0)
+            allowed = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")[: self._vocab_size]
+            allowed = allowed.astype(bool)
+            allowed[self._eos] = False
+            closers = allowed & self._closers
+            # in a string its closing quote (a `]` there is text); outside, `]` or `}` before a new string
+            ending = closers & ((self._quotes % 2 == 1) if in_string else (self._quotes == 0))
+            pool = ending if ending.any() else closers if closers.any() else allowed
+            if not pool.any():
+                break
+            token = int(np.argmax(np.where(pool, self._preference, -1)))
+            if not matcher.consume_token(token):
+                break
+            path.append(token)
+            in_string ^= bool(self._quotes[token] % 2)
+        return path

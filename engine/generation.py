@@ -201,7 +201,8 @@ def _sampler(
         return sampler
     if config.spec.mode != "none":
         raise InvalidRequestError(f"A {grammar[1]} reply decodes plainly: set speculation to none.")
-    return ConstrainedSampler(sampler, model.tokenizer, model.hf_config.vocab_size, eos, grammar)
+    vocab_size, budget = model.hf_config.vocab_size, config.max_new_tokens
+    return ConstrainedSampler(sampler, model.tokenizer, vocab_size, eos, grammar, budget)
 
 
 def _kv_cache(model: OffloadedModel, prompt_ids: list[int], rewindable: bool):

@@ -10,7 +10,8 @@ in their reply (several blocks for parallel calls); their chat templates render 
 `tool_calls` the same way. `ToolCallStream` follows the streamed answer: text before the first
 `<tool_call>` streams on as content, holding back only what could be the start of the tag; from
 there on the rest is kept and read at the end. A block that is not a JSON object with a `name`
-is no call: then the whole kept text is content, as the model wrote it.
+is no call: then the whole kept text is content, as the model wrote it — but for a last block the
+token limit cut off, which is a partial call where its name is whole (`finish_reason: length`).
 
 gpt-oss writes its calls as harmony messages to `functions.NAME`, which the engine reads by their
 control tokens and sends apart from the text (`engine_calls`).
@@ -54,24 +55,47 @@ class ToolCallStream:
         if not self._calling:
             return held, []
         calls = parse_calls(held)
-        if calls is None:
-            return held, []
+        if calls is None:  # no call: as the model wrote it, but a lone call cut before its name ended
+            return ("" if held.startswith(OPEN) and CLOSE not in held and OPEN not in held[1:] else held), []
         return _BLOCK.sub("", held).strip(), calls
 
 
 def parse_calls(text: str) -> list[dict[str, Any]] | None:
-    """OpenAI `tool_calls` from the `<tool_call>` blocks of `text`; None if a block is no call."""
+    """OpenAI `tool_calls` from the `<tool_call>` blocks of `text`; None if a block is no call. A
+    last block the reply's token limit cut off (no `</tool_call>`) is a partial call where its
+    name was written: its `arguments` the JSON text as far as it got, as OpenAI's own calls cut by
+    `length` come back."""
     calls = []
-    for block in _BLOCK.findall(text):
+    blocks = list(_BLOCK.finditer(text))
+    for n, match in enumerate(blocks):
+        block = match.group(1)
         try:
             call = json.loads(block)
         except json.JSONDecodeError:
-            return None
+            cut = n == len(blocks) - 1 and not match.group(0).endswith(CLOSE)
+            partial = _partial_call(block) if cut else None
+            if partial is None:
+                return None
+            calls.append(partial)
+            continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None
         arguments = call.get("arguments", call.get("parameters", {}))
         calls.append(openai_call(call["name"], json.dumps(arguments, ensure_ascii=False)))
     return calls or None
+
+
+_NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*"([^"\\]+)"', re.DOTALL)
+_ARGUMENTS = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*', re.DOTALL)
+
+
+def _partial_call(block: str) -> dict[str, Any] | None:
+    """The call a cut-off block began: its whole name, and its arguments' JSON text so far."""
+    name = _NAME.match(block)
+    if name is None:  # the name itself was cut
+        return None
+    arguments = _ARGUMENTS.match(block, name.end())
+    return openai_call(name.group(1), block[arguments.end() :].rstrip() if arguments else "")
 
 
 def openai_call(name: str, arguments: str) -> dict[str, Any]:

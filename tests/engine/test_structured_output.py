@@ -1,6 +1,7 @@
 """Structured output: with a response_format the reply parses as JSON and validates against the
 schema, greedy and sampled, on the demo model (which was never trained to write JSON)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -54,10 +55,33 @@ def test_a_json_object_reply_is_an_object_where_free_text_is_not(demo):
     with pytest.raises(json.JSONDecodeError):
         json.loads(free.text)
     reply = generate_text(demo, ASK, _config({"type": "json_object"}))
-    # the demo model babbles inside a string until the token limit: a prefix of an object
+    # the demo model babbles inside a string, closed as the token limit nears: an object all the same
     assert reply.text.startswith('{"') and not free.text.startswith("{")
-    if reply.reason == "eos":
-        assert isinstance(json.loads(reply.text), dict)
+    assert reply.reason == "eos" and isinstance(json.loads(reply.text), dict)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_reply_closes_what_is_open_before_its_token_limit(demo, seed):
+    """Sampled, with a limit the demo model's babbling would overrun: the open string is closed
+    (values yet to write are empty), every required key written, and the reply ends with the
+    end-of-turn token inside the limit; a forced call likewise ends with its closing tag (given the
+    ~45 tokens the shortest call takes in the demo's small vocabulary)."""
+    sampling = SamplingConfig(temperature=1.0, seed=seed)
+    trip = {
+        "type": "object",
+        "properties": {"to": {"type": "string"}, "days": {"type": "integer"}, "pack": {"type": "array"}},
+        "required": ["to", "days", "pack"],
+    }
+    schema = {"type": "json_schema", "json_schema": {"name": "trip", "schema": trip}}
+    config = GenerationConfig(max_new_tokens=40, sampling=sampling, response_format=schema)
+    reply = generate_text(demo, [{"role": "user", "content": "Plan a trip to the sea."}], config)
+    assert reply.reason == "eos" and len(reply.token_ids) <= 40
+    assert set(json.loads(reply.text)) == {"to", "days", "pack"}
+    call = dataclasses.replace(
+        config, max_new_tokens=60, response_format=None, tools=(WEATHER, CLOCK), tool_choice="required"
+    )
+    reply = generate_text(demo, WEATHER_QUESTION, call)
+    assert reply.reason == "eos" and _call(reply.text)["name"] in ("get_weather", "get_time")
 
 
 @pytest.mark.parametrize(

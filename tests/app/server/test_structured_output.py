@@ -106,3 +106,53 @@ def test_a_tool_choice_that_cannot_be_met_is_a_400(live, extra, message):
     body = json.dumps({"messages": WEATHER_QUESTION, **extra}).encode()
     status, answer = live.request("POST", "/v1/chat/completions", body)
     assert status == 400 and message in answer["error"]["message"], answer
+
+
+class Trip(BaseModel):
+    destination: str
+    days: int
+    items: list[str]
+
+
+# prompts these tests were not written around: the demo model babbles, the reply must close anyway
+UNSEEN = ("Which country is Rome in?", "List three fruits you like.", "What should I pack for a beach trip?")
+
+
+@pytest.mark.parametrize("prompt", UNSEEN)
+def test_constrained_replies_close_valid_within_their_token_limit(live, prompt):
+    """`parse()`, `json_object` and a required tool call, sampled, with limits too short for what
+    the demo model would write: each reply closes what is open in time, so it ends with `stop`
+    (or `tool_calls`) and is valid; the call streams as tool-call deltas."""
+    client = live.client()
+    messages = [{"role": "user", "content": prompt}]
+    sampled = {"temperature": 0.9, "seed": 11}
+    trip = client.chat.completions.parse(
+        model=DEMO_MODEL_ID, messages=messages, response_format=Trip, max_tokens=48, **sampled
+    )
+    assert trip.choices[0].finish_reason == "stop" and isinstance(trip.choices[0].message.parsed, Trip)
+    obj = client.chat.completions.create(
+        model=DEMO_MODEL_ID,
+        messages=messages,
+        response_format={"type": "json_object"},
+        max_tokens=40,
+        **sampled,
+    )
+    assert obj.choices[0].finish_reason == "stop" and isinstance(
+        json.loads(obj.choices[0].message.content), dict
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=DEMO_MODEL_ID,
+            messages=messages,
+            tools=[WEATHER, CLOCK],
+            tool_choice="required",
+            max_tokens=48,
+            stream=True,
+            **sampled,
+        )
+    )
+    deltas = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or ()]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["tool_calls"] and len(deltas) == 1
+    assert deltas[0].function.name in ("get_weather", "get_time")
+    assert isinstance(json.loads(deltas[0].function.arguments), dict)

@@ -167,3 +167,16 @@ def test_tool_choice_none_sends_no_tools(served):
     assert session.asked[0][1].tools == ()
     assert reply.choices[0].message.tool_calls is None  # without tools the text is not read for calls
     assert "<tool_call>" in reply.choices[0].message.content
+
+
+def test_a_call_cut_by_the_token_limit_is_a_partial_call_never_markup():
+    cut = ToolCallStream()
+    assert cut.feed('<tool_call>\n{"name":"get_weather","arguments":{"city":"Par') == ""
+    content, calls = cut.finish()
+    assert content == "" and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city":"Par'}
+    name_cut = ToolCallStream()
+    name_cut.feed('<tool_call>\n{"name":"get_w')
+    assert name_cut.finish() == ("", [])  # nothing to call yet, and no markup as content
+    no_call = ToolCallStream()
+    no_call.feed("<tool_call>\nnot json\n</tool_call>")
+    assert no_call.finish() == ("<tool_call>\nnot json\n</tool_call>", [])  # a closed block: as written
