@@ -50,7 +50,7 @@ COMMANDS = {
     "/think": "on or off: let a thinking model think before it answers",
     "/retry": "ask again after a reply a remote engine could not finish",
     "/help": "list the commands",
-    "/quit": "leave (also Ctrl-D)",
+    "/quit": "leave (also /bye, or Ctrl-D)",
 }
 
 
@@ -79,16 +79,22 @@ class TerminalChat:
         self.history = [ChatMessage("system", self.system)] if self.system else []
 
     def run(self) -> int:
-        """Chat until /quit, EOF or Ctrl-C at the prompt (0), or until the engine dies (1)."""
+        """Chat until /quit (/bye) or EOF (0), or until the engine dies (1); a Ctrl-C at the prompt
+        says how to leave instead (one meant for a reply that just ended must not end the chat)."""
         if self.interactive:
             self._say(
                 'Type a message, or /help. Alt+Enter or a """ block for several lines; '
-                "Ctrl-C stops a reply; Ctrl-D or /quit leaves."
+                "Ctrl-C stops a reply; Ctrl-D or /bye leaves."
             )
         while True:
             try:
                 line = self._read_message().strip()
-            except (EOFError, KeyboardInterrupt):
+            except KeyboardInterrupt:  # at the prompt: a Ctrl-C meant for a reply that just ended
+                if not self.interactive:
+                    return 0
+                self._say("\nUse Ctrl + d or /bye to exit.")
+                continue
+            except EOFError:
                 if self.interactive:
                     self._say("")  # end the prompt's line
                 return 0
@@ -108,7 +114,7 @@ class TerminalChat:
         """Run one /command; False when it asks to leave."""
         name, *args = line.split()
         match name.lower():
-            case "/quit" | "/exit":
+            case "/quit" | "/exit" | "/bye":
                 return False
             case "/reset":
                 self.reset()
@@ -133,6 +139,9 @@ class TerminalChat:
         """`/think on|off`: thinking models' `enable_thinking` (off: the template skips the thinking)."""
         if args not in (["on"], ["off"]):
             self._say("Use /think on or /think off.")
+            return
+        if (self.session.model or {}).get("thinks") is False:
+            self._say("This model does not think before it answers: /think changes nothing for it.")
             return
         kwargs = {} if args == ["on"] else {"enable_thinking": False}
         self.config = replace(self.config, template_kwargs=kwargs)

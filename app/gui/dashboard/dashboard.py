@@ -107,11 +107,12 @@ def reply_figures(f: dict[str, Any], live: bool, moe_layers: int | None = None) 
     tokens = f"{'generating' if live else 'last reply'} · {f.get('generated_tokens') or 0:,} tokens"
     if not live and f.get("prompt_tokens"):  # how much of the prompt a kept KV cache held
         tokens += f" · prompt {f['prompt_tokens']:,}, {f.get('cached_prompt_tokens') or 0:,} reused"
+    measuring = live and not f.get("tokens_per_s")  # the reply's first tokens: no rate yet, not 0
     out = {
         "link": (fmt_gbps(f.get("h2d_gbps")), tag(*link)),
         "hit_rate": (fmt_percent(f.get("hit_rate")), tag(cumulative, hits)),
-        "tokens_per_s": (fmt_number(f.get("tokens_per_s"), "tok/s"), tokens),
-        "tpot": (fmt_number(f.get("tpot_ms"), "ms"), tag("decode time per token")),
+        "tokens_per_s": ("…" if measuring else fmt_number(f.get("tokens_per_s"), "tok/s"), tokens),
+        "tpot": ("…" if measuring else fmt_number(f.get("tpot_ms"), "ms"), tag("decode time per token")),
     }
     spec, prefetch = f.get("spec"), policy_name(f.get("prefetch"))
     if spec == "none":
@@ -121,6 +122,8 @@ def reply_figures(f: dict[str, Any], live: bool, moe_layers: int | None = None) 
         out["accept_len"] = (accept, tag(_DRAFTERS.get(spec, spec or ""), "per verify step, bonus included"))
     if prefetch == "none":
         out["prefetch"] = ("off", "prefetch off")
+    elif not f.get("misses") and not f.get("h2d_bytes") and not f.get("prefetch_precision"):
+        out["prefetch"] = ("not needed", tag("every expert was already in memory"))
     else:
         recall = f"{fmt_percent(f.get('prefetch_precision'))} / {fmt_percent(f.get('prefetch_recall'))}"
         out["prefetch"] = (recall, tag(_PREFETCHERS.get(prefetch, prefetch or ""), "precision / recall"))

@@ -211,22 +211,23 @@ class _TileSpec:
 
 
 TILES = (
-    _TileSpec("vram", "VRAM", "Device memory used / total: NVML for the whole GPU; torch's allocator "
-              "(this app's engine) beside it. n/a without a GPU or NVML."),
-    _TileSpec("link", "Host → device", "h2d_gbps: bytes the engine copied host→device / wall time over the "
-              "last interval (counted exactly). NVML's sampled PCIe receive rate beside it when known."),
-    _TileSpec("hit_rate", "Expert hit rate", "Expert uses served from the device cache / all expert uses, "
-              "over the last interval; cumulative since the model was loaded below.", fixed_max=1.0),
-    _TileSpec("tokens_per_s", "Tokens/s", "1000 / TPOT over the last interval (decode only)."),
-    _TileSpec("tpot", "Time per token", "tpot_ms: decode wall time / generated tokens of the "
-              "current reply (prefill excluded)."),
-    _TileSpec("accept_len", "Acceptance length", "accept_len: mean tokens emitted per verify step, "
-              "including the bonus token. Speculative decoding only."),
-    _TileSpec("prefetch", "Prefetch precision / recall", "precision: prefetched experts used before "
-              "eviction / prefetched. recall: verify-phase uses that were prefetched / verify-phase uses. "
-              "The plot shows recall.", fixed_max=1.0),
-    _TileSpec("cutoff", "Cutoff layer", "SP-MoE: the last MoE layer (0-based) whose experts are "
-              "prefetched while the draft runs.", plot=False),
-    _TileSpec("host_ram", "Host RAM", "This machine's RAM used / total; the engine process's resident "
-              "size below."),
+    _TileSpec("vram", "VRAM", "GPU memory in use / the card's total (the whole GPU, as the NVIDIA "
+              "driver reports it); this app's engine's share beside it. n/a without an NVIDIA GPU."),
+    _TileSpec("link", "Host → device", "How fast experts are copied from RAM to the GPU: bytes copied "
+              "over the last moment, counted exactly; the driver's measured PCIe receive rate beside "
+              "it where the card reports one."),
+    _TileSpec("hit_rate", "Expert hit rate", "Of the experts the model used over the last moment, the "
+              "share already on the GPU (no copy needed); since the model was loaded below.", fixed_max=1.0),
+    _TileSpec("tokens_per_s", "Tokens/s", "How fast the reply is written (after the prompt is read)."),
+    _TileSpec("tpot", "Time per token", "The time each new token of the current reply takes, the "
+              "prompt's reading left out."),
+    _TileSpec("accept_len", "Acceptance length", "Speculative decoding: the tokens each check of the "
+              "drafter's guesses keeps on average, the model's own next token included."),
+    _TileSpec("prefetch", "Prefetch precision / recall", "Experts brought to the GPU ahead of need: "
+              "precision, the share used before they were evicted; recall, the share of the experts "
+              "verification used that were already there. The plot shows recall.", fixed_max=1.0),
+    _TileSpec("cutoff", "Cutoff layer", "SP-MoE: the deepest MoE layer whose experts are brought in "
+              "while the drafter writes its guesses.", plot=False),
+    _TileSpec("host_ram", "Host RAM", "This computer's RAM in use / total; the engine process's share "
+              "below."),
 )  # fmt: skip

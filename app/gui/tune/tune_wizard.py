@@ -25,11 +25,13 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QFormLayout,
+    QFrame,
     QHBoxLayout,
     QLabel,
     QLineEdit,
     QProgressBar,
     QPushButton,
+    QScrollArea,
     QSpinBox,
     QVBoxLayout,
     QWidget,
@@ -290,12 +292,22 @@ class ResultPage(QWizardPage):
         self.use_auto_check = QCheckBox("Leave speculation and prefetch to each model's auto", self)
         self.use_auto_check.toggled.connect(self._show_apply)
         self.apply_label = _wrapped("", self)
+        # the words scroll under the plot, so the page and its buttons fit a 600-pixel-high screen
+        words = QWidget(self)
+        column = QVBoxLayout(words)
+        column.setContentsMargins(0, 0, 0, 0)
+        for label in (self.choice_label, self.use_auto_check, self.apply_label, self.reasons_label):
+            column.addWidget(label)
+        for label in (self.probe_label, self.reused_label):
+            column.addWidget(label)
+        column.addStretch(1)
+        scroll = QScrollArea(self)
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.Shape.NoFrame)
+        scroll.setWidget(words)
         layout = QVBoxLayout(self)
-        layout.addWidget(self.plot, 1)
-        for label in (self.choice_label, self.reasons_label, self.probe_label, self.reused_label):
-            layout.addWidget(label)
-        layout.addWidget(self.use_auto_check)
-        layout.addWidget(self.apply_label)
+        layout.addWidget(self.plot, 3)
+        layout.addWidget(scroll, 2)
 
     def initializePage(self) -> None:
         self.show_result(self._profiling_page.result or {})
@@ -309,7 +321,7 @@ class ResultPage(QWizardPage):
         self.choice_label.setText(describe_choice(choice))
         self._show_apply()
         reasons = result.get("prediction", {}).get("reasons", [])
-        predicted = "Before measuring, the papers' models predicted (the measured runs decided):"
+        predicted = "Before measuring, a model of this machine predicted (the measured runs decided):"
         self.reasons_label.setText("\n".join([predicted, *(f"• {reason}" for reason in reasons)]))
         self.probe_label.setText(describe_probe(result.get("probe", {})))
         self.reused_label.setText(
@@ -342,7 +354,7 @@ class TuneWizard(QWizard):
         self.setWindowTitle("Auto-tune for this machine")
         self.setWizardStyle(QWizard.WizardStyle.ClassicStyle)
         self.setButtonText(QWizard.WizardButton.FinishButton, "Apply")
-        self.setMinimumSize(760, 620)
+        self.setMinimumSize(640, 480)  # fits a 1024×600 screen; the result's words scroll
         self._settings = settings
         self.hardware_page = HardwarePage(client, stats, self)
         self.budget_page = BudgetPage(settings, self)

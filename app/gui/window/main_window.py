@@ -207,6 +207,10 @@ class MainWindow(EngineChoice, QMainWindow):
         self.dashboard.set_model(model)
         self.chat_view.set_input_enabled(True)
         self.banners.clear("load")
+        if any(b.key == "engine" and b.kind == "error" for b in self.banners.banners()):  # back after a crash
+            self.banners.clear("engine")
+            note = "The engine was restarted and the model is loaded again; your conversations are safe."
+            self.banners.show_banner(note, "info", key="engine", timeout_ms=8000)
         self._set_state(EngineState.GENERATING if self.session.busy else EngineState.IDLE)
 
     def _on_stats(self, stats: Stats) -> None:

@@ -24,10 +24,11 @@ COW = "What sound does a cow make?"
 class ScriptedSession:
     """Stands in for `EngineSession`: each `generate` plays the next script (events, or an exception)."""
 
-    def __init__(self, *replies):
+    def __init__(self, *replies, model: dict | None = None):
         self.replies = list(replies)
         self.asked: list[list[ChatMessage]] = []
         self.closed_early = 0
+        self.model = model  # as the engine's Loaded event says it ({"thinks": …}); None: not said
 
     def generate(self, messages, config):
         self.asked.append(list(messages))
@@ -275,8 +276,8 @@ def test_the_history_file_is_in_the_data_folder(tmp_path, monkeypatch):
 class RecordingSession(ScriptedSession):
     """A scripted session that also keeps each request's config."""
 
-    def __init__(self, *replies):
-        super().__init__(*replies)
+    def __init__(self, *replies, model: dict | None = None):
+        super().__init__(*replies, model=model)
         self.configs = []
 
     def generate(self, messages, config):
@@ -298,3 +299,26 @@ def test_thinking_goes_to_stderr_apart_from_the_answer_and_think_off_reaches_the
     assert session.configs[0].template_kwargs == {}
     assert session.asked[1][1] == ChatMessage("assistant", "Moo.")  # the answer only goes back
     assert session.configs[1].template_kwargs == {"enable_thinking": False}
+
+
+def test_ctrl_c_at_the_prompt_says_how_to_leave_and_think_on_a_model_that_cannot_says_so():
+    """A Ctrl-C meant for a reply that had just ended lands at the prompt: the chat stays and says
+    how to leave (as Ollama does); /bye leaves. /think on a model without thinking says it does
+    nothing, and changes nothing."""
+    session = RecordingSession(answer("Moo."), model={"thinks": False})
+    stderr = io.StringIO()
+    repl = TerminalChat(session, GenerationConfig(), None, io.StringIO(""), io.StringIO(), stderr)
+    lines = iter([KeyboardInterrupt(), "/think off", COW, "/bye"])
+
+    def typed() -> str:
+        line = next(lines)
+        if isinstance(line, BaseException):
+            raise line
+        return line
+
+    repl.interactive, repl._read_message = True, typed
+    assert repl.run() == 0
+    said = stderr.getvalue()
+    assert "Use Ctrl + d or /bye to exit." in said
+    assert "does not think before it answers" in said and "[thinking off]" not in said
+    assert session.configs[0].template_kwargs == {}
