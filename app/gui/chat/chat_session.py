@@ -213,6 +213,15 @@ class ChatSession(QObject):
                 return message.stats["prompt_tokens"] + message.stats.get("generated_tokens", 0)
         return None
 
+    def droppable_turns(self) -> int:
+        """How many of the conversation's turns sent to the model come before its last one: what
+        `drop_oldest_turns` could leave out (0: the last message alone fills the context)."""
+        conversation = self.conversation()
+        if conversation is None:
+            return 0
+        start = conversation.settings.get("context_from", 0)
+        return max(0, sum(m.role == "user" and m.id >= start for m in conversation.messages) - 1)
+
     def drop_oldest_turns(self) -> None:
         """Leave the older half of the conversation's turns out of what the model is sent (they stay
         stored and shown), then answer the last message again: what a full context window offers."""

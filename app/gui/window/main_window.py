@@ -242,9 +242,13 @@ class MainWindow(EngineChoice, QMainWindow):
             self.banners.show_banner(why, "error", [("Retry", self.session.regenerate)], key="reply")
         if reply.reason is FinishReason.ERROR:
             actions = [("Retry", self.session.regenerate)]
-            if reply.error_kind == "context_length_exceeded":  # the older turns can be left out
-                actions = [("Drop oldest turns", self.session.drop_oldest_turns)]
-            self.banners.show_banner(reply.error, "error", actions, key="reply")
+            message = reply.error
+            if reply.error_kind == "context_length_exceeded" and self.session.droppable_turns():
+                actions = [("Drop oldest turns", self.session.drop_oldest_turns)]  # older turns left out
+            elif reply.error_kind == "context_length_exceeded":  # the message alone is too long
+                actions = [("Settings…", self.open_settings)]
+                message += " This message alone is too long: shorten it, or raise the context length."
+            self.banners.show_banner(message, "error", actions, key="reply")
 
     def _on_error(self, request_id: str, kind: str, message: str) -> None:
         """A request other than a reply failed: the model's load, or something else."""

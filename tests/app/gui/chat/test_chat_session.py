@@ -250,6 +250,7 @@ def test_a_full_context_window_drops_the_oldest_turns_from_what_is_sent_not_from
     client.sig_reply.emit(Error(session.reply.request_id, "context_length_exceeded", "Too long."))
     assert ended[-1].error_kind == "context_length_exceeded"
 
+    assert session.droppable_turns() == 4
     session.drop_oldest_turns()  # five turns: the oldest two are left out, and the last is asked again
     sent = [m.content for m in client.generated[-1]]
     assert sent == ["Question 2", "Answer 2", "Question 3", "Answer 3", "Question 4"]
@@ -265,3 +266,9 @@ def test_the_context_line_says_what_the_window_holds():
     assert context_text(None, 1024) == ""
     assert context_text(1234, 32768) == "Context 1,234 / 32,768 tokens"
     assert context_text(12, None) == "Context 12 tokens"
+
+
+def test_a_single_message_too_long_for_the_context_has_no_older_turns_to_drop(session, client, ended):
+    session.send("A very long question")
+    client.sig_reply.emit(Error(session.reply.request_id, "context_length_exceeded", "Too long."))
+    assert ended[-1].error_kind == "context_length_exceeded" and session.droppable_turns() == 0
