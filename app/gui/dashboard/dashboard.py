@@ -220,6 +220,9 @@ class Dashboard(QWidget):
         for column in range(max(columns, self._columns)):
             self._grid.setColumnStretch(column, 1 if column < columns else 0)
         self._columns = columns
+        # fewer columns need more height: say so, or a scroll area keeps the old height and the
+        # tiles' lines are drawn over one another
+        self.updateGeometry()
 
     def resizeEvent(self, event: QResizeEvent) -> None:
         fit = max(1, (event.size().width() - 16) // TILE_MIN_WIDTH)

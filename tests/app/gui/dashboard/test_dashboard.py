@@ -288,3 +288,28 @@ def test_the_last_reply_says_how_much_of_its_prompt_a_kept_cache_held():
     detail = reply_figures(reply, live=False)["tokens_per_s"][1]
     assert detail == "last reply · 9 tokens · prompt 120, 110 reused"
     assert "reused" not in reply_figures(reply, live=True)["tokens_per_s"][1]
+
+
+def test_a_narrow_dashboard_in_its_scroll_area_grows_instead_of_drawing_tiles_over_each_other(
+    qtbot, tmp_path, monkeypatch
+):
+    """The window at 1024×600 narrows the dock to one column of tiles: the dashboard asks for the
+    height that needs, so its scroll area scrolls and each tile keeps its lines apart (at that size
+    they were drawn over one another)."""
+    from PySide6.QtWidgets import QApplication
+
+    from app.gui.window.main_window import MainWindow
+
+    monkeypatch.setenv("MOE_CHAT_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("MOE_CHAT_CONFIG_DIR", str(tmp_path / "config"))
+    window = MainWindow(client=None)
+    qtbot.addWidget(window)
+    window.resize(1024, 600)
+    window.show()
+    QApplication.processEvents()
+    dashboard = window.dashboard
+    assert dashboard.height() >= dashboard.minimumSizeHint().height()
+    tile = dashboard.tiles["link"]
+    assert tile.height() >= tile.minimumSizeHint().height()
+    assert tile.detail.geometry().top() >= tile.value.geometry().bottom()
+    window.close()
