@@ -60,7 +60,7 @@ from engine.resident.weights import load_resident
 from engine.store.build import build_expert_store, pack_experts
 from engine.store.disk_cache import StoreKey, load_or_build
 from engine.store.host_store import ExpertStore
-from engine.store.placement import AS_STORED, CpuPlacement, float_placement, ggml_computes
+from engine.store.placement import AS_STORED, float_placement, ggml_computes, quantized_placement
 from engine.store.staging import pinned_for_copies
 
 log = logging.getLogger(__name__)
@@ -157,8 +157,8 @@ def _expert_store(
         checkpoint.bind(hf_model)  # its resident tensors by transformers' names
     report = (lambda done, total: progress("experts", done, total)) if progress else None
     if expert_format.kept_quantized:  # in the checkpoint's format, laid out for the CPU where it can be
-        cpu_forms = device.type == "cpu" and expert_format.repacks_for_cpu
-        placement = CpuPlacement(model.dtype, config.kernels, _in_place(config)) if cpu_forms else AS_STORED
+        forms = (model.dtype, device, config.kernels, _in_place(config))
+        placement = quantized_placement(expert_format, checkpoint, *forms)
         args = (expert_format, checkpoint, model, config.expert_dtype, placement)
         store, experts = build_expert_store(*args, pin=False, report=report)
     else:

@@ -70,9 +70,10 @@ def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
         "--kernels",
         default="auto",
         choices=("auto", "exact", "ggml"),
-        help="on the CPU: ggml (llama.cpp's own kernels, prebuilt, on a GGUF's blocks and BF16/F16/MXFP4 "
-        "experts: faster, a GGUF's activations in 8 bits as llama.cpp computes them), exact (outputs equal "
-        "the dequantized model's; FP8 and GPTQ/AWQ always), or auto (default: ggml where it runs here)",
+        help="on the CPU: ggml (llama.cpp's own kernels, prebuilt, on a GGUF's blocks, BF16/F16/MXFP4 "
+        "and symmetric GPTQ experts: faster, activations in 8 bits for quantized ones as llama.cpp computes "
+        "them), exact (outputs equal the dequantized model's; FP8 and AWQ always), or auto (default: ggml "
+        "where it runs here)",
     )
     parser.add_argument("--policy", default="lru", choices=("lru", "lfu", "mrs"), help="cache eviction")
     parser.add_argument(

@@ -85,10 +85,10 @@ FIELDS: dict[str, FieldInfo] = {
         "CPU kernels",
         "auto: llama.cpp's fast kernels where they run; exact: replies are the dequantized model's own.",
         "How the model's weights are computed on the CPU. ggml runs llama.cpp's own kernels on a GGUF "
-        "file's blocks and on BF16, F16 and MXFP4 experts as the model holds them (an x86-64 CPU needs "
+        "file's blocks and on BF16, F16, MXFP4 and symmetric GPTQ int4 models (an x86-64 CPU needs "
         "AVX2): faster and lighter on RAM, with llama.cpp's numerics (a GGUF's activations rounded to 8 "
         "bits), as llama.cpp's own replies are. exact computes as transformers would, so replies equal "
-        "the dequantized model's, more slowly; FP8 and GPTQ/AWQ models always run on it. auto (the "
+        "the dequantized model's, more slowly; FP8, AWQ and asymmetric int4 models always run on it. auto (the "
         "default) is ggml wherever it can run, else exact. Only the kernels that can run here are offered.",
         "choice", _choices(_offered_kernels(), KERNEL_LABELS), reload=True,
     ),

@@ -158,3 +158,31 @@ def linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     Half-precision elementwise ops are slow on CPU: there the product is taken in float32."""
     work = torch.float32 if x.device.type == "cpu" else x.dtype
     return F.linear(x.to(work), dequantize(weight, work)).to(x.dtype)
+
+
+Q4_0_BLOCK = 32  # weights per ggml Q4_0 block: a float16 scale, then 16 bytes of codes
+
+
+def to_q4_0(weight: Int4Weight) -> torch.Tensor | None:
+    """The weight as ggml Q4_0 rows, uint8 `[out, in/32 · 18]`, holding the very same numbers, or
+    None where Q4_0 cannot: a Q4_0 block is `d · (q − 8)`, so a symmetric weight (every zero point
+    8) whose groups are whole blocks in order (no act-order) and whose scales float16 holds maps
+    onto it code for code, its group's scale the scale of each of its blocks. Byte j of a block
+    holds code j in its low nibble and code j + 16 in its high one, as ggml packs them."""
+    if weight.g_idx is not None:
+        return None
+    q, z, s = codes(weight), zeros(weight), weight.scales
+    if weight.format not in ROW_MAJOR:  # held [in, out]: to the weight's own (out, in)
+        q, z, s = q.t(), z.t(), s.t()
+    out, inputs = q.shape
+    size = inputs // s.shape[1]  # inputs a group
+    scale = s.to(torch.float16)
+    if size % Q4_0_BLOCK or not bool((z == 8).all()) or not torch.equal(scale.to(s.dtype), s):
+        return None
+    blocks = inputs // Q4_0_BLOCK
+    rows = torch.empty(out, blocks, 2 + Q4_0_BLOCK // 2, dtype=torch.uint8)
+    per_block = scale.repeat_interleave(size // Q4_0_BLOCK, dim=1).contiguous()  # [out, blocks]
+    rows[..., :2] = per_block.view(torch.uint8).view(out, blocks, 2)
+    codes32 = q.reshape(out, blocks, Q4_0_BLOCK).to(torch.uint8)
+    rows[..., 2:] = codes32[..., : Q4_0_BLOCK // 2] | (codes32[..., Q4_0_BLOCK // 2 :] << 4)
+    return rows.view(out, -1)

@@ -54,7 +54,7 @@ class Int4Checkpoint(PackedCheckpoint):
 
     PACKED = PACKED
 
-    def __init__(self, checkpoint: Checkpoint, fmt: str, act_order: bool):
+    def __init__(self, checkpoint: Checkpoint, fmt: str, act_order: bool, symmetric: bool = False):
         words = self.PACKED[0]
         quantized = {n[: -len(words)] for n in checkpoint if n.endswith(words)}
         super().__init__(
@@ -64,6 +64,7 @@ class Int4Checkpoint(PackedCheckpoint):
             default_dtype=torch.float16,  # the scales' dtype: what GPTQ/AWQ kernels compute in
         )
         self.format, self.act_order, self._quantized = fmt, act_order, quantized
+        self.symmetric = symmetric  # the config's `sym`: every zero point is the codes' middle, 8
 
     def _base(self, name: str) -> str | None:
         base = name[: -len(".weight")] if name.endswith(".weight") else None

@@ -132,8 +132,9 @@ class Int4Format:
         weights = compressed_weights(hf_config, checkpoint)
         if weights is not None:
             return int4_checkpoint(checkpoint, weights)
-        act_order = bool(quantization_config(hf_config).get("desc_act", False))
-        return Int4Checkpoint(checkpoint, int4_format(hf_config), act_order)
+        quantization = quantization_config(hf_config)
+        act_order, symmetric = bool(quantization.get("desc_act", False)), bool(quantization.get("sym", False))
+        return Int4Checkpoint(checkpoint, int4_format(hf_config), act_order, symmetric)
 
     def kept_as(self, checkpoint: Int4Checkpoint) -> tuple[str, str]:
         return checkpoint.folder.name, f"in {checkpoint.format} int4"

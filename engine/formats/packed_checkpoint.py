@@ -82,6 +82,11 @@ class PackedCheckpoint:
     def dtype_name(self, name: str) -> str:
         return self.packed.dtype_name(name)
 
+    def quantized_tensor(self, name: str, also: frozenset = frozenset()):
+        """A stored float matrix as ggml rows (`Checkpoint.quantized_tensor`); None for a quantized
+        one (its `.weight` is virtual: the file has no such tensor), which reads as floats (`read`)."""
+        return self.packed.quantized_tensor(name, also)
+
     def storage_dtype(self) -> torch.dtype:
         """The dtype most unquantized tensors (norms, embeddings, routers) are stored in; the
         format's compute dtype when every tensor is quantized."""

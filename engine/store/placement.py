@@ -20,11 +20,13 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
-from engine.errors import InvalidConfigError
+from engine.errors import InvalidConfigError, UnsupportedQuantizationError
 from engine.formats.base import ExpertFormat, ModelExperts
-from engine.formats.fields import PLAIN, GgmlBlocks
+from engine.formats.fields import PLAIN, GgmlBlocks, Int4Words
 from engine.formats.gguf.experts import repacked_layout
 from engine.formats.gguf.repack import GGML, GGML_X8, packing_for, place
+from engine.formats.int4 import GPTQ, GPTQ_V2, Q4_0_BLOCK, to_q4_0
+from engine.formats.int4_experts import INT4
 from engine.formats.int_quant import is_weight
 from engine.formats.layout import ExpertField, ExpertLayout
 from engine.formats.mxfp4_experts import MXFP4
@@ -160,13 +162,76 @@ def _refuse_without_ggml() -> None:
 
 
 def ggml_computes(expert_format: ExpertFormat, checkpoint) -> bool:
-    """Whether ggml's CPU kernels compute this checkpoint's experts as it has them: a GGUF file's
-    blocks (and its matrices), gpt-oss's MXFP4 blocks, a BF16 or F16 checkpoint's floats. Not
-    FP8 (ggml has no such type; as BF16 its block scales would round) or GPTQ/AWQ int4 (a zero
-    point times its scale rounds in a Q4_1 block's float16 minimum): the exact kernels compute them."""
+    """Whether ggml's CPU kernels compute this checkpoint's experts with the numbers it has: a GGUF
+    file's blocks (and its matrices), gpt-oss's MXFP4 blocks, a BF16 or F16 checkpoint's floats,
+    a symmetric GPTQ checkpoint's int4 as Q4_0 (`q4_0_exact`). Not FP8 (ggml has no such type; as
+    BF16 its block scales would round) or AWQ and other asymmetric int4 (a zero point times its
+    scale rounds in a Q4_1 block's float16 minimum): the exact kernels compute them."""
     if isinstance(checkpoint, GgufCheckpoint) or expert_format.name == MXFP4.name:
         return True
+    if q4_0_exact(expert_format, checkpoint):
+        return True
     return expert_format.name == "native" and checkpoint.storage_dtype() in GGML_FLOAT_TYPES
+
+
+def q4_0_exact(expert_format: ExpertFormat, checkpoint) -> bool:
+    """Whether the experts are int4 that ggml's Q4_0 holds code for code: GPTQ, symmetric (every zero
+    point 8), without act-order (`int4.to_q4_0`)."""
+    if expert_format.name != INT4.name:
+        return False
+    return checkpoint.format in (GPTQ, GPTQ_V2) and checkpoint.symmetric and not checkpoint.act_order
+
+
+def quantized_placement(
+    expert_format: ExpertFormat,
+    checkpoint,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: str,
+    in_place: bool,
+) -> AsStored:
+    """Where a quantized format's experts lie: on the CPU, ggml blocks laid out for its kernels
+    (`CpuPlacement`), or symmetric GPTQ int4 as Q4_0 rows where ggml computes (`Int4AsQ4_0`); else
+    as the format stores them."""
+    if device.type != "cpu":
+        return AS_STORED
+    if expert_format.repacks_for_cpu:
+        return CpuPlacement(dtype, kernels, in_place)
+    return Int4AsQ4_0() if kernels == "ggml" and q4_0_exact(expert_format, checkpoint) else AS_STORED
+
+
+class Int4AsQ4_0(AsStored):
+    """A symmetric GPTQ checkpoint's int4 experts as ggml Q4_0 rows of the same numbers, for ggml's
+    kernels on the CPU: each int4 weight (its codes, zeros and scales) becomes one Q4_0 field
+    (`int4.to_q4_0`: nothing rounds); other fields stay as they are."""
+
+    def __init__(self) -> None:
+        _refuse_without_ggml()
+
+    def layout(self, stored: ExpertLayout) -> ExpertLayout:
+        int4 = [f for f in stored.fields if isinstance(f.format, Int4Words)]
+        companions = {name for f in int4 for name in f.format.companions(f.name)}
+        fields = []
+        for f in stored.fields:
+            if isinstance(f.format, Int4Words):
+                out, columns = f.format.shape
+                rows = GgmlBlocks(int(GGMLQuantizationType.Q4_0), (out, columns), GGML)
+                fields.append(ExpertField(f.name, (out, columns // Q4_0_BLOCK * 18), torch.uint8, 0, rows))
+            elif f.name not in companions:
+                fields.append(f)
+        return ExpertLayout.placed(fields)
+
+    def writer(self, stored: ExpertLayout, layout: ExpertLayout) -> Writer:
+        def place_q4_0(f: ExpertField, target, weight) -> None:
+            rows = to_q4_0(weight)
+            if rows is None:
+                raise UnsupportedQuantizationError(
+                    f"{f.name} is not symmetric int4 in whole groups of 32 as its config says (sym: true): "
+                    "the checkpoint and its config disagree. Use --kernels exact."
+                )
+            target.data.copy_(rows)
+
+        return _staged(stored, layout, place_q4_0)
 
 
 def float_placement(

@@ -162,3 +162,40 @@ def test_what_ggml_cannot_hold_as_it_is_stays_on_the_exact_kernels_and_says_so(f
         finally:
             model.close()
     assert "the exact kernels do" in caplog.text  # said where ggml was asked for by name
+
+
+@needs_ggml
+def test_symmetric_gptq_experts_become_q4_0_rows_of_the_same_numbers(tmp_path):
+    """A symmetric GPTQ checkpoint (Qwen's GPTQ-Int4 releases' config) under auto: each expert's
+    int4 weight becomes ggml Q4_0 rows whose gguf reference dequantization equals the int4 one
+    exactly, computed by ggml (8-bit activations, as llama.cpp computes Q4_0); act-order and AWQ
+    (asymmetric) stay on the exact kernels."""
+    from gguf import GGMLQuantizationType as QT
+    from gguf import quants
+
+    from engine.formats.int4 import dequantize
+    from tests.engine.store.test_gptq_awq import write_int4_model
+
+    folders = {v: write_int4_model(tmp_path / v, tmp_path / f"{v}-reference", v) for v in ("gptq", "awq")}
+    exact = load_model(folders["gptq"], dataclasses.replace(AUTO, kernels="exact", dtype="float32"))
+    fast = load_model(folders["gptq"], AUTO)
+    try:
+        assert fast.config.kernels == "ggml" and all(m.grouped_in_ggml for m in _layers(fast))
+        layer = _layers(fast)[0].layer
+        kept = exact.store.layout_of(layer).views(exact.store.layer_buffer(layer)[5])
+        rows = fast.store.layout_of(layer).views(fast.store.layer_buffer(layer)[5])
+        for field in fast.store.layout_of(layer).fields:
+            assert field.ggml_type == QT.Q4_0
+            reference = quants.dequantize(rows[field.name].data.numpy(), QT.Q4_0)
+            assert torch.equal(torch.from_numpy(reference), dequantize(kept[field.name]))
+        want, got = _logits(exact), _logits(fast)
+        row_error = (got - want).abs().max(dim=-1).values / want.abs().max()
+        assert row_error.median() < 0.05 and (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+    finally:
+        exact.close()
+        fast.close()
+    awq = load_model(folders["awq"], AUTO)
+    try:
+        assert awq.config.kernels == "exact"
+    finally:
+        awq.close()
