@@ -88,8 +88,9 @@ FIELDS: dict[str, FieldInfo] = {
         "file's blocks and on BF16, F16, MXFP4 and symmetric GPTQ int4 models (an x86-64 CPU needs "
         "AVX2): faster and lighter on RAM, with llama.cpp's numerics (a GGUF's activations rounded to 8 "
         "bits), as llama.cpp's own replies are. exact computes as transformers would, so replies equal "
-        "the dequantized model's, more slowly; FP8, AWQ and asymmetric int4 models always run on it. auto (the "
-        "default) is ggml wherever it can run, else exact. Only the kernels that can run here are offered.",
+        "the dequantized model's, more slowly; FP8, AWQ and asymmetric int4 models always run on it. "
+        "auto (the default) is ggml wherever it can run, else exact. Only the kernels that can run here "
+        "are offered.",
         "choice", _choices(_offered_kernels(), KERNEL_LABELS), reload=True,
     ),
     "kv_dtype": FieldInfo(
