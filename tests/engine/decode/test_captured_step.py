@@ -40,6 +40,7 @@ NOT_CAPTURED = {
     "lfm2_moe",
     "nemotron_h",
     "qwen3_5_moe",
+    "qwen3_5_moe_text",
     "qwen3_next",
 }
 
