@@ -182,9 +182,11 @@ def predict(
     if not draft_lens or any(draft_len < 1 for draft_len in draft_lens):
         raise ValueError(f"draft_lens must be a non-empty set of lengths >= 1, got {draft_lens}")
     best = (plain_ms, -1, 0, "")
+    stops = {d.name: d.drafted_len / d.draft_len for d in profile.drafters if d.drafted_len}
     for name, drafter in drafters:
+        lens, stop = sorted(set(draft_lens)), stops.get(name, 1.0)
         ms, cutoff, draft_len, points, reason = _drafter_curve(
-            drafter, probe, cache, sorted(set(draft_lens)), prefetch_recall, plain_ms
+            drafter, probe, cache, lens, prefetch_recall, plain_ms, stop
         )
         curve += [dataclasses.replace(point, drafter=name) for point in points]
         words = _DRAFTER_NAMES.get(name, name)
@@ -219,14 +221,25 @@ def drafter_profiles(profile: Profile) -> list[tuple[str, Profile]]:
 
 
 def _drafter_curve(
-    profile: Profile, probe: Probe, cache: int, draft_lens: list[int], recall: float, plain_ms: float
+    profile: Profile,
+    probe: Probe,
+    cache: int,
+    draft_lens: list[int],
+    recall: float,
+    plain_ms: float,
+    stop: float = 1.0,
 ) -> tuple[float, int, int, list[CurvePoint], str]:
-    """One drafter's best (TPOT, cutoff, draft length), its curve and why, in one sentence."""
+    """One drafter's best (TPOT, cutoff, draft length), its curve and why, in one sentence. `stop`:
+    the share of a draft length the drafter drafts, as measured with the confidence stop (`--tau`)
+    ending drafts early; a length γ is predicted as the γ·stop tokens it drafts."""
+
+    def drafted(draft_len: int) -> int:
+        return max(1, min(draft_len, round(draft_len * stop)))
 
     def tpot(cutoff_layer: int, draft_len: int) -> float:
-        return predict_tpot(profile, probe, cache, cutoff_layer, draft_len, prefetch_recall=recall)
+        return predict_tpot(profile, probe, cache, cutoff_layer, drafted(draft_len), prefetch_recall=recall)
 
-    cutoffs = {draft_len: choose_cutoff(cutoff_inputs(profile, cache, draft_len)) for draft_len in draft_lens}
+    cutoffs = {n: choose_cutoff(cutoff_inputs(profile, cache, drafted(n))) for n in draft_lens}
     best_len = min(draft_lens, key=lambda draft_len: tpot(cutoffs[draft_len].layer, draft_len))
     best_ms = tpot(cutoffs[best_len].layer, best_len)
     points = [
@@ -234,7 +247,9 @@ def _drafter_curve(
         for draft_len in draft_lens
         for cutoff_layer in range(-1, profile.moe_layers)
     ]
-    reason = _draft_reason(profile, best_len, best_ms, plain_ms)
+    reason = _draft_reason(profile, drafted(best_len), best_ms, plain_ms)
+    if drafted(best_len) < best_len:
+        reason += f" The confidence stop ends its drafts of {best_len} at about {drafted(best_len)} tokens."
     if best_ms <= plain_ms:
         reason += f" Cutoff layer: {cutoffs[best_len].reason}"
     return best_ms, cutoffs[best_len].layer, best_len, points, reason

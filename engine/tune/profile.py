@@ -315,7 +315,7 @@ def _drafter_profile(
         return None
     alpha = alpha_from_acceptance(accepted / drafted, drafted / steps)
     token_ms = draft_ms if name == "draft" and draft_ms is not None else drafting_ms / drafted
-    return DrafterProfile(name, token_ms, alpha, ALPHA_DRAFT_LEN, emitted / steps)
+    return DrafterProfile(name, token_ms, alpha, ALPHA_DRAFT_LEN, emitted / steps, drafted / steps)
 
 
 @torch.inference_mode()

@@ -43,6 +43,9 @@ class DrafterProfile:
     acceptance_rate: float  # per-token α (MoESD's model), fitted to the runs at `draft_len`
     draft_len: int  # the fixed draft length the acceptance was measured at
     accept_len: float  # tokens emitted per verify step measured there (bonus included)
+    # tokens drafted per step there: fewer than `draft_len` where the confidence stop (`--tau`)
+    # ends drafts early; 0: not measured (every draft runs its whole length)
+    drafted_len: float = 0.0
 
 
 @dataclass(frozen=True)

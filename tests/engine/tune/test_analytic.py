@@ -219,3 +219,23 @@ def test_measured_routing_overlap_replaces_the_uniform_model() -> None:
     assert misses_per_layer(PROFILE, 8, 3) == pytest.approx(4.625 * 0.75)
     assert misses_per_layer(measured, 8, 3) == pytest.approx(2.25)
     assert misses_per_layer(measured, 8, 4) == pytest.approx(misses_per_layer(PROFILE, 8, 4))
+
+
+def test_the_confidence_stop_is_in_the_prediction() -> None:
+    """A drafter whose drafts the confidence stop (`--tau`) ends at half their length, as profiled:
+    a draft length of 4 is predicted as the 2 tokens it drafts."""
+    full = DrafterProfile("self", 1.0, 0.8, 4, 3.0)
+    stopped = DrafterProfile("self", 1.0, 0.8, 4, 2.5, drafted_len=2.0)
+    lens = (2, 4)
+    whole = predict(
+        dataclasses.replace(PROFILE, drafters=(full,)), PROBE, 124 * MIB, lens, prefetch_recall=0.5
+    )
+    halved = predict(
+        dataclasses.replace(PROFILE, drafters=(stopped,)), PROBE, 124 * MIB, lens, prefetch_recall=0.5
+    )
+
+    def at(prediction, draft_len: int) -> list[float]:
+        return [p.tpot_ms for p in prediction.curve if p.draft_len == draft_len]
+
+    assert at(halved, 4) == at(whole, 2) != at(whole, 4)
+    assert any("confidence stop ends its drafts" in reason for reason in halved.reasons)
