@@ -209,7 +209,10 @@ class MainWindow(EngineChoice, QMainWindow):
         self.banners.clear("load")
         if any(b.key == "engine" and b.kind == "error" for b in self.banners.banners()):  # back after a crash
             self.banners.clear("engine")
-            note = "The engine was restarted and the model is loaded again; your conversations are safe."
+            note = (
+                "The engine stopped unexpectedly and was restarted: the model is loaded again, "
+                "your conversations are safe."
+            )
             self.banners.show_banner(note, "info", key="engine", timeout_ms=8000)
         self._set_state(EngineState.GENERATING if self.session.busy else EngineState.IDLE)
 
