@@ -5,7 +5,8 @@
 - `build`: the one skeleton every format's store is built by (`build_expert_store`: refuse
   re-quantization, open the format's experts, `pack_experts` layer by layer);
 - `placement`: where a layer's experts lie and in which packing, chosen apart from their format
-  (`AS_STORED`; `CpuPlacement`: a GGUF file's blocks for the CPU's kernels);
+  (`AS_STORED`; for ggml's kernels on the CPU: `CpuPlacement`, a GGUF file's or MXFP4 blocks;
+  `GgmlFloats`, a float checkpoint's as ggml rows; `Int4AsQ4_0`, symmetric GPTQ as Q4_0);
 - `disk_cache`: converted (int8/int4) stores kept on disk, so a second load skips the work;
 - `staging`: a pinned staging ring feeding the link without pinning every expert.
 

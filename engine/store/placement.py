@@ -9,7 +9,9 @@ the packing `repack.packing_for` names for the compute dtype and kernels (torch'
 kernels, or llama.cpp's), and a layer with fields in llama.cpp's interleaved rows lives in ggml's
 own memory (`engine.ggml`). `GgmlFloats` is for a float checkpoint's experts computed by ggml on
 the CPU: each weight matrix becomes ggml rows of the checkpoint's own float type (BF16 or F16, the
-same numbers), `(out, in)` whatever the family's orientation.
+same numbers), `(out, in)` whatever the family's orientation; `Int4AsQ4_0` for a symmetric GPTQ
+checkpoint's int4, as Q4_0 blocks code for code. `ggml_computes` says which checkpoints ggml
+computes as they are; `quantized_placement` and `float_placement` choose for the loader.
 """
 
 from __future__ import annotations
