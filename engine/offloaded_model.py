@@ -23,6 +23,7 @@ from engine.decode.captured_step import CapturedStep
 from engine.decode.lean import LeanDecode
 from engine.decode.paths import Step, StepPaths
 from engine.decode.piecewise_step import PiecewiseStep
+from engine.device_cache.eviction import make_policy
 from engine.device_cache.expert_cache import ExpertCache
 from engine.device_cache.transfer import TransferEngine
 from engine.errors import DeviceOutOfMemoryError, InvalidRequestError
@@ -161,6 +162,12 @@ class OffloadedModel:
     def _expert_dtype(self) -> str:
         """How the store holds the experts: native, int8, int4, fp8, int4 (gptq) or a GGUF file's types."""
         return self.store.layout.format_name
+
+    def use_cache_policy(self, policy: str) -> None:
+        """The expert cache under the eviction policy `policy` ("lru", "lfu", "mrs"); changing it
+        empties the cache (as a fresh load starts), so the policy in place is left as it is."""
+        if policy != self.cache.policy.name:
+            self.cache.use_policy(make_policy(policy, top_k=self.top_k, alpha=self.config.mrs_alpha))
 
     def substitutes(self, bits: int) -> ExpertStore:
         """SubSpec's low-bit copies of every routed expert, resident on the device (built once)."""

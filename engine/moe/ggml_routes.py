@@ -68,19 +68,26 @@ class InPlaceGgml:
         if self.swiglu_in_ggml:  # the whole expert in one ggml graph, its activation in float32
             y = ggml_kernels.routed_swiglu(x, experts, gate_up, down, index).to(x.dtype)  # [T, K, H]
         else:
+            routes = torch.tensor(index) if self.has_bias else None  # [T, K]: each route's expert
             up = ggml_kernels.linear_routed(x, experts, gate_up, index).to(x.dtype)  # [T, K, 2I]
-            up = self._biased(up, "gate_up_proj_bias" if self.has_gate else "up_proj_bias", index)
+            up = self._biased(up, "gate_up_proj_bias" if self.has_gate else "up_proj_bias", routes)
             act = self.template._apply_gate(up) if self.has_gate else self.template.act_fn(up)
             y = ggml_kernels.linear_routed(act, experts, down, index).to(x.dtype)  # [T, K, H]
-            y = self._biased(y, "down_proj_bias", index)
+            y = self._biased(y, "down_proj_bias", routes)
         if not self.scales_input:
             y = y * weights
         return y.sum(dim=1, dtype=hidden.dtype)
 
-    def _biased(self, y: torch.Tensor, name: str, index: list[list[int]]) -> torch.Tensor:
-        """`y [T, K, n]` plus each route's expert's bias `name` where the store holds it (gpt-oss)."""
-        if not self.has_bias:
-            return y
-        field = next(f for f in self.cache.store.layout_of(self.layer).fields if f.name == name)
-        rows = self.cache.store.layer_buffer(self.layer)[:, field.offset : field.offset + field.nbytes]
-        return y + rows.view(field.dtype)[torch.tensor(index)]
+    @functools.cached_property
+    def ggml_biases(self) -> dict[str, torch.Tensor]:
+        """Each bias field of the layer's experts where the store holds it: `[E, n]` views."""
+        buffer = self.cache.store.layer_buffer(self.layer)
+        return {
+            f.name: buffer[:, f.offset : f.offset + f.nbytes].view(f.dtype)
+            for f in self.cache.store.layout_of(self.layer).fields
+            if f.ggml_type is None and not quant.is_weight(f.shape)
+        }
+
+    def _biased(self, y: torch.Tensor, name: str, routes: torch.Tensor | None) -> torch.Tensor:
+        """`y [T, K, n]` plus each route's expert's bias `name` (gpt-oss); `y` without biases."""
+        return y if routes is None else y + self.ggml_biases[name][routes]

@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 
 import psutil
 
-from engine.device_cache.eviction import make_policy
 from engine.generation import encode_prompt, generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
 from engine.speculative.auto import bundled_draft
@@ -144,16 +143,11 @@ def drafters_for(model, draft_model: str | None) -> tuple[str, ...]:
 def _cache_policy(model, policy: str):
     """The expert cache under `policy` while a point is measured (emptied on each change, as a
     fresh load would start), back to the loaded one afterwards."""
-    if policy == model.config.policy:
-        yield
-        return
-    model.cache.use_policy(make_policy(policy, top_k=model.top_k, alpha=model.config.mrs_alpha))
+    model.use_cache_policy(policy)
     try:
         yield
     finally:
-        model.cache.use_policy(
-            make_policy(model.config.policy, top_k=model.top_k, alpha=model.config.mrs_alpha)
-        )
+        model.use_cache_policy(model.config.policy)
 
 
 def _measure_tpot(

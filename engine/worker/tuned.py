@@ -16,7 +16,6 @@ import logging
 import torch
 
 from engine.config import OffloadConfig
-from engine.device_cache.eviction import make_policy
 from engine.generation_config import GenerationConfig
 from engine.speculative.auto import TunedChoice, resolve_config
 from engine.tune.store import TuneStore, model_fingerprint, tune_key
@@ -60,7 +59,7 @@ def apply_policy(model, policy: str) -> None:
     cache, so a policy already in place is kept as it is."""
     if policy and policy != model.cache.policy.name:
         log.info("auto: the stored auto-tune result sets the %s cache policy", policy.upper())
-        model.cache.use_policy(make_policy(policy, top_k=model.top_k, alpha=model.config.mrs_alpha))
+        model.use_cache_policy(policy)
 
 
 def _gpu_uuid(device: torch.device) -> str | None:

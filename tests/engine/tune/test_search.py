@@ -154,7 +154,7 @@ def test_noise_between_neighbours_is_measured_again_until_the_choice_is_clear() 
     """A busy machine: each run of a point is off by up to ±40 %; the true best is (1, 4, self)."""
     true_ms = {Setting(0, 4, "self"): 10.0, Setting(1, 4, "self"): 8.0, Setting(2, 4, "self"): 12.0}
     noise = {key: itertools.chain([1.4, 0.9], itertools.repeat(1.0)) for key in true_ms}
-    noise[Setting(0, 4, "self")] = itertools.chain([0.6], itertools.repeat(1.0))  # a lucky first run: 6.0 ms
+    noise[Setting(0, 4, "self")] = itertools.chain([0.6], itertools.repeat(1.0))  # a lucky first run
     calls = []
 
     def measure(key: Setting) -> list[float]:
