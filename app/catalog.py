@@ -28,6 +28,7 @@ from app.model_library import ModelSource
 from engine.config import format_bytes  # noqa: F401 (the picker formats sizes with it from here)
 from engine.model import fit_estimate
 from engine.model.fit_estimate import (  # noqa: F401 (the catalog's callers and tests use them from here)
+    CONTEXT_TOKENS,
     GIB,
     HOST_STORE_FACTORS,
     RAM_OVERHEAD,
@@ -41,7 +42,6 @@ from engine.resources import demo_model_dir, resources_dir
 log = logging.getLogger(__name__)
 
 CATALOG_FILE = "catalog.json"
-CONTEXT_TOKENS = 8192  # the context the fit counts a KV cache for (LM Studio's and Ollama's usual)
 # Bits a routed-expert weight takes in a GGUF of this quant, as llama.cpp's quantize writes them:
 # Q4_K_M keeps gate/up in Q4_K (4.5) and down in Q6_K (6.5625) in half the layers (its
 # use_more_bits rule), Q4_K in the rest; Q5_K_M likewise with Q5_K (5.5). Blocks carry their scales.

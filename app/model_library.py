@@ -207,9 +207,9 @@ class ModelLibrary:
         return models
 
     def name_of(self, path: str | Path) -> str | None:
-        """The listed name of the model at `path` (an import's own name), or None if not listed."""
+        """The name an imported model at `path` was listed under (a GGUF's own), or None."""
         target = Path(path).expanduser().resolve()
-        return next((m.name for m in self.list_installed() if Path(m.path).resolve() == target), None)
+        return next((e["name"] for e in self._imports() if Path(e["path"]).resolve() == target), None)
 
     def find(self, key: str) -> InstalledModel | None:
         return next((m for m in self.list_installed() if m.repo_id == key), None)

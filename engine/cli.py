@@ -25,6 +25,7 @@ from pathlib import Path
 
 from engine.config import ExpertBudget, OffloadConfig
 from engine.errors import EngineError
+from engine.model.fit_estimate import CONTEXT_TOKENS
 from engine.options import (
     add_offload_arguments,
     add_sampling_arguments,
@@ -75,7 +76,9 @@ def _tune_parser(sub) -> None:
 def _fit_parser(sub) -> None:
     p = sub.add_parser("fit", help="whether a model folder or GGUF file fits this computer, and where")
     p.add_argument("model", help="a model folder, or a .gguf file (a split set's first part)")
-    p.add_argument("--ctx-size", type=int, default=8192, help="the context its KV cache is counted for")
+    p.add_argument(
+        "--ctx-size", type=int, default=CONTEXT_TOKENS, help="the context its KV cache is counted for"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -19,6 +19,7 @@ from engine.config import format_bytes
 
 GIB = 2**30
 RAM_OVERHEAD = 2 * GIB  # the worker process: Python, torch, tokenizer, activations
+CONTEXT_TOKENS = 8192  # the context a fit counts a KV cache for (LM Studio's and Ollama's usual)
 RAM_USABLE = 0.85  # the share of RAM the OS and other programs leave to us
 TIGHT_RAM = 0.6  # above this share of usable RAM the fit is "tight"
 # BF16 experts the loader converts when they do not fit (engine.formats.int_quant, groups of 64 with a
