@@ -25,9 +25,10 @@ from gguf import GGMLQuantizationType
 from engine.errors import InvalidConfigError, UnsupportedQuantizationError
 from engine.formats.base import ExpertFormat, ModelExperts
 from engine.formats.fields import PLAIN, GgmlBlocks, Int4Words
+from engine.formats.gguf.blocks import row_bytes
 from engine.formats.gguf.experts import repacked_layout
 from engine.formats.gguf.repack import GGML, GGML_X8, packing_for, place
-from engine.formats.int4 import GPTQ, GPTQ_V2, Q4_0_BLOCK, to_q4_0
+from engine.formats.int4 import GPTQ, GPTQ_V2, to_q4_0
 from engine.formats.int4_experts import INT4
 from engine.formats.int_quant import is_weight
 from engine.formats.layout import ExpertField, ExpertLayout
@@ -218,7 +219,8 @@ class Int4AsQ4_0(AsStored):
             if isinstance(f.format, Int4Words):
                 out, columns = f.format.shape
                 rows = GgmlBlocks(int(GGMLQuantizationType.Q4_0), (out, columns), GGML)
-                fields.append(ExpertField(f.name, (out, columns // Q4_0_BLOCK * 18), torch.uint8, 0, rows))
+                per_row = row_bytes(GGMLQuantizationType.Q4_0, columns)
+                fields.append(ExpertField(f.name, (out, per_row), torch.uint8, 0, rows))
             elif f.name not in companions:
                 fields.append(f)
         return ExpertLayout.placed(fields)
