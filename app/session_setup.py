@@ -32,6 +32,7 @@ from engine.worker.protocol import Loaded, LoadProgress
 log = logging.getLogger(__name__)
 
 DEMO_MODEL_ID = "moe-chat-demo"
+SERVED_MAX_TOKENS = 512  # a server request's reply length when it names none (the CLI's and the window's)
 BAR_WIDTH = 30
 
 

@@ -1,8 +1,9 @@
 """The local OpenAI-compatible server (`moe-chat-cli serve`).
 
 `openai_server` is the HTTP app and its command line; `openai_api` the chat-completions API over an
-`EngineSession` without HTTP; `schemas` the requests as pydantic models and OpenAI's error shapes;
-`tool_calls` a reply's calls as OpenAI's `tool_calls`.
+engine (an `EngineSession`, or the window's) without HTTP; `replies` the shapes responses share
+(envelope, chunk, usage, MoE Chat's stats); `schemas` the requests as pydantic models and OpenAI's
+error shapes; `tool_calls` a reply's calls as OpenAI's `tool_calls`.
 
 No Qt and no torch: requests go to the worker through `engine.worker.client`.
 """

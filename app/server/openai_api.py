@@ -1,4 +1,5 @@
-"""OpenAI's chat-completions API over an `EngineSession`, without HTTP.
+"""OpenAI's chat-completions API over an engine (`ChatEngine`: the server's own `EngineSession`, or
+the window's), without HTTP.
 
 `ChatBackend` turns a request body (decoded JSON) into a response body, or into
 the chunks of a streamed response; anything wrong becomes an `ApiError` that
@@ -34,16 +35,16 @@ import itertools
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
+from app.server.replies import chunk, engine_stats, envelope, usage
 from app.server.schemas import ApiError, ChatCompletionRequest, invalid
 from app.server.tool_calls import ToolCallStream, engine_calls, split_calls, template_calls
 from engine.errors import EngineError
 from engine.generation_config import GenerationConfig
-from engine.worker.client import EngineBusy, EngineSession, WorkerDied
+from engine.worker.client import EngineBusy, WorkerDied
 from engine.worker.protocol import ChatMessage, Finished, Token
 
 log = logging.getLogger(__name__)
@@ -162,11 +163,29 @@ class EngineState(enum.Enum):
     FAILED = "unavailable"
 
 
-class ChatBackend:
-    """The API over one loaded model. Requests wait their turn: the session runs one at a time."""
+class ChatEngine(Protocol):
+    """What `ChatBackend` asks of the engine: an `EngineSession` on the server's own worker, or
+    the window's engine when the app serves the model it has loaded (`app.gui.server`)."""
 
-    def __init__(self, session: EngineSession, model_id: str, defaults: GenerationConfig):
-        self.session, self.model_id, self.defaults = session, model_id, defaults
+    restarts: int  # engines brought back after one died
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine can answer now (its worker runs, with the model loaded)."""
+
+    def restart(self) -> None:
+        """Bring the engine back with its model; blocks until it can answer, or raises `EngineError`."""
+
+    def generate(self, messages: list[ChatMessage], config: GenerationConfig) -> Iterator[Token | Finished]:
+        """`Token`s then one `Finished` (see `EngineSession.generate`); closing it early cancels."""
+
+
+class ChatBackend:
+    """The API over one loaded model. Requests wait their turn: the engine runs one at a time.
+    `model_id` is the name requests use; the window changes it when another model is loaded."""
+
+    def __init__(self, engine: ChatEngine, model_id: str, defaults: GenerationConfig):
+        self.engine, self.model_id, self.defaults = engine, model_id, defaults
         self.created = int(time.time())
         self.state = EngineState.READY
         self.state_detail = ""
@@ -180,7 +199,7 @@ class ChatBackend:
     def _watch_worker(self) -> None:
         """A worker that dies between requests is noticed within a second and started again."""
         while not self._closed.wait(WATCH_INTERVAL_S):
-            if self.state is EngineState.READY and not self.session.worker.alive:
+            if self.state is EngineState.READY and not self.engine.alive:
                 log.warning("The engine process stopped; starting it again.")
                 self._restart_in_background()
 
@@ -194,7 +213,7 @@ class ChatBackend:
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """HTTP status and body of `/health`: 200 while the engine can answer, else 503."""
-        body = {"status": self.state.value, "model": self.model_id, "restarts": self.session.restarts}
+        body = {"status": self.state.value, "model": self.model_id, "restarts": self.engine.restarts}
         if self.state_detail:
             body["detail"] = self.state_detail
         return (200 if self.state is EngineState.READY else 503), body
@@ -209,8 +228,9 @@ class ChatBackend:
                     raise ApiError(499, "The client closed the request.", code="client_closed_request")
                 if isinstance(event, Finished):
                     finished = event
+        _log_reply(request, finished)
         return {
-            **_envelope("chat.completion", request.model),
+            **envelope("chat.completion", request.model),
             "choices": [
                 {
                     "index": 0,
@@ -219,7 +239,7 @@ class ChatBackend:
                     "logprobs": None,
                 }
             ],
-            "usage": _usage(finished),
+            "usage": usage(finished),
             "stats": engine_stats(finished),
         }
 
@@ -233,20 +253,22 @@ class ChatBackend:
         try:
             with self._engine_errors():
                 first = next(events)
-                envelope = _envelope("chat.completion.chunk", request.model)
+                head = envelope("chat.completion.chunk", request.model)
                 if request.include_usage:
-                    envelope["usage"] = None
-                yield _chunk(envelope, {"role": "assistant", "content": ""})
+                    head["usage"] = None
+                yield chunk(head, {"role": "assistant", "content": ""})
                 calls = ToolCallStream() if request.config.tools else None
                 for event in itertools.chain([first], events):
-                    yield from _event_chunks(envelope, event, request.include_usage, calls)
+                    if isinstance(event, Finished):
+                        _log_reply(request, event)
+                    yield from _event_chunks(head, event, request.include_usage, calls)
         finally:
             events.close()  # cancels the generation unless it finished
 
     def _generate(self, request: ChatRequest) -> Iterator[Token | Finished]:
         if self.state is EngineState.FAILED:
             self._restart_in_background()  # try again: the cause (a full disk …) may be gone
-        return self.session.generate(list(request.messages), request.config)
+        return self.engine.generate(list(request.messages), request.config)
 
     @contextlib.contextmanager
     def _engine_errors(self) -> Iterator[None]:
@@ -266,8 +288,7 @@ class ChatBackend:
 
         def restart() -> None:
             try:
-                with self.session.turn():
-                    self.session.ensure_worker()
+                self.engine.restart()
                 self.state = EngineState.READY
             except EngineError as err:
                 log.error("The engine could not be restarted: %s", err)
@@ -276,6 +297,19 @@ class ChatBackend:
                 self._restart_lock.release()
 
         threading.Thread(target=restart, name="engine-restart", daemon=True).start()
+
+
+def _log_reply(request: ChatRequest, finished: Finished) -> None:
+    """One line a reply, for the server's log (and the window's request log)."""
+    speed = finished.stats.get("tokens_per_s")
+    log.info(
+        "%s: %d prompt tokens, %d generated%s, finish %s",
+        request.model,
+        finished.prompt_tokens,
+        finished.completion_tokens,
+        f" at {speed:.1f} tok/s" if speed else "",
+        finished.reason,
+    )
 
 
 def _message(finished: Finished, tools: bool) -> dict[str, Any]:
@@ -304,14 +338,14 @@ def _deltas(reasoning: str, text: str) -> Iterator[dict[str, str]]:
 
 
 def _event_chunks(
-    envelope: dict, event: Token | Finished, include_usage: bool, calls: ToolCallStream | None
+    head: dict, event: Token | Finished, include_usage: bool, calls: ToolCallStream | None
 ) -> Iterator[dict[str, Any]]:
     """A streamed event's chunks; with tools, text from a `<tool_call>` on is held and its calls
     are sent whole before the last chunk."""
     if isinstance(event, Token):
         text = calls.feed(event.text) if calls is not None else event.text
         for delta in _deltas(event.reasoning, text):
-            yield _chunk(envelope, delta)
+            yield chunk(head, delta)
         return
     tail, made = event.tail, []
     if calls is not None:
@@ -320,64 +354,9 @@ def _event_chunks(
         tail += rest
     made += engine_calls(event.tool_calls)
     for delta in _deltas(event.reasoning_tail, tail):
-        yield _chunk(envelope, delta)
+        yield chunk(head, delta)
     if made:
-        yield _chunk(envelope, {"tool_calls": [{"index": n, **call} for n, call in enumerate(made)]})
-    yield {**_chunk(envelope, {}, _finish_reason(event, bool(made))), "stats": engine_stats(event)}
+        yield chunk(head, {"tool_calls": [{"index": n, **call} for n, call in enumerate(made)]})
+    yield {**chunk(head, {}, _finish_reason(event, bool(made))), "stats": engine_stats(event)}
     if include_usage:
-        yield {**envelope, "choices": [], "usage": _usage(event)}
-
-
-def _envelope(kind: str, model: str) -> dict[str, Any]:
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": None,
-    }
-
-
-def _chunk(envelope: dict, delta: dict, finish_reason: str | None = None) -> dict[str, Any]:
-    return {
-        **envelope,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
-    }
-
-
-STATS_KEYS = (
-    "tpot_ms",
-    "tokens_per_s",
-    "prefill_tokens_per_s",
-    "accept_len",
-    "acceptance_rate",
-    "draft_len",
-    "hit_rate",
-    "h2d_gbps",
-    "prefetch_precision",
-    "prefetch_recall",
-    "lossless",
-    "simulated_link",
-    "kernels",  # what computed the model on the CPU: ggml (llama.cpp's) or exact
-)
-
-
-def engine_stats(finished: Finished) -> dict[str, Any]:
-    """MoE Chat's figures for the reply (beside OpenAI's `usage`, as llama.cpp adds `timings`):
-    which drafter and prefetch policy ran, the kernels, and the DESIGN.md metrics."""
-    stats = finished.stats
-    return {
-        "drafter": stats.get("spec"),
-        "prefetch": stats.get("prefetch"),
-        **{key: stats.get(key) for key in STATS_KEYS},
-    }
-
-
-def _usage(finished: Finished) -> dict[str, Any]:
-    """OpenAI's usage; `cached_tokens`: prompt tokens a kept KV cache held (not prefilled again)."""
-    return {
-        "prompt_tokens": finished.prompt_tokens,
-        "completion_tokens": finished.completion_tokens,
-        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": finished.stats.get("cached_prompt_tokens", 0)},
-    }
+        yield {**head, "choices": [], "usage": usage(event)}

@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -39,7 +40,13 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from app.server.schemas import ApiError
-from app.session_setup import add_session_arguments, model_id, open_session, report_start_failure
+from app.session_setup import (
+    SERVED_MAX_TOKENS,
+    add_session_arguments,
+    model_id,
+    open_session,
+    report_start_failure,
+)
 from engine.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -142,7 +149,7 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = {}
+        status, started = {}, time.monotonic()
 
         async def record(message) -> None:
             if message["type"] == "http.response.start":
@@ -154,7 +161,8 @@ class Guard:
             await error_response(error)(scope, receive, record)
         else:
             await self.app(scope, receive, record)
-        log.info("%s %s %s", scope["method"], scope["path"], status.get("code", "-"))
+        took = time.monotonic() - started
+        log.info("%s %s %s in %.2f s", scope["method"], scope["path"], status.get("code", "-"), took)
 
 
 def _authorized(headers: Headers, api_key: str) -> bool:
@@ -235,7 +243,7 @@ async def _events(first: dict, chunks: Iterator[dict[str, Any]]) -> AsyncIterato
     finally:
         with anyio.CancelScope(shield=True):  # the client may be gone: still cancel the generation
             await anyio.to_thread.run_sync(chunks.close)
-            log.info("A stream ended (finished, failed or the client disconnected)")
+            log.debug("A stream ended (finished, failed or the client disconnected)")
 
 
 class ApiServer:
@@ -265,13 +273,25 @@ class ApiServer:
         return self.server.servers[0].sockets[0].getsockname()[:2]
 
     def start(self, timeout_s: float = 30.0) -> ApiServer:
-        """Serve from a thread; returns once the socket listens."""
-        self._thread = threading.Thread(target=self.server.run, name="api-server", daemon=True)
+        """Serve from a thread; returns once the socket listens. A port that cannot be had (in use,
+        not allowed) raises `OSError` here, before any thread starts."""
+        config = self.server.config
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            if os.name != "nt":  # as uvicorn does; on Windows it would let two servers share the port
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((config.host, config.port))
+        except OSError:
+            sock.close()
+            raise
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, name="api-server", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise OSError("The server did not start (is the port in use?).")
+                raise OSError("The server did not start.")
             time.sleep(0.02)
         return self
 
@@ -299,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get(API_KEY_ENV),
         help=f"require 'Authorization: Bearer KEY' on every request (default: ${API_KEY_ENV}, else none)",
     )
-    add_session_arguments(parser, max_new_tokens=512)
+    add_session_arguments(parser, max_new_tokens=SERVED_MAX_TOKENS)
     return parser
 
 

@@ -248,6 +248,15 @@ class EngineSession:
                 return event
         raise AssertionError("unreachable: _events ends with Loaded, Finished or an exception")
 
+    @property
+    def alive(self) -> bool:
+        return self.worker.alive
+
+    def restart(self) -> None:
+        """Start a worker again (if it died) with the model it had, waiting for the session's turn."""
+        with self.turn():
+            self.ensure_worker()
+
     def ensure_worker(self) -> bool:
         """A worker that died is started again and reloads the model it had; True if it was restarted.
 

@@ -1,8 +1,5 @@
 """The OpenAI API's request checks and error mapping, over a stand-in session (no worker)."""
 
-import contextlib
-from types import SimpleNamespace
-
 import openai
 import pytest
 
@@ -96,15 +93,11 @@ class ScriptedSession:
 
     def __init__(self, *script):
         self.script = script
-        self.worker = SimpleNamespace(alive=True)
+        self.alive = True
         self.restarts = 0
 
-    @contextlib.contextmanager
-    def turn(self):
-        yield
-
-    def ensure_worker(self) -> bool:
-        return False
+    def restart(self) -> None:
+        pass
 
     def generate(self, messages, config):
         for step in self.script:

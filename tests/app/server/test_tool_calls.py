@@ -84,11 +84,13 @@ def test_earlier_calls_and_tool_results_reach_the_template_with_the_tools():
 class ScriptedSession:
     """Stands in for `EngineSession`: each `generate` streams the next scripted reply text."""
 
-    class _Worker:
-        alive = True
+    alive = True
+
+    def restart(self) -> None:
+        pass
 
     def __init__(self, *replies: str):
-        self.replies, self.asked, self.worker, self.restarts = list(replies), [], self._Worker(), 0
+        self.replies, self.asked, self.restarts = list(replies), [], 0
         self.lock = threading.Lock()
 
     def generate(self, messages, config):

@@ -88,12 +88,14 @@ class ScriptedEngine:
     """Stands in for `EngineSession` behind the real server: each `generate` streams the next
     scripted reply, `delay_s` per piece; `closed` counts the replies the server stopped early."""
 
-    class _Worker:
-        alive = True
+    alive = True
+
+    def restart(self) -> None:
+        pass
 
     def __init__(self, *replies: tuple[str, str], delay_s: float = 0.0):
         self.replies, self.delay_s, self.asked, self.closed = list(replies), delay_s, [], 0
-        self.worker, self.restarts, self.lock = self._Worker(), 0, threading.Lock()
+        self.restarts, self.lock = 0, threading.Lock()
 
     def generate(self, messages, config):
         self.asked.append((list(messages), config))
