@@ -7,7 +7,8 @@ rooms below it; the screens never import each other):
   as the user reads it;
 - the screens: `chat` (the conversation pane, its bubbles and sessions, the sidebar, per-chat
   settings), `dashboard` (live telemetry), `models` (the model picker: catalog, Hub search,
-  downloads, remotes), `settings` (the settings dialog), `tune` (the auto-tune wizard);
+  downloads, remotes), `server` (the local server switched on from the window, its request log),
+  `settings` (the settings dialog), `tune` (the auto-tune wizard);
 - `window`: the main window, which puts the screens together and chooses the engine;
 - `startup`: what runs around the window: the QApplication, logging, one instance per data
   folder, the system-library check and `--self-test`.

@@ -6,7 +6,8 @@ dialog is built from it; `app_settings.AppSettings` is one frozen dataclass whos
 names the offending field in a `SettingsError`; `store.SettingsStore` keeps it as JSON and
 never fails to load. The three names most callers need are importable from here.
 `remotes.RemoteStore` keeps the saved remote engines (remotes.json), `secrets` their API keys
-(and the Hugging Face token) in the OS keyring.
+(and the Hugging Face token) in the OS keyring; `server_prefs` the local server's port, whether it
+starts with the app (server.json) and its API key (the keyring).
 
 No Qt and no torch here: the settings dialog is `app.gui.settings.settings_dialog`.
 """

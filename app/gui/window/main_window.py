@@ -18,7 +18,6 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QDockWidget, QLabel, QMainWindow, QScrollArea, QSplitter, QVBoxLayout, QWidget
 
 from app.gui.chat.chat_session import ChatSession, FinishReason, Reply, context_text
-from app.gui.chat.chat_settings import ChatSettingsDialog
 from app.gui.chat.chat_view import ChatView
 from app.gui.chat.conversation_list import ConversationList
 from app.gui.dashboard.dashboard import Dashboard
@@ -27,10 +26,12 @@ from app.gui.engine.engine_state import SIMULATED_LINK, EngineState, state_line
 from app.gui.settings.settings_dialog import SettingsDialog
 from app.gui.widgets.banner import BannerArea
 from app.gui.widgets.window_state import WindowMemory, available_geometry, fit_to_screen
+from app.gui.window.window_conversations import Conversations
 from app.gui.window.window_engine import TUNE_REMOTE, EngineChoice, model_name
+from app.gui.window.window_server import ServerControl
 from app.settings import AppSettings, SettingsStore
 from app.settings.remotes import REMOTES_FILE, RemoteStore
-from app.storage import ConversationStore, title_from
+from app.storage import ConversationStore
 from engine.worker.protocol import Stats
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 FIRST_SIZE = QSize(1280, 800)  # the window's size on a first start, shrunk to fit a smaller screen
 
 
-class MainWindow(EngineChoice, QMainWindow):
+class MainWindow(EngineChoice, Conversations, ServerControl, QMainWindow):
     def __init__(
         self,
         store: ConversationStore | None = None,
@@ -70,6 +71,7 @@ class MainWindow(EngineChoice, QMainWindow):
         self.chat_view.sig_edit_resend.connect(self._retitle_on_edit)
         self.session = ChatSession(self.store, self.client, self.chat_view, lambda: self.settings)
         self._build_layout()
+        self._build_server()
         self._build_menus()
         self._connect()
         self.conversations.refresh()
@@ -132,8 +134,10 @@ class MainWindow(EngineChoice, QMainWindow):
         engine_menu = self.menuBar().addMenu("&Engine")
         self._action(engine_menu, "&Auto-tune for this machine…", self.open_tune_wizard)
         self._action(engine_menu, "&Restart engine", self.restart_engine)
+        self._action(engine_menu, "Local &server…", self.open_server_panel)
         view_menu = self.menuBar().addMenu("&View")
         view_menu.addAction(self.dashboard_dock.toggleViewAction())
+        view_menu.addAction(self.server_dock.toggleViewAction())
 
     def _action(self, menu, text: str, slot, shortcut=None) -> QAction:
         action = QAction(text, self)
@@ -174,6 +178,7 @@ class MainWindow(EngineChoice, QMainWindow):
 
     def load_model(self) -> None:
         self.model_info = None
+        self._serve_loaded(None)  # the server's requests wait for the model being loaded
         self.dashboard.set_model(None)  # never the old model's name while another one loads
         self.dashboard.set_decoding(self.settings.spec_mode, self.settings.prefetch)
         self.chat_view.set_input_enabled(False, "Loading the model…")
@@ -202,6 +207,7 @@ class MainWindow(EngineChoice, QMainWindow):
             return
         model = {**model, "name": model_name(model)}
         self.model_info = model
+        self._serve_loaded(model)
         self.session.set_model_thinks(bool(model.get("thinks")))
         self._show_context()
         self.dashboard.set_model(model)
@@ -218,8 +224,10 @@ class MainWindow(EngineChoice, QMainWindow):
 
     def _on_stats(self, stats: Stats) -> None:
         self.latest_stats = stats
-        if self.state is EngineState.IDLE and stats.generating:  # e.g. a banner's Retry started one
+        if self.state is EngineState.IDLE and stats.generating:  # a banner's Retry, the local server
             self._set_state(EngineState.GENERATING)
+        elif self.state is EngineState.GENERATING and not stats.generating and not self.session.busy:
+            self._set_state(EngineState.IDLE)  # a reply of the local server's ended
         self.dashboard.update_stats(stats)
 
     def _on_reply_started(self, *_args) -> None:
@@ -293,51 +301,6 @@ class MainWindow(EngineChoice, QMainWindow):
 
         return str(self.settings.model_path or demo_model_dir())
 
-    # -- conversations -----------------------------------------------------------------------------
-
-    def new_conversation(self) -> None:
-        self.session.open(self.store.create().id)
-        self.conversations.refresh()
-        self.conversations.select(self.session.conversation_id)
-
-    def _open_latest_conversation(self) -> None:
-        summaries = self.store.list()
-        if summaries:
-            self.session.open(summaries[0].id)
-            self.conversations.select(summaries[0].id)
-
-    def _on_conversation_selected(self, conversation_id: int) -> None:
-        if conversation_id != self.session.conversation_id:
-            self.session.open(conversation_id)
-
-    def _on_conversation_deleted(self, conversation_id: int) -> None:
-        if conversation_id == self.session.conversation_id:
-            self.session.close_conversation()
-
-    def _retitle_on_edit(self, message_id: int, text: str) -> None:
-        """Editing the first message retitles a chat whose title came from it (a chosen title stays)."""
-        conversation = self.session.conversation()
-        if conversation is None or self.session.busy or not text.strip():
-            return
-        first = next((m for m in conversation.messages if m.role == "user"), None)
-        if first is not None and first.id == message_id and conversation.title == title_from(first.content):
-            self.store.rename(conversation.id, title_from(text))
-
-    def _on_conversation_changed(self, conversation_id: int) -> None:
-        self.conversations.refresh()
-        self.conversations.select(conversation_id)
-
-    def open_chat_settings(self) -> None:
-        conversation = self.session.conversation()
-        if conversation is None:
-            self.new_conversation()
-            conversation = self.session.conversation()
-        dialog = ChatSettingsDialog(conversation.system_prompt, conversation.settings, self)
-        if dialog.exec():
-            system_prompt, settings = dialog.values()
-            self.store.set_system_prompt(conversation.id, system_prompt)
-            self.store.set_settings(conversation.id, {**conversation.settings, **settings})  # keeps "think"
-
     # -- settings and models -----------------------------------------------------------------------
 
     def open_settings(self) -> None:
@@ -365,6 +328,7 @@ class MainWindow(EngineChoice, QMainWindow):
     def apply_settings(self, settings: AppSettings, reload: bool = True) -> None:
         old, self.settings = self.settings, settings
         self.settings_store.save(settings)
+        self._serve_defaults()
         self.dashboard.set_decoding(settings.spec_mode, settings.prefetch)
         local = self.remotes.active() is None  # a remote's model does not use the local settings
         if (
@@ -386,6 +350,7 @@ class MainWindow(EngineChoice, QMainWindow):
     def closeEvent(self, event) -> None:
         self.memory.save(self, {"main": self.splitter})
         self.session.abandon_reply("The app was closed.")
+        self.local_server.stop()
         self.client.shutdown()
         if self.downloads is not None:
             self.downloads.shutdown()

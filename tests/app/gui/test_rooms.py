@@ -9,7 +9,7 @@ GUI = Path(__file__).resolve().parents[3] / "app" / "gui"
 # bottom up; rooms on one level never import each other
 LEVELS: tuple[tuple[str, ...], ...] = (
     ("widgets", "engine"),
-    ("chat", "dashboard", "models", "settings", "tune"),
+    ("chat", "dashboard", "models", "server", "settings", "tune"),
     ("window",),
     ("startup",),
 )
