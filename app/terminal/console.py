@@ -10,6 +10,8 @@ a `\"\"\"` block spans lines there too.
 
 from __future__ import annotations
 
+import io
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
@@ -122,38 +124,74 @@ class PlainReply:
 
 
 class MarkdownReply:
-    """The reply rendered as markdown (rich), redrawn a few times a second while it streams."""
+    """The reply rendered as markdown (rich) as it streams. The rendered lines above the last
+    `LIVE_LINES` are printed once, for good; only those last lines are a live display, redrawn at
+    most `REDRAW_S` apart. (A live display of the whole reply redraws what has scrolled off the top
+    of the terminal, so a reply taller than the terminal came out twice: Textualize/rich#3263.)"""
 
-    def __init__(self, stdout: TextIO):
+    LIVE_LINES = 6
+    REDRAW_S = 0.125
+
+    def __init__(self, stdout: TextIO, console=None):
         from rich.console import Console
 
-        self.console = Console(file=stdout)
+        self.console = console or Console(file=stdout)
         self.text = ""
         self.live = None
+        self.printed = 0  # rendered lines printed for good
+        self.drawn_at = 0.0
 
     def add(self, text: str) -> None:
         from rich.live import Live
-        from rich.markdown import Markdown
 
         self.text += text
         if self.live is None:
-            self.live = Live(console=self.console, refresh_per_second=8, vertical_overflow="visible")
+            self.live = Live(console=self.console, auto_refresh=False)
             self.live.start()
-        self.live.update(Markdown(self.text))
+        if time.monotonic() - self.drawn_at >= self.REDRAW_S:
+            self._draw(keep_live=self.LIVE_LINES)
 
     def finish(self, tail: str) -> None:
         from rich.markdown import Markdown
 
+        self.text += tail
         if self.live is None:
-            self.console.print(Markdown(self.text + tail))
+            self.console.print(Markdown(self.text))
         else:
-            self.live.update(Markdown(self.text + tail), refresh=True)
+            self._draw(keep_live=0)
             self.live.stop()
-        self.text, self.live = "", None
+        self.text, self.live, self.printed = "", None, 0
 
     def cut(self) -> None:
         if self.live is not None:
             self.finish("")
+
+    def _draw(self, keep_live: int) -> None:
+        from rich.text import Text
+
+        lines = self._rendered()
+        settled = max(len(lines) - keep_live, self.printed)
+        if settled > self.printed:  # printed above the live display, never redrawn
+            self.live.console.print(Text.from_ansi("\n".join(lines[self.printed : settled])))
+            self.printed = settled
+        self.live.update(Text.from_ansi("\n".join(lines[settled:])), refresh=True)
+        self.drawn_at = time.monotonic()
+
+    def _rendered(self) -> list[str]:
+        """The whole reply's markdown as the terminal's lines (with their colour codes)."""
+        from rich.console import Console
+        from rich.markdown import Markdown
+
+        out = io.StringIO()
+        console = self.console
+        Console(
+            file=out,
+            width=console.width,
+            force_terminal=console.is_terminal,
+            color_system=console.color_system,
+            legacy_windows=False,
+        ).print(Markdown(self.text))
+        return out.getvalue().splitlines()
 
 
 class RichLoadProgress:

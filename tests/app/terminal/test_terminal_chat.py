@@ -322,3 +322,36 @@ def test_ctrl_c_at_the_prompt_says_how_to_leave_and_think_on_a_model_that_cannot
     assert "Use Ctrl + d or /bye to exit." in said
     assert "does not think before it answers" in said and "[thinking off]" not in said
     assert session.configs[0].template_kwargs == {}
+
+
+def terminal_lines(output: str, width: int, height: int) -> list[str]:
+    """What a terminal (pyte's emulator) holds after `output`: its scrollback, then its screen."""
+    import pyte
+
+    screen = pyte.HistoryScreen(width, height, history=10_000)
+    screen.set_mode(pyte.modes.LNM)  # a tty turns "\n" into a new line at column 0
+    pyte.Stream(screen).feed(output)
+    scrolled = ["".join(line[x].data for x in range(width)) for line in screen.history.top]
+    return [line.rstrip() for line in scrolled + screen.display]
+
+
+def test_a_reply_taller_than_the_terminal_is_on_it_once(monkeypatch):
+    # rich's Live redraws what has scrolled off the top when its content is taller than the
+    # terminal (Textualize/rich#3263): the reply's first lines came out twice in tmux
+    from rich.console import Console
+
+    from app.terminal.console import MarkdownReply
+
+    out = io.StringIO()
+    console = Console(
+        file=out, width=60, height=12, force_terminal=True, color_system=None, legacy_windows=False
+    )
+    reply = MarkdownReply(out, console=console)
+    paragraphs = [f"Paragraph {n} of the story." for n in range(30)]
+    text = "\n\n".join(paragraphs)
+    for start in range(0, len(text), 9):
+        reply.add(text[start : start + 9])
+        time.sleep(0.004)  # the live display redraws meanwhile, as it does while a model streams
+    reply.finish("")
+    shown = [line for line in terminal_lines(out.getvalue(), 60, 12) if line]
+    assert shown == paragraphs
