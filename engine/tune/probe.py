@@ -36,6 +36,7 @@ CPU_EXPERT_INTERMEDIATE = 768
 CPU_EXPERT_DTYPE = torch.bfloat16
 _SIZE_FRACTIONS = (0.25, 0.5, 1.0, 2.0)  # copy sizes, as fractions of one expert
 _COPIES_PER_SIZE = 8
+_BLOCKS_PER_SIZE = 3
 
 
 @dataclass(frozen=True)
@@ -192,13 +193,16 @@ def _cuda_copy_samples(device: torch.device, expert_nbytes: int) -> list[tuple[i
     with torch.cuda.stream(stream):
         for size in sizes:
             dst[:size].copy_(src[:size], non_blocking=True)  # warm-up
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            for _ in range(_COPIES_PER_SIZE):
-                dst[:size].copy_(src[:size], non_blocking=True)
-            end.record(stream)
-            end.synchronize()
-            samples.append((size, start.elapsed_time(end) / _COPIES_PER_SIZE))
+            blocks = []
+            for _ in range(_BLOCKS_PER_SIZE):  # the fastest block: other work only ever slows copies
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                for _ in range(_COPIES_PER_SIZE):
+                    dst[:size].copy_(src[:size], non_blocking=True)
+                end.record(stream)
+                end.synchronize()
+                blocks.append(start.elapsed_time(end) / _COPIES_PER_SIZE)
+            samples.append((size, min(blocks)))
     return samples
 
 
@@ -217,7 +221,9 @@ def _memcpy_samples(expert_nbytes: int) -> list[tuple[int, float]]:
 def fit_link(samples: Sequence[tuple[int, float]]) -> LinkFit:
     """Least-squares line `ms = a + b · bytes` through (bytes, ms) samples: bandwidth 1/b, latency a.
 
-    A negative intercept (timing noise on a fast link) counts as zero latency."""
+    The latency cannot be negative: where the free line's intercept is (timing noise on a fast
+    link), the line is fitted through the origin instead, so its slope is not steepened to reach
+    a negative intercept (which read a fast link as a slow one)."""
     if len(samples) < 2 or len({n for n, _ in samples}) < 2:
         raise ValueError("fitting a link needs samples of at least two copy sizes")
     xs = [float(n) for n, _ in samples]
@@ -226,10 +232,13 @@ def fit_link(samples: Sequence[tuple[int, float]]) -> LinkFit:
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
     slope /= sum((x - mean_x) ** 2 for x in xs)
     intercept = mean_y - slope * mean_x
+    if intercept < 0:
+        slope = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+        intercept = 0.0
     if slope <= 0:  # copies too fast to resolve: use the largest copy's own rate
         n, ms = max(samples)
         return LinkFit(gbps=n / max(ms, 1e-6) / 1e6, latency_us=0.0)
-    return LinkFit(gbps=1.0 / slope / 1e6, latency_us=max(intercept, 0.0) * 1e3)
+    return LinkFit(gbps=1.0 / slope / 1e6, latency_us=intercept * 1e3)
 
 
 def measure_cpu_expert_ms(

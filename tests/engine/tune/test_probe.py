@@ -50,8 +50,10 @@ def test_fit_link_is_least_squares_through_noisy_samples():
 
 
 def test_fit_link_clamps_a_negative_intercept_and_needs_two_sizes():
-    fit = fit_link([(1e6, 0.09), (2e6, 0.2)])  # the line crosses zero below 0
-    assert fit.latency_us == 0.0 and fit.gbps > 0
+    # the free line (slope 1.1e-7 ms/byte, 9.1 GB/s) crosses zero below 0: the line through the
+    # origin instead, slope (1e6·0.09 + 2e6·0.2) / (1e12 + 4e12) = 9.8e-8 ms/byte
+    fit = fit_link([(1e6, 0.09), (2e6, 0.2)])
+    assert fit.latency_us == 0.0 and fit.gbps == pytest.approx(1 / 9.8e-8 / 1e6, rel=1e-9)
     with pytest.raises(ValueError):
         fit_link([(1e6, 0.1), (1e6, 0.2)])
 
