@@ -180,7 +180,7 @@ class ConstrainedSampler(Sampler):
         import llguidance.hf
         import llguidance.numpy  # llguidance.torch scripts its kernel with the deprecated torch.jit
 
-        super().__init__(sampler.config, sampler.device)
+        super().__init__(sampler.config, sampler.device, sampler.prompt_tokens)
         self._generator = sampler.generator
         self._guidance = llguidance.numpy
         eos_ids = sorted(eos)

@@ -190,7 +190,13 @@ def _sampler(
     model: OffloadedModel, config: GenerationConfig, eos: set[int], prompt_ids: list[int]
 ) -> Sampler:
     """The request's sampler; held to a grammar when its response_format or tool_choice asks for one."""
-    sampler = Sampler(config.sampling, device=model.device)
+    vocab_size = model.hf_config.vocab_size
+    beyond = [token for token, _ in config.sampling.logit_bias if token >= vocab_size]
+    if beyond:
+        raise InvalidRequestError(
+            f"logit_bias names token {beyond[0]}, but this model's tokens are 0 to {vocab_size - 1}."
+        )
+    sampler = Sampler(config.sampling, device=model.device, prompt_tokens=len(prompt_ids))
     constrained = config.response_format is not None or forced_tool_names(config.tool_choice, config.tools)
     if not constrained:
         return sampler
@@ -201,7 +207,7 @@ def _sampler(
         return sampler
     if config.spec.mode != "none":
         raise InvalidRequestError(f"A {grammar[1]} reply decodes plainly: set speculation to none.")
-    vocab_size, budget = model.hf_config.vocab_size, config.max_new_tokens
+    budget = config.max_new_tokens
     return ConstrainedSampler(sampler, model.tokenizer, vocab_size, eos, grammar, budget)
 
 

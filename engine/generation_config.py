@@ -27,6 +27,8 @@ TemplateValue = bool | int | float | str | None
 RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tokenize", "conversation", "tools")
 # Seeds are signed 64-bit on every side (torch's generators, JSON clients): 0 <= seed < SEED_LIMIT
 SEED_LIMIT = 2**63
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # and for a logit_bias value: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,12 @@ class SamplingConfig:
     repetition_penalty: float = 1.0  # 1.0 = off; > 1 discourages tokens already in the history
     seed: int | None = None  # None = torch's global generator
     greedy: bool = False
+    # OpenAI's penalties, over the reply's tokens so far: a token's logit loses
+    # frequency_penalty × its count + presence_penalty once it has appeared (0 = off)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # OpenAI's logit_bias: (token id, bias added to its logit) pairs; -100 bans a token, 100 forces it
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def validate(self) -> None:
         """Raise `InvalidRequestError` naming the first option outside its allowed range."""
@@ -54,6 +62,7 @@ class SamplingConfig:
             raise InvalidRequestError(
                 f"repetition_penalty must be a number > 0 (1 turns it off), got {self.repetition_penalty!r}"
             )
+        _check_openai_sampling(self)
         if self.seed is not None and not _is_whole(self.seed, 0, SEED_LIMIT):
             raise InvalidRequestError(
                 f"seed must be an integer from 0 to 2**63 - 1 ({SEED_LIMIT - 1}), or unset for a new "
@@ -63,6 +72,24 @@ class SamplingConfig:
     @property
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether OpenAI's presence or frequency penalty is on (they read the reply's tokens)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _check_openai_sampling(config: SamplingConfig) -> None:
+    """OpenAI's ranges for its penalties and logit_bias."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(config, name)
+        if not _is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise InvalidRequestError(f"{name} must be a number from -2 to 2 (0 turns it off), got {value!r}")
+    for token, bias in config.logit_bias:
+        if not _is_whole(token, 0) or not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"logit_bias maps token ids (integers >= 0) to biases in [-100, 100], not {token!r}: {bias!r}"
+            )
 
 
 def _is_real(value: object) -> bool:

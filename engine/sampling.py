@@ -10,6 +10,11 @@ draws the next token from. It is built from transformers' own logits processors,
     TopKLogitsWarper                  (top_k != 0)
     TopPLogitsWarper                  (top_p < 1.0)
 
+OpenAI's `logit_bias`, then its `presence_penalty` / `frequency_penalty` (which transformers does
+not have) come first, as vLLM applies them: a bias is added to its token's logit; a token the
+reply has generated `c` times loses `c · frequency_penalty + presence_penalty` (the prompt's
+tokens do not count: the sampler is told where the reply starts).
+
 Greedy decoding (`greedy=True` or `temperature == 0`) applies only the repetition penalty, as
 `generate(do_sample=False)` does, and its distribution is the one-hot of the argmax. `sample`
 draws from `probs` with `torch.multinomial`; the two stay apart so speculative rejection
@@ -34,9 +39,14 @@ from engine.generation_config import SamplingConfig
 logger = logging.getLogger(__name__)
 
 
-def build_logits_processors(config: SamplingConfig) -> LogitsProcessorList:
-    """The processors transformers' generate() would apply for `config`, in its order."""
+def build_logits_processors(config: SamplingConfig, prompt_tokens: int = 0) -> LogitsProcessorList:
+    """The processors transformers' generate() would apply for `config`, in its order, after
+    OpenAI's bias and penalties; the reply starts after `prompt_tokens` of the history."""
     processors = LogitsProcessorList()
+    if config.logit_bias:
+        processors.append(LogitBias(config.logit_bias))
+    if config.penalizes:
+        processors.append(ReplyPenalties(config.presence_penalty, config.frequency_penalty, prompt_tokens))
     if config.repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(float(config.repetition_penalty)))
     if config.is_greedy:  # generate(do_sample=False) skips the sampling warpers
@@ -50,18 +60,50 @@ def build_logits_processors(config: SamplingConfig) -> LogitsProcessorList:
     return processors
 
 
+class LogitBias:
+    """OpenAI's `logit_bias`: each listed token's logit plus its bias."""
+
+    def __init__(self, bias: tuple[tuple[int, float], ...]):
+        self.ids = torch.tensor([token for token, _ in bias], dtype=torch.long)
+        self.values = torch.tensor([value for _, value in bias], dtype=torch.float32)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        scores[:, self.ids.to(scores.device)] += self.values.to(scores.device, scores.dtype)
+        return scores
+
+
+class ReplyPenalties:
+    """OpenAI's presence and frequency penalties over the reply's tokens (those after the prompt)."""
+
+    def __init__(self, presence: float, frequency: float, prompt_tokens: int):
+        self.presence, self.frequency, self.prompt_tokens = presence, frequency, prompt_tokens
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        reply = input_ids[0, self.prompt_tokens :]
+        if reply.numel() == 0:
+            return scores
+        vocab = scores.shape[-1]
+        counts = torch.bincount(reply.clamp(max=vocab - 1), minlength=vocab)[:vocab].to(scores.dtype)
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
 class Sampler:
     """Turns next-position logits into a distribution (`probs`) and a token (`sample`).
 
     `device` is where the logits live: a seeded generator must sit on the same device as the
-    probabilities `torch.multinomial` draws from.
+    probabilities `torch.multinomial` draws from. `prompt_tokens` is the prompt's length: a
+    `history` after it is the reply, which OpenAI's penalties count.
     """
 
-    def __init__(self, config: SamplingConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, config: SamplingConfig, device: torch.device | str = "cpu", prompt_tokens: int = 0
+    ) -> None:
         config.validate()
         self.config = config
         self.device = torch.device(device)
-        self._processors = build_logits_processors(config)
+        self.prompt_tokens = prompt_tokens  # where the reply starts in a `history` (the penalties read it)
+        self._processors = build_logits_processors(config, prompt_tokens)
         self._generator: torch.Generator | None = None
         if config.seed is not None:
             self._generator = torch.Generator(device=self.device)

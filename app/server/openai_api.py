@@ -13,11 +13,12 @@ Understood: `messages` (system, developer, user, assistant with `tool_calls`, to
 named function (the calls the model writes in its `<tool_call>` format, or gpt-oss's harmony
 messages to `functions.NAME`, come back as `tool_calls`; a forced call is held to the function's
 parameters by engine.constraints), `response_format`
-(json_object / json_schema, enforced by engine.constraints), `chat_template_kwargs`
+(json_object / json_schema, enforced by engine.constraints), `presence_penalty`,
+`frequency_penalty` and `logit_bias` (OpenAI's definitions), `chat_template_kwargs`
 and `reasoning_effort`, checked by `app.server.schemas`; a thinking model's reasoning is
 `reasoning_content`. What a request leaves out comes from the server's command line
 (`--temperature`, `--max-new-tokens`, `--spec` …). Features the engine does not have
-(logprobs, penalties …) are refused with a 400, never silently
+(logprobs, audio, the old `functions` …) are refused with a 400, never silently
 ignored. Each response (a streamed one in its last chunk, the one
 with the finish reason) carries `stats`: the drafter and prefetch policy that ran
 (`auto` by default: the model's drafter with SP-MoE) and the DESIGN.md metrics.
@@ -117,6 +118,11 @@ def _generation_config(request: ChatCompletionRequest, defaults: GenerationConfi
         sampling = replace(sampling, top_p=request.top_p)
     if "seed" in request.model_fields_set:
         sampling = replace(sampling, seed=request.seed)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(request, name) is not None:
+            sampling = replace(sampling, **{name: getattr(request, name)})
+    if request.logit_bias:
+        sampling = replace(sampling, logit_bias=request.token_biases())
     kwargs = dict(request.chat_template_kwargs or {})
     if request.reasoning_effort is not None:  # gpt-oss's templates read it; others ignore it
         kwargs["reasoning_effort"] = request.reasoning_effort

@@ -32,9 +32,6 @@ UNSUPPORTED = (
     "function_call",
     "logprobs",
     "top_logprobs",
-    "logit_bias",
-    "presence_penalty",
-    "frequency_penalty",
     "audio",
     "modalities",
     "prediction",
@@ -162,6 +159,10 @@ class ChatCompletionRequest(_Lenient):
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
     stop: StrictStr | list[Annotated[str, Field(min_length=1)]] | None = None
     n: StrictInt | None = Field(None, ge=1, le=1)
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    # token id (as a string, JSON's keys are) → a bias from -100 (banned) to 100 (forced)
+    logit_bias: dict[StrictStr, Annotated[Number, Field(ge=-100, le=100)]] | None = None
     # passed to the chat template, as vLLM and SGLang take them: {"enable_thinking": false} …
     chat_template_kwargs: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr | None] | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
@@ -170,6 +171,15 @@ class ChatCompletionRequest(_Lenient):
     # the named one: a forced call is held to the function's parameters by constrained decoding
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
+
+    def token_biases(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias) pairs; a key that is not a token id is a 400."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise invalid(f"logit_bias keys are token ids (whole numbers), not {key!r}.", "logit_bias")
+            pairs.append((int(key), float(bias)))
+        return tuple(pairs)
 
     @classmethod
     def parse(cls, body: object) -> ChatCompletionRequest:
@@ -188,6 +198,8 @@ class ChatCompletionRequest(_Lenient):
 def _first_error(err: ValidationError) -> ApiError:
     detail = err.errors(include_url=False)[0]
     param = _param(detail["loc"])
+    if param.startswith("logit_bias"):
+        return invalid("logit_bias maps token ids to numbers from -100 to 100.", "logit_bias")
     if param == "n":
         return invalid("Only n=1 is supported: one choice per request.", "n")
     if param == "stop" or param.startswith("stop["):

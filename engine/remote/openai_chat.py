@@ -66,6 +66,11 @@ def chat_arguments(model: str, messages: tuple[ChatMessage, ...], config: Genera
         arguments["seed"] = sampling.seed
     if config.stop_strings:
         arguments["stop"] = list(config.stop_strings)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(sampling, name):
+            arguments[name] = getattr(sampling, name)
+    if sampling.logit_bias:
+        arguments["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias}
     if config.tools:
         arguments["tools"] = list(config.tools)
     if config.response_format is not None:

@@ -294,7 +294,7 @@ def open_decoder(
 def _build_decoder(model, spec: SpecConfig, prefetch_policy: str, cutoff: int | None, sampler: Sampler):
     if spec.mode == "none":
         return PlainDecoder(model, sampler, install_prefetch(model, prefetch_policy, cutoff=cutoff))
-    draft_sampler = Sampler(_draft_sampling(sampler.config), device=model.device)
+    draft_sampler = Sampler(_draft_sampling(sampler.config), model.device, sampler.prompt_tokens)
     drafter = make_drafter(model, spec, draft_sampler)
     # SP-MoE routes a separate draft's (or the MTP layer's) residual stream through the target's routers
     draft_model = drafter.model if isinstance(drafter, ModelDrafter | MtpDrafter) else None

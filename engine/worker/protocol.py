@@ -346,7 +346,11 @@ def _value(hint: Any, value: object, where: str) -> Any:
     if origin is tuple:
         if not isinstance(value, list | tuple):
             raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}.")
-        return tuple(_value(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: any length
+            return tuple(_value(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):  # tuple[X, Y]: one of each
+            raise ProtocolError(f"{where}: expected {len(args)} items, got {len(value)}.")
+        return tuple(_value(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
     if origin is dict or hint is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ProtocolError(f"{where}: expected an object with string keys.")

@@ -100,7 +100,7 @@ class ScriptedSampler:
     script: ClassVar[list[int]] = []
     reads_history = False
 
-    def __init__(self, config, device):
+    def __init__(self, config, device, prompt_tokens=0):
         self.remaining = list(self.script)
 
     def sample(self, logits, history):

@@ -161,6 +161,28 @@ def test_repetition_penalty_lowers_seen_tokens():
     assert penalised[2] > plain[2] and penalised[3] > plain[3]
 
 
+def test_openai_penalties_count_the_replys_tokens_only():
+    # OpenAI: mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty, c over the reply
+    logits = torch.tensor([2.0, -1.0, 0.5, 1.0, 0.0])
+    history = torch.tensor([3, 3, 0, 2, 2, 4])  # a prompt of two tokens, then the reply 0, 2, 2, 4
+    config = SamplingConfig(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25)
+    penalised = Sampler(config, prompt_tokens=2).probs(logits, history)
+    counts = torch.tensor([1.0, 0.0, 2.0, 0.0, 1.0])  # token 3 is the prompt's: not counted
+    expected = logits - 0.25 * counts - 0.5 * (counts > 0).float()
+    torch.testing.assert_close(penalised, torch.softmax(expected, dim=-1))
+    assert Sampler(config, prompt_tokens=6).probs(logits, history).equal(torch.softmax(logits, dim=-1))
+
+
+def test_logit_bias_moves_the_greedy_choice_and_bans_a_token():
+    logits = torch.tensor([2.0, -1.0, 0.5, 1.0])
+    history = torch.tensor([0])
+    assert Sampler(SamplingConfig(temperature=0, logit_bias=((1, 100.0),))).sample(logits, history) == 1
+    banned = Sampler(SamplingConfig(temperature=1.0, logit_bias=((0, -100.0), (2, 1.5)))).probs(
+        logits, history
+    )
+    torch.testing.assert_close(banned, torch.softmax(torch.tensor([-98.0, -1.0, 2.0, 1.0]), dim=-1))
+
+
 def test_accepts_half_precision_logits():
     logits = _random_logits(seed=5).to(torch.bfloat16)
     probs = Sampler(SamplingConfig(temperature=0.8, top_p=0.9)).probs(logits, torch.tensor([3]))
@@ -203,6 +225,11 @@ def test_empirical_frequencies_match_probs():
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"repetition_penalty": -1.0}, "repetition_penalty"),
         ({"seed": "x"}, "seed"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"frequency_penalty": float("inf")}, "frequency_penalty"),
+        ({"logit_bias": ((3, 101.0),)}, "logit_bias"),
+        ({"logit_bias": ((-1, 5.0),)}, "logit_bias"),
     ],
 )
 def test_invalid_values_name_the_option(kwargs, option):

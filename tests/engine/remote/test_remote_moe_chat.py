@@ -178,3 +178,15 @@ def test_reasoning_comes_apart_from_the_answer(scripted):
     *tokens, end = reply(worker, "g1")
     assert "".join(t.reasoning for t in tokens) == end.reasoning == "Letmethink."
     assert "".join(t.text for t in tokens) == end.text == "Moo."
+
+
+@pytest.mark.parametrize("scripted", [{"replies": [("", "Moo.")]}], indirect=True)
+def test_openais_penalties_and_logit_bias_reach_the_remote_engine(scripted):
+    engine, worker = scripted
+    sampling = SamplingConfig(
+        temperature=0.5, presence_penalty=0.5, frequency_penalty=-1.0, logit_bias=((7, -100.0),)
+    )
+    *_, answer = reply(worker, "g1", GenerationConfig(sampling=sampling))
+    assert answer.text == "Moo."
+    asked = engine.asked[0][1].sampling
+    assert (asked.presence_penalty, asked.frequency_penalty, asked.logit_bias) == (0.5, -1.0, ((7, -100.0),))

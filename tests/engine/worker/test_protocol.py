@@ -82,7 +82,9 @@ EXAMPLES = [
         (ChatMessage("system", "Be brief."), ChatMessage("user", "Hi — ünïcode ✓")),
         GenerationConfig(
             max_new_tokens=7,
-            sampling=SamplingConfig(temperature=0.5, top_k=3, seed=11),
+            sampling=SamplingConfig(
+                temperature=0.5, top_k=3, seed=11, presence_penalty=0.5, logit_bias=((7, -100.0), (9, 2.5))
+            ),
             stop_strings=("\n\n", "END"),
             spec=SpecConfig(mode="self", top_r=1, draft_len=3),
             prefetch="spmoe",
@@ -154,6 +156,10 @@ def test_another_protocol_version_is_refused_by_name():
         ),
         (encode(Generate("g", ())) | {"messages": [{"role": "user"}]}, "missing field.*content"),
         (encode(Generate("g", ())) | {"messages": "hello"}, "expected a list"),
+        (
+            encode(Generate("g", ())) | {"config": {"sampling": {"logit_bias": [[7, -100.0, 3]]}}},
+            r"logit_bias\[0\]: expected 2 items",
+        ),
     ],
 )
 def test_malformed_messages_are_refused_with_the_reason(wire, message):
