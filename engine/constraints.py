@@ -182,6 +182,8 @@ class ConstrainedSampler(Sampler):
 
         super().__init__(sampler.config, sampler.device, sampler.prompt_tokens)
         self._generator = sampler.generator
+        if sampler.logprobs is not None:
+            self.keep_logprobs(sampler.logprobs)
         self._guidance = llguidance.numpy
         eos_ids = sorted(eos)
         lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_ids or None)
@@ -209,6 +211,8 @@ class ConstrainedSampler(Sampler):
         token = self._closing_token()
         if token is None:
             token = super().sample(logits, history)
+        elif self.logprobs is not None:  # a closing token is chosen, not drawn: its row all the same
+            self._kept(logits, history)
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
         if self._left is not None:

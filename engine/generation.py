@@ -17,26 +17,33 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from transformers import GenerationConfig as HFGenerationConfig
 
 from engine.constraints import ConstrainedSampler, request_grammar
 from engine.errors import ContextLengthError, InvalidRequestError
-from engine.generation_config import GenerationConfig, forced_tool_names, is_unicode
+from engine.generation_config import GenerationConfig, forced_tool_names
 from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot
 from engine.model.prefix_cache import save_point
 from engine.offloaded_model import OffloadedModel
-from engine.sampling import Sampler
+from engine.sampling import LogprobTable, Sampler
 from engine.speculative.auto import refuse_speculation_that_cannot_rewind
 from engine.speculative.decoder import open_decoder
-from engine.text.reasoning import harmony_splitter_for, one_call_per_message, splitter_for
-from engine.text.stream import IncrementalDetokenizer, StopStringMatcher, encode_chat
+from engine.text.prompt_ids import Message, encode_prompt, eos_token_ids
+from engine.text.reasoning import harmony_splitter_for, splitter_for
+from engine.text.stream import IncrementalDetokenizer, StopStringMatcher
 
 log = logging.getLogger(__name__)
 
-Message = dict[str, str]
+
+class Logprob(NamedTuple):
+    """A generated token's log-probability and the likeliest alternatives', as text (the
+    distribution it was drawn from, after the sampling's processors)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...]
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,7 @@ class TokenEvent:
     index: int  # 0 for the first generated token
     elapsed_ms: float  # time since the previous token (the first: since the request)
     reasoning: str = ""  # new reasoning text (a `<think>` block), apart from the answer
+    logprob: Logprob | None = None  # when the request asks for logprobs
 
 
 @dataclass(frozen=True)
@@ -61,67 +69,6 @@ class FinishedEvent:
     # calls the model wrote as messages of their own (gpt-oss's harmony), in a chat message's
     # `tool_calls` form; a `<tool_call>` block in the text is left to the reader
     tool_calls: tuple[dict[str, Any], ...] = ()
-
-
-def encode_prompt(
-    model: OffloadedModel,
-    prompt: str | Sequence[Message] | Sequence[int],
-    template_kwargs: dict | None = None,
-) -> list[int]:
-    """Token ids for a prompt: ids pass through; a string is one user message through the chat
-    template when the tokenizer has one (else raw text); messages go through the template (given
-    `template_kwargs`), with control tokens typed in a message kept as plain text (see `encode_chat`)."""
-    if not isinstance(prompt, str) and all(isinstance(t, int) for t in prompt):
-        ids = list(prompt)
-    else:
-        tokenizer = model.tokenizer
-        if tokenizer is None:
-            raise InvalidRequestError(f"{model.path} has no tokenizer: give the prompt as token ids.")
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        _check_unicode(messages)
-        if harmony_splitter_for(tokenizer) is not None:
-            messages = one_call_per_message(messages)  # as gpt-oss's template renders them
-        if tokenizer.chat_template:
-            ids = encode_chat(tokenizer, messages, **(template_kwargs or {}))
-        elif isinstance(prompt, str):
-            ids = tokenizer(prompt)["input_ids"]
-        else:
-            raise InvalidRequestError("This model has no chat template: give the prompt as plain text.")
-    if not ids:
-        raise InvalidRequestError("The prompt is empty.")
-    vocab = model.hf_config.vocab_size
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise InvalidRequestError(
-            f"Prompt token id {bad[0]} is outside this model's vocabulary [0, {vocab})."
-        )
-    return list(ids)
-
-
-def _check_unicode(messages: Sequence[Message]) -> None:
-    """A lone surrogate (JSON's "\\ud800") cannot be tokenized, logged or sent back: refuse it."""
-    for n, message in enumerate(messages, start=1):
-        for text in message.values():
-            if isinstance(text, str) and not is_unicode(text):
-                at = next(i for i, char in enumerate(text) if not is_unicode(char))
-                raise InvalidRequestError(
-                    f"Message {n} contains text that is not valid Unicode (a lone surrogate at "
-                    f"character {at}): send the text as UTF-8 or remove the broken character."
-                )
-
-
-def eos_token_ids(model: OffloadedModel) -> set[int]:
-    ids: set[int] = set()
-    try:
-        gen_config = HFGenerationConfig.from_pretrained(model.path)
-    except OSError:
-        gen_config = HFGenerationConfig.from_model_config(model.hf_config)
-    for source in (gen_config.eos_token_id, getattr(model.tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(source)
-    return ids
 
 
 def generate(
@@ -143,9 +90,8 @@ def generate(
     sampler = _sampler(model, config, eos, prompt_ids)
     committed = _History(prompt_ids, model.device)
     reply = _ReplyText(model.tokenizer, config.stop_strings, prompt_ids)
-    live.before = cache_snapshot(model.cache)
+    live.before, live.prompt_tokens = cache_snapshot(model.cache), len(prompt_ids)
     live.steps, live.steps_before = model.paths.log, model.paths.log.snapshot()
-    live.prompt_tokens = len(prompt_ids)
     rewindable = config.spec.mode != "none"
     kv_cache, reused = _kv_cache(model, prompt_ids, rewindable)
     live.cached_prompt_tokens = reused
@@ -163,12 +109,13 @@ def generate(
         reason = None
         while reason is None:
             for token in new_tokens:
+                logprob = _logprob(model, sampler.logprobs, committed.length, token)
                 generated.append(token)
                 live.generated = len(generated)
                 committed.append(token)
                 thought, delta, stopped = reply.push(token, token in eos)
                 now = time.perf_counter()
-                yield TokenEvent(token, delta, len(generated) - 1, (now - last) * 1e3, thought)
+                yield TokenEvent(token, delta, len(generated) - 1, (now - last) * 1e3, thought, logprob)
                 last = now
                 reason = _end_reason(stopped, token in eos, len(generated), max_new_tokens, cancel)
                 if reason is not None:
@@ -189,7 +136,8 @@ def generate(
 def _sampler(
     model: OffloadedModel, config: GenerationConfig, eos: set[int], prompt_ids: list[int]
 ) -> Sampler:
-    """The request's sampler; held to a grammar when its response_format or tool_choice asks for one."""
+    """The request's sampler, keeping log-probabilities when the request asks for them; held to a
+    grammar when its response_format or tool_choice asks for one."""
     vocab_size = model.hf_config.vocab_size
     beyond = [token for token, _ in config.sampling.logit_bias if token >= vocab_size]
     if beyond:
@@ -198,6 +146,8 @@ def _sampler(
         )
     sampler = Sampler(config.sampling, device=model.device, prompt_tokens=len(prompt_ids))
     constrained = config.response_format is not None or forced_tool_names(config.tool_choice, config.tools)
+    if config.logprobs is not None:
+        sampler.keep_logprobs(LogprobTable(config.logprobs))
     if not constrained:
         return sampler
     if model.tokenizer is None:
@@ -209,6 +159,17 @@ def _sampler(
         raise InvalidRequestError(f"A {grammar[1]} reply decodes plainly: set speculation to none.")
     budget = config.max_new_tokens
     return ConstrainedSampler(sampler, model.tokenizer, vocab_size, eos, grammar, budget)
+
+
+def _logprob(model: OffloadedModel, table: LogprobTable | None, position: int, token: int) -> Logprob | None:
+    """`token`'s log-probability at `position` and the top alternatives', spelled as text (None
+    when the request asks for none)."""
+    if table is None:
+        return None
+    logprob, top = table.take(position, token)
+    tokenizer = model.tokenizer
+    spell = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
+    return Logprob(spell(token), logprob, tuple((spell(t), lp) for t, lp in top))
 
 
 def _kv_cache(model: OffloadedModel, prompt_ids: list[int], rewindable: bool):
@@ -275,6 +236,10 @@ class _History:
         self._host = self._buffer.numpy() if self._buffer.is_cpu else None  # written through numpy
         self._length = self._capacity = len(ids)
         self._tokens: torch.Tensor | None = self._buffer
+
+    @property
+    def length(self) -> int:
+        return self._length
 
     @property
     def tokens(self) -> torch.Tensor:

@@ -29,6 +29,7 @@ RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tokenize", "co
 SEED_LIMIT = 2**63
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # and for a logit_bias value: [-100, 100]
+MAX_TOP_LOGPROBS = 20  # and for top_logprobs
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,8 @@ class GenerationConfig:
     # OpenAI's response_format: {"type": "json_object"} or a json_schema the reply must follow
     # (engine.constraints; plain decoding only)
     response_format: dict[str, Any] | None = field(default=None, hash=False)
+    # each generated token's log-probability and this many likeliest alternatives (None: none)
+    logprobs: int | None = None
 
     def template_arguments(self) -> dict[str, Any]:
         """What the chat template is given besides the messages: the request's own arguments and
@@ -205,6 +208,10 @@ class GenerationConfig:
             raise InvalidRequestError(
                 f"context_length must be a whole number of tokens >= 1 (None: the model's own "
                 f"window), got {self.context_length!r}"
+            )
+        if self.logprobs is not None and not _is_whole(self.logprobs, 0, MAX_TOP_LOGPROBS + 1):
+            raise InvalidRequestError(
+                f"logprobs asks for 0 to {MAX_TOP_LOGPROBS} alternatives a token, not {self.logprobs!r}."
             )
         if self.prefill_chunk < 1:
             raise InvalidRequestError("prefill_chunk must be at least 1.")

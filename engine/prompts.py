@@ -27,7 +27,7 @@ def lengthened(ids: list[int], tokens: int) -> list[int]:
 
 def encode_prompts(model, prompts) -> list[list[int]]:
     """Each prompt as the model's chat-templated token ids."""
-    from engine.generation import encode_prompt  # imports torch: only when a model is there
+    from engine.text.prompt_ids import encode_prompt  # imports transformers: only when a model is there
 
     if model.tokenizer is None:  # token-id-only checkpoints: a fixed id pattern of the same lengths
         vocab = model.hf_config.vocab_size

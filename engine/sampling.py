@@ -112,7 +112,22 @@ class Sampler:
         self._argmax_only = config.is_greedy and self._plain()
         self.reads_history = not self._argmax_only  # `sample`'s `history` may be None where it does not
         self._read: tuple[torch.Tensor | None, object] = (None, None)  # the last logits, as numpy reads them
+        self.logprobs: LogprobTable | None = None  # set by `keep_logprobs`
         logger.debug("sampler %s with processors %s", config, [type(p).__name__ for p in self._processors])
+
+    def keep_logprobs(self, table: LogprobTable) -> None:
+        """From now on keep in `table` the log-probabilities each sampled position was drawn from
+        (the processed scores', as vLLM reports them): a reply's logprobs, with no extra forward."""
+        self.logprobs = table
+        self._argmax_only = False
+        self.reads_history = True  # a position is the length of the history before it
+
+    def _kept(self, logits: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+        """`_scores`, kept in the log-probability table when there is one."""
+        scores = self._scores(logits, history)
+        if self.logprobs is not None:
+            self.logprobs.keep(len(history), scores[0])
+        return scores
 
     @property
     def generator(self) -> torch.Generator | None:
@@ -131,7 +146,7 @@ class Sampler:
 
     def probs(self, logits: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         """Next-token distribution [V] (float32) for `logits` [V], given all ids so far `history` [L]."""
-        scores = self._scores(logits, history)  # [1, V]
+        scores = self._kept(logits, history)  # [1, V]
         if self.config.is_greedy:
             one_hot = torch.zeros_like(scores[0])
             one_hot[scores[0].argmax()] = 1.0
@@ -141,9 +156,9 @@ class Sampler:
     def greedy_scores(self, logits: torch.Tensor, context: torch.Tensor, committed: int) -> torch.Tensor:
         """Scores `[n, V]` whose argmax a greedy step takes at each of `logits`' rows (row i after
         `context[: committed + i]`): the logits themselves where nothing changes them."""
-        if self._plain():
+        if self._plain() and self.logprobs is None:
             return logits
-        return torch.cat([self._scores(logits[i], context[: committed + i]) for i in range(len(logits))])
+        return torch.cat([self._kept(logits[i], context[: committed + i]) for i in range(len(logits))])
 
     def _argmax(self, logits: torch.Tensor) -> int:
         """`argmax(logits)`; the logits a decode step gives are the same tensor step after step (a
@@ -166,10 +181,42 @@ class Sampler:
         """Draw the next token id (the argmax when greedy)."""
         if self._argmax_only:
             return self._argmax(logits)
-        if self.config.is_greedy:  # scores a processor or a subclass's mask changes (else above)
-            return argmax(self._scores(logits, history)[0])
-        probs = self.probs(logits, history)  # [V]
+        scores = self._kept(logits, history)  # [1, V]
+        if self.config.is_greedy:  # scores a processor, a subclass's mask or the table needs (else above)
+            return argmax(scores[0])
+        probs = torch.softmax(scores, dim=-1)[0]  # [V]
         return int(torch.multinomial(probs, 1, generator=self._generator))
+
+
+class LogprobTable:
+    """The log-probabilities of sampled positions (by position: the tokens before it), kept until
+    their token is known; `take` gives a token's and the `top` likeliest alternatives'."""
+
+    def __init__(self, top: int):
+        self.top = top
+        self.rows: dict[int, torch.Tensor] = {}
+
+    def keep(self, position: int, scores: torch.Tensor) -> None:
+        self.rows[position] = torch.log_softmax(scores.to(torch.float32), dim=-1)  # [V]
+
+    def take(self, position: int, token: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+        """(the token's log-probability, the top alternatives as (id, log-probability) pairs);
+        the rows of this position and those before it are let go."""
+        row = self.rows.get(position)
+        for kept in [p for p in self.rows if p <= position]:
+            del self.rows[kept]
+        if row is None:
+            raise RuntimeError(f"no log-probabilities were kept for position {position}")
+        return float(row[token]), _likeliest(row, self.top) if self.top else ()
+
+
+def _likeliest(row: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
+    """The `k` likeliest (id, log-probability) pairs of `row`, ties in id order as `argmax` breaks
+    them (so a greedy token is first); `topk` leaves ties' order unspecified."""
+    threshold = row.topk(min(k, row.numel())).values[-1]
+    ids = (row >= threshold).nonzero()[:, 0]  # k of them, and any tied with the k-th
+    order = sorted(zip(ids.tolist(), row[ids].tolist(), strict=True), key=lambda pair: (-pair[1], pair[0]))
+    return tuple(order[:k])
 
 
 def argmax(scores: torch.Tensor) -> int:

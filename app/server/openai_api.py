@@ -14,7 +14,8 @@ named function (the calls the model writes in its `<tool_call>` format, or gpt-o
 messages to `functions.NAME`, come back as `tool_calls`; a forced call is held to the function's
 parameters by engine.constraints), `response_format`
 (json_object / json_schema, enforced by engine.constraints), `presence_penalty`,
-`frequency_penalty` and `logit_bias` (OpenAI's definitions), `chat_template_kwargs`
+`frequency_penalty` and `logit_bias` (OpenAI's definitions), `logprobs` / `top_logprobs`
+(the distribution each token was drawn from, streamed too), `chat_template_kwargs`
 and `reasoning_effort`, checked by `app.server.schemas`; a thinking model's reasoning is
 `reasoning_content`. What a request leaves out comes from the server's command line
 (`--temperature`, `--max-new-tokens`, `--spec` …). Features the engine does not have
@@ -40,7 +41,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from app.server.replies import chunk, engine_stats, envelope, usage
+from app.server.replies import chunk, engine_stats, envelope, logprob_content, usage
 from app.server.schemas import ApiError, ChatCompletionRequest, invalid
 from app.server.tool_calls import ToolCallStream, engine_calls, split_calls, template_calls
 from engine.errors import EngineError
@@ -123,6 +124,7 @@ def _generation_config(request: ChatCompletionRequest, defaults: GenerationConfi
             sampling = replace(sampling, **{name: getattr(request, name)})
     if request.logit_bias:
         sampling = replace(sampling, logit_bias=request.token_biases())
+    config = replace(config, logprobs=request.logprob_alternatives())
     kwargs = dict(request.chat_template_kwargs or {})
     if request.reasoning_effort is not None:  # gpt-oss's templates read it; others ignore it
         kwargs["reasoning_effort"] = request.reasoning_effort
@@ -227,13 +229,15 @@ class ChatBackend:
     def complete(self, body: object, cancelled: threading.Event | None = None) -> dict[str, Any]:
         """A whole (not streamed) chat completion; setting `cancelled` (the client left) cancels it."""
         request = parse_chat_request(body, self.model_id, self.defaults)
-        finished = None
+        finished, logprobs = None, []
         with self._engine_errors(), contextlib.closing(self._generate(request)) as events:
             for event in events:
                 if cancelled is not None and cancelled.is_set():
                     raise ApiError(499, "The client closed the request.", code="client_closed_request")
                 if isinstance(event, Finished):
                     finished = event
+                else:
+                    logprobs += event.logprobs
         _log_reply(request, finished)
         return {
             **envelope("chat.completion", request.model),
@@ -242,7 +246,7 @@ class ChatBackend:
                     "index": 0,
                     "message": (message := _message(finished, bool(request.config.tools))),
                     "finish_reason": _finish_reason(finished, "tool_calls" in message),
-                    "logprobs": None,
+                    "logprobs": _logprobs(logprobs) if request.config.logprobs is not None else None,
                 }
             ],
             "usage": usage(finished),
@@ -332,6 +336,10 @@ def _message(finished: Finished, tools: bool) -> dict[str, Any]:
     return message
 
 
+def _logprobs(entries) -> dict[str, Any]:
+    return {"content": logprob_content(entries), "refusal": None}
+
+
 def _finish_reason(finished: Finished, called: bool) -> str:
     return "tool_calls" if called else FINISH_REASONS.get(finished.reason, "stop")
 
@@ -350,8 +358,11 @@ def _event_chunks(
     are sent whole before the last chunk."""
     if isinstance(event, Token):
         text = calls.feed(event.text) if calls is not None else event.text
-        for delta in _deltas(event.reasoning, text):
-            yield chunk(head, delta)
+        chunks = [chunk(head, delta) for delta in _deltas(event.reasoning, text)]
+        if event.logprobs:  # on the event's first chunk; an empty one where its text is held back
+            chunks = chunks or [chunk(head, {"content": ""})]
+            chunks[0]["choices"][0]["logprobs"] = _logprobs(event.logprobs)
+        yield from chunks
         return
     tail, made = event.tail, []
     if calls is not None:

@@ -8,7 +8,9 @@ import time
 import uuid
 from typing import Any
 
-from engine.worker.protocol import Finished
+from engine.worker.protocol import Finished, TokenLogprob
+
+LEAST_LOGPROB = -9999.0  # what an impossible token's log-probability reads as (JSON has no -inf)
 
 
 def envelope(kind: str, model: str) -> dict[str, Any]:
@@ -66,3 +68,15 @@ def usage(finished: Finished) -> dict[str, Any]:
         "total_tokens": finished.prompt_tokens + finished.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": finished.stats.get("cached_prompt_tokens", 0)},
     }
+
+
+def logprob_content(entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> list[dict[str, Any]]:
+    """Tokens' log-probabilities as OpenAI's `logprobs.content` entries."""
+    return [
+        {**_logprob(e.token, e.logprob), "top_logprobs": [_logprob(t, lp) for t, lp in e.top]}
+        for e in entries
+    ]
+
+
+def _logprob(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": max(logprob, LEAST_LOGPROB), "bytes": list(token.encode("utf-8"))}

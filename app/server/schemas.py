@@ -30,8 +30,6 @@ MAX_SEED = 2**63 - 1  # the engine's generators take a signed 64-bit seed
 UNSUPPORTED = (
     "functions",
     "function_call",
-    "logprobs",
-    "top_logprobs",
     "audio",
     "modalities",
     "prediction",
@@ -159,6 +157,8 @@ class ChatCompletionRequest(_Lenient):
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
     stop: StrictStr | list[Annotated[str, Field(min_length=1)]] | None = None
     n: StrictInt | None = Field(None, ge=1, le=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
     # token id (as a string, JSON's keys are) → a bias from -100 (banned) to 100 (forced)
@@ -171,6 +171,12 @@ class ChatCompletionRequest(_Lenient):
     # the named one: a forced call is held to the function's parameters by constrained decoding
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
+
+    def logprob_alternatives(self) -> int | None:
+        """How many alternatives a token's logprobs list (None: no logprobs asked for)."""
+        if self.top_logprobs is not None and self.logprobs is not True:
+            raise invalid("top_logprobs needs logprobs: true.", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_biases(self) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs; a key that is not a token id is a 400."""

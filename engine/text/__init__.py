@@ -2,6 +2,8 @@
 
 - `stream`: a chat prompt into ids (the model's template), and streaming text out of a token
   stream (whole characters, stop strings held back until they can no longer match);
+- `prompt_ids`: a request's prompt (ids, text or messages) as checked token ids, and the ids
+  that end a reply;
 - `reasoning`: a reply's reasoning apart from its answer (`<think>` blocks, gpt-oss's harmony
   channels), parsed from the stream.
 

@@ -37,7 +37,7 @@ import torch
 from transformers import DynamicCache
 
 from engine.errors import GenerationCancelled, InvalidRequestError
-from engine.generation import FinishedEvent, encode_prompt, generate, generate_text
+from engine.generation import FinishedEvent, generate, generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
 from engine.model.hf_calls import with_cache
 from engine.model.kv_cache import RecurrentState, rewind_cache
@@ -45,6 +45,7 @@ from engine.prompts import PROMPTS
 from engine.speculative.draft_len import alpha_from_acceptance
 from engine.speculative.drafters import load_draft_model
 from engine.speculative.prefetch import measure_load_ms
+from engine.text.prompt_ids import encode_prompt
 from engine.tune.types import DrafterProfile, Profile
 
 log = logging.getLogger(__name__)

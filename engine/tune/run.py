@@ -23,10 +23,11 @@ from dataclasses import dataclass, replace
 
 import psutil
 
-from engine.generation import encode_prompt, generate_text
+from engine.generation import generate_text
 from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
 from engine.speculative.auto import bundled_draft
 from engine.speculative.mtp import has_mtp_layer
+from engine.text.prompt_ids import encode_prompt
 from engine.tune.analytic import predict
 from engine.tune.probe import probe
 from engine.tune.profile import profile_model

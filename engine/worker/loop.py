@@ -54,6 +54,7 @@ from engine.worker.protocol import (
     Ready,
     Shutdown,
     Token,
+    TokenLogprob,
     Tune,
     TuneProgress,
     TuneResult,
@@ -283,8 +284,15 @@ class Worker:
                         )
                     )
                 else:
+                    logprobs = () if event.logprob is None else (TokenLogprob(*event.logprob),)
                     token = Token(
-                        request_id, event.text, event.token_id, event.index, event.elapsed_ms, event.reasoning
+                        request_id,
+                        event.text,
+                        event.token_id,
+                        event.index,
+                        event.elapsed_ms,
+                        event.reasoning,
+                        logprobs,
                     )
                     self.send(token)
                     sent += 1

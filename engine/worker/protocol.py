@@ -160,6 +160,15 @@ class Notice:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token as text, its log-probability and the likeliest alternatives'."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Token:
     request_id: str
     text: str  # new complete answer text since the previous Token (may be "")
@@ -167,6 +176,8 @@ class Token:
     index: int  # 0 for the first generated token
     elapsed_ms: float  # since the previous token (the first: since the request arrived)
     reasoning: str = ""  # new reasoning text (a `<think>` block), apart from the answer
+    # the log-probabilities of the tokens this event stands for, when the request asked for them
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

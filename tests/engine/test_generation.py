@@ -99,6 +99,7 @@ class ScriptedSampler:
 
     script: ClassVar[list[int]] = []
     reads_history = False
+    logprobs = None  # the requests here ask for none
 
     def __init__(self, config, device, prompt_tokens=0):
         self.remaining = list(self.script)

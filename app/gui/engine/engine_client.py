@@ -84,6 +84,7 @@ class ReplyText:
     tokens: int  # how many Token events it merges
     reasoning: str = ""  # the thinking's (a `<think>` block)
     reasoning_tokens: int = 0  # how many of the tokens carried thinking
+    logprobs: tuple = ()  # the tokens' `TokenLogprob`s, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -308,7 +309,8 @@ class EngineClient(QObject):
         for request_id, tokens in pending.items():
             text, reasoning = "".join(t.text for t in tokens), "".join(t.reasoning for t in tokens)
             thinking = sum(1 for t in tokens if t.reasoning)
-            self.sig_reply.emit(ReplyText(request_id, text, len(tokens), reasoning, thinking))
+            logprobs = tuple(entry for t in tokens for entry in t.logprobs)
+            self.sig_reply.emit(ReplyText(request_id, text, len(tokens), reasoning, thinking, logprobs))
         pending.clear()
 
     def _emit(self, event) -> None:

@@ -84,7 +84,7 @@ class WindowEngine(QObject):
                 event = self._next(events, timeout_s)
                 timeout_s = self.stall_timeout_s
                 if isinstance(event, ReplyText):
-                    yield Token(event.request_id, event.text, -1, index, 0.0, event.reasoning)
+                    yield Token(event.request_id, event.text, -1, index, 0.0, event.reasoning, event.logprobs)
                     index += event.tokens
                     continue
                 ended = True

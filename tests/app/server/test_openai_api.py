@@ -69,7 +69,11 @@ def test_developer_messages_and_text_parts():
         ({"tools": [{"type": "function"}]}, "tools[0].function"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
     ],
 )
 def test_bad_requests_name_the_parameter(body, param):

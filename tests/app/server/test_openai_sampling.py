@@ -1,11 +1,13 @@
 """What clients send beyond the basics, through the official `openai` client against the demo
-model: OpenAI's presence and frequency penalties, logit_bias."""
+model decoding speculatively (the server's default): OpenAI's presence and frequency penalties,
+logit_bias, logprobs."""
 
 import openai
 import pytest
 from transformers import AutoTokenizer
 
 from app.session_setup import DEMO_MODEL_ID
+from engine.generation_config import GenerationConfig, SpecConfig
 from engine.resources import demo_model_dir
 from tests.app.server.conftest import COW, LiveServer
 
@@ -16,7 +18,8 @@ STORY = [{"role": "user", "content": "Tell me a long story about a cow."}]
 
 @pytest.fixture(scope="module")
 def live():
-    server = LiveServer(max_new_tokens=48)
+    defaults = GenerationConfig(max_new_tokens=48, spec=SpecConfig(mode="auto"), prefetch="auto")
+    server = LiveServer(defaults=defaults)
     yield server
     server.stop()
 
@@ -73,3 +76,54 @@ def test_out_of_range_values_are_400s_naming_the_parameter(client, options, para
         greedy(client, COW, **options)
     assert caught.value.body["param"] == param
     assert "logit_bias" in caught.value.body["message"] or param in caught.value.body["message"]
+
+
+def test_logprobs_top_token_is_the_greedy_token_whole_and_streamed(client, tokenizer):
+    reply = client.chat.completions.create(
+        model=DEMO_MODEL_ID, messages=COW, temperature=0, logprobs=True, top_logprobs=3
+    )
+    assert reply.choices[0].message.content == "A cow says moo."
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob) and entry.logprob <= 0
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+        assert bytes(entry.bytes).decode("utf-8") == entry.token
+    assert "".join(e.token for e in content).startswith("A cow says moo.")
+
+    chunks = list(
+        client.chat.completions.create(
+            model=DEMO_MODEL_ID, messages=COW, temperature=0, logprobs=True, top_logprobs=3, stream=True
+        )
+    )
+    streamed = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
+        (e.token, round(e.logprob, 4)) for e in content
+    ]
+
+
+def test_logprobs_of_a_sampled_reply_are_the_distribution_it_was_drawn_from(client):
+    reply = client.chat.completions.create(
+        model=DEMO_MODEL_ID, messages=STORY, temperature=0.8, seed=7, logprobs=True, top_logprobs=5
+    )
+    content = reply.choices[0].logprobs.content
+    assert content and all(e.logprob <= 0 for e in content)
+    for entry in content:  # a drawn token lies among the alternatives, or is less likely than the fifth
+        tops = {t.token: t.logprob for t in entry.top_logprobs}
+        assert tops.get(entry.token, entry.logprob) == pytest.approx(entry.logprob, abs=1e-5)
+        assert entry.token in tops or entry.logprob <= min(tops.values()) + 1e-6
+    plain = client.chat.completions.create(model=DEMO_MODEL_ID, messages=STORY, temperature=0.8, seed=7)
+    assert plain.choices[0].message.content == reply.choices[0].message.content, "logprobs change no draw"
+    assert plain.choices[0].logprobs is None
+
+
+def test_top_logprobs_without_logprobs_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        greedy(client, COW, top_logprobs=2)
+    assert caught.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as caught:
+        greedy(client, COW, logprobs=True, top_logprobs=21)
+    assert caught.value.body["param"] == "top_logprobs"
