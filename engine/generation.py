@@ -23,11 +23,11 @@ import torch
 
 from engine.constraints import ConstrainedSampler, request_grammar
 from engine.errors import ContextLengthError, InvalidRequestError
-from engine.generation_config import GenerationConfig, forced_tool_names
+from engine.generation_config import CompletionPrompt, GenerationConfig, forced_tool_names
 from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot
 from engine.model.prefix_cache import save_point
 from engine.offloaded_model import OffloadedModel
-from engine.sampling import LogprobTable, Sampler
+from engine.sampling import LogprobTable, Sampler, prompt_logprobs
 from engine.speculative.auto import refuse_speculation_that_cannot_rewind
 from engine.speculative.decoder import open_decoder
 from engine.text.prompt_ids import Message, encode_prompt, eos_token_ids
@@ -47,6 +47,17 @@ class Logprob(NamedTuple):
 
 
 @dataclass(frozen=True)
+class PromptEcho:
+    """A completion prompt sent back before its reply: its text (token ids spelled out), its tokens
+    spelled one by one, and when the request asks for logprobs each prompt token's (None for the
+    first: nothing came before it)."""
+
+    text: str
+    tokens: tuple[str, ...]
+    logprobs: tuple[Logprob | None, ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     token_id: int
     text: str  # new complete answer text since the previous event (may be "")
@@ -54,6 +65,7 @@ class TokenEvent:
     elapsed_ms: float  # time since the previous token (the first: since the request)
     reasoning: str = ""  # new reasoning text (a `<think>` block), apart from the answer
     logprob: Logprob | None = None  # when the request asks for logprobs
+    echo: PromptEcho | None = None  # on the first event, when a completion prompt asks for its echo
 
 
 @dataclass(frozen=True)
@@ -73,7 +85,7 @@ class FinishedEvent:
 
 def generate(
     model: OffloadedModel,
-    prompt: str | Sequence[Message] | Sequence[int],
+    prompt: str | Sequence[Message] | Sequence[int] | CompletionPrompt,
     config: GenerationConfig = GenerationConfig(),
     cancel: threading.Event | None = None,
     live: LiveGeneration | None = None,
@@ -82,30 +94,28 @@ def generate(
     config.validate()
     refuse_speculation_that_cannot_rewind(model, config.spec.mode)
     started = time.perf_counter()
-    live = live or LiveGeneration(started)
-    live.started, live.kernels = started, model.config.kernels
     prompt_ids = encode_prompt(model, prompt, config.template_arguments())
     max_new_tokens = _max_new_tokens(model, config, len(prompt_ids))
     eos = set() if config.ignore_eos else eos_token_ids(model)
     sampler = _sampler(model, config, eos, prompt_ids)
     committed = _History(prompt_ids, model.device)
-    reply = _ReplyText(model.tokenizer, config.stop_strings, prompt_ids)
-    live.before, live.prompt_tokens = cache_snapshot(model.cache), len(prompt_ids)
-    live.steps, live.steps_before = model.paths.log, model.paths.log.snapshot()
+    completion = prompt if isinstance(prompt, CompletionPrompt) else None  # continued as written
+    reply = _ReplyText(model.tokenizer, config.stop_strings, prompt_ids, split=completion is None)
+    live = _begin(live or LiveGeneration(started), model, started, len(prompt_ids))
     rewindable = config.spec.mode != "none"
-    kv_cache, reused = _kv_cache(model, prompt_ids, rewindable)
-    live.cached_prompt_tokens = reused
+    echo = _Echo(prompt_ids, config.logprobs) if completion is not None and completion.echo else None
+    kv_cache, reused = _kv_cache(model, prompt_ids, rewindable, live, reuse=echo is None or echo.top is None)
     decoder = live.decoder = open_decoder(
         model, config.spec, config.prefetch, config.cutoff, sampler, config.cpu_experts
     )
     try:
-        logits = _prefill(model, committed.tokens[reused:], kv_cache, config.prefill_chunk)
+        logits = _prefill(model, committed.tokens[reused:], kv_cache, config.prefill_chunk, echo)
         prompt_state = save_point(kv_cache)  # a regenerate or an edited turn goes back to it
         live.prefilled = time.perf_counter()
-
+        echoed = echo.event(model.tokenizer) if echo is not None else None
         generated: list[int] = []
-        last = started  # the first token's latency counts from the request
-        new_tokens = [sampler.sample(logits, committed.tokens)]
+        # the first token's latency counts from the request
+        new_tokens, last = [sampler.sample(logits, committed.tokens)], started
         reason = None
         while reason is None:
             for token in new_tokens:
@@ -115,8 +125,10 @@ def generate(
                 committed.append(token)
                 thought, delta, stopped = reply.push(token, token in eos)
                 now = time.perf_counter()
-                yield TokenEvent(token, delta, len(generated) - 1, (now - last) * 1e3, thought, logprob)
-                last = now
+                yield TokenEvent(
+                    token, delta, live.generated - 1, (now - last) * 1e3, thought, logprob, echoed
+                )
+                last, echoed = now, None
                 reason = _end_reason(stopped, token in eos, len(generated), max_new_tokens, cancel)
                 if reason is not None:
                     break
@@ -162,19 +174,32 @@ def _sampler(
 
 
 def _logprob(model: OffloadedModel, table: LogprobTable | None, position: int, token: int) -> Logprob | None:
-    """`token`'s log-probability at `position` and the top alternatives', spelled as text (None
-    when the request asks for none)."""
-    if table is None:
-        return None
-    logprob, top = table.take(position, token)
-    tokenizer = model.tokenizer
+    """`token`'s log-probability at `position` and the top alternatives' (None when the request
+    asks for none)."""
+    return None if table is None else _spelt(model.tokenizer, token, *table.take(position, token))
+
+
+def _spelt(tokenizer, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> Logprob:
+    """A token's log-probability with it and its alternatives spelled as text."""
     spell = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
     return Logprob(spell(token), logprob, tuple((spell(t), lp) for t, lp in top))
 
 
-def _kv_cache(model: OffloadedModel, prompt_ids: list[int], rewindable: bool):
-    """A kept cache holding the longest prefix of the prompt, and its length; else a fresh one."""
-    kv_cache, reused = model.prefix_cache.take(prompt_ids, rewindable)
+def _begin(live: LiveGeneration, model: OffloadedModel, started: float, prompt_tokens: int) -> LiveGeneration:
+    """Telemetry's starting point: the cache's counters and the paths' log as the request found them."""
+    live.started, live.kernels = started, model.config.kernels
+    live.before, live.prompt_tokens = cache_snapshot(model.cache), prompt_tokens
+    live.steps, live.steps_before = model.paths.log, model.paths.log.snapshot()
+    return live
+
+
+def _kv_cache(
+    model: OffloadedModel, prompt_ids: list[int], rewindable: bool, live: LiveGeneration, reuse: bool
+):
+    """A kept cache holding the longest prefix of the prompt, and its length (told to `live`);
+    else (or when the prompt must be run whole: `reuse` False) a fresh one."""
+    kv_cache, reused = model.prefix_cache.take(prompt_ids, rewindable) if reuse else (None, 0)
+    live.cached_prompt_tokens = reused if kv_cache is not None else 0
     return (kv_cache, reused) if kv_cache is not None else (model.new_kv_cache(rewindable), 0)
 
 
@@ -205,12 +230,38 @@ def _max_new_tokens(model: OffloadedModel, config: GenerationConfig, prompt_toke
     return min(config.max_new_tokens, window - prompt_tokens)
 
 
-def _prefill(model: OffloadedModel, ids: torch.Tensor, kv_cache, chunk: int) -> torch.Tensor:
-    """Run the prompt through the model in chunks; the last position's logits."""
+def _prefill(
+    model: OffloadedModel, ids: torch.Tensor, kv_cache, chunk: int, echo: _Echo | None
+) -> torch.Tensor:
+    """Run the prompt through the model in chunks; the last position's logits (and, when `echo`
+    scores the prompt, every position's, kept there)."""
+    scores = echo is not None and echo.top is not None
     with model.cache.in_phase("prefill"):
         for start in range(0, len(ids), chunk):
-            logits = model.forward(ids[start : start + chunk], kv_cache)[-1]
-    return logits
+            logits = model.forward(ids[start : start + chunk], kv_cache, logits_to_keep=0 if scores else 1)
+            if scores:
+                echo.score(logits, ids[start + 1 : start + chunk + 1])
+    return logits[-1]
+
+
+class _Echo:
+    """A completion prompt to send back; with `top` (the request's logprobs), each prompt token's
+    log-probability from the prefill's logits (the prompt is then run whole: no kept prefix)."""
+
+    def __init__(self, prompt_ids: list[int], top: int | None):
+        self.ids, self.top = prompt_ids, top
+        self.scored: list[tuple[float, tuple[tuple[int, float], ...]]] = []
+
+    def score(self, logits: torch.Tensor, next_ids: torch.Tensor) -> None:
+        self.scored += prompt_logprobs(logits, next_ids, self.top)
+
+    def event(self, tokenizer) -> PromptEcho:
+        text = tokenizer.decode(self.ids) if tokenizer is not None else " ".join(map(str, self.ids))
+        tokens = tuple(tokenizer.decode([t]) if tokenizer is not None else str(t) for t in self.ids)
+        if self.top is None:
+            return PromptEcho(text, tokens)
+        scored = [_spelt(tokenizer, t, *entry) for t, entry in zip(self.ids[1:], self.scored, strict=True)]
+        return PromptEcho(text, tokens, (None, *scored))
 
 
 def _end_reason(stopped: bool, is_eos: bool, generated: int, limit: int, cancel) -> str | None:
@@ -266,11 +317,12 @@ class _ReplyText:
     """The reply's text as tokens arrive: whole characters, stop strings held back and matched,
     the reasoning (a `<think>` block, or gpt-oss's analysis channel) apart from the answer."""
 
-    def __init__(self, tokenizer, stop_strings: Sequence[str], prompt_ids: Sequence[int]):
+    def __init__(self, tokenizer, stop_strings: Sequence[str], prompt_ids: Sequence[int], split: bool = True):
+        """`split` False: the text as the model writes it, reasoning and all (a completion prompt's)."""
         self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopStringMatcher(stop_strings)
-        self.harmony = harmony_splitter_for(tokenizer)  # gpt-oss: channels, not <think> tags
-        self.thoughts = splitter_for(tokenizer, prompt_ids) if self.harmony is None else None
+        self.harmony = harmony_splitter_for(tokenizer) if split else None  # gpt-oss: channels, not tags
+        self.thoughts = splitter_for(tokenizer, prompt_ids) if split and self.harmony is None else None
         self.answers: list[str] = []
         self.thinking: list[str] = []
 

@@ -39,6 +39,7 @@ class SamplingConfig:
     temperature: float = 0.7  # 0 (or greedy=True) means greedy decoding
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1.0 = off
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # drops tokens below min_p × the likeliest's probability; 0 = off
     repetition_penalty: float = 1.0  # 1.0 = off; > 1 discourages tokens already in the history
     seed: int | None = None  # None = torch's global generator
     greedy: bool = False
@@ -59,6 +60,8 @@ class SamplingConfig:
             raise InvalidRequestError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1] (0 turns it off), got {self.min_p!r}")
         if not _is_real(self.repetition_penalty) or not self.repetition_penalty > 0:
             raise InvalidRequestError(
                 f"repetition_penalty must be a number > 0 (1 turns it off), got {self.repetition_penalty!r}"
@@ -166,6 +169,19 @@ class SpecConfig:
     @property
     def lossless(self) -> bool:
         return self.acceptance == "lossless"
+
+
+@dataclass(frozen=True)
+class CompletionPrompt:
+    """A prompt continued as written, with no chat template (OpenAI's `/v1/completions`, Ollama's
+    raw generate): `text`, or `token_ids` when there is no text. `suffix` asks the model to fill in
+    between the text and it, in its fill-in-the-middle format; `echo` sends the prompt back before
+    the reply (with its tokens' log-probabilities when the request asks for logprobs)."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] = ()
+    suffix: str | None = None
+    echo: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Next-token sampling: exactly the distribution transformers' `generate()` samples from.
 
 Contract: `Sampler.probs(logits, history)` returns the float32 distribution that
-`model.generate(do_sample=True, temperature=..., top_k=..., top_p=..., repetition_penalty=...)`
+`model.generate(do_sample=True, temperature=..., top_k=..., top_p=..., min_p=..., repetition_penalty=...)`
 draws the next token from. It is built from transformers' own logits processors, in the order
 `GenerationMixin._get_logits_processor` appends them (each only when it changes something):
 
@@ -9,6 +9,7 @@ draws the next token from. It is built from transformers' own logits processors,
     TemperatureLogitsWarper           (temperature != 1.0)
     TopKLogitsWarper                  (top_k != 0)
     TopPLogitsWarper                  (top_p < 1.0)
+    MinPLogitsWarper                  (min_p > 0)
 
 OpenAI's `logit_bias`, then its `presence_penalty` / `frequency_penalty` (which transformers does
 not have) come first, as vLLM applies them: a bias is added to its token's logit; a token the
@@ -28,6 +29,7 @@ import logging
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -57,6 +59,8 @@ def build_logits_processors(config: SamplingConfig, prompt_tokens: int = 0) -> L
         processors.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
     if config.top_p < 1.0:
         processors.append(TopPLogitsWarper(top_p=float(config.top_p), min_tokens_to_keep=1))
+    if config.min_p > 0:
+        processors.append(MinPLogitsWarper(min_p=float(config.min_p), min_tokens_to_keep=1))
     return processors
 
 
@@ -208,6 +212,17 @@ class LogprobTable:
         if row is None:
             raise RuntimeError(f"no log-probabilities were kept for position {position}")
         return float(row[token]), _likeliest(row, self.top) if self.top else ()
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, next_ids: torch.Tensor, top: int
+) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """The log-probabilities a prompt's positions gave the tokens that follow them: row i of
+    `logits [n, V]` (the raw logits, no processors: nothing was sampled there) scores `next_ids[i]`;
+    with the `top` likeliest alternatives each. `next_ids` may be a row shorter (the prompt's end)."""
+    rows = torch.log_softmax(logits[: len(next_ids)].to(torch.float32), dim=-1)
+    chosen = rows.gather(1, next_ids.view(-1, 1).to(rows.device))[:, 0].tolist()
+    return [(lp, _likeliest(row, top) if top else ()) for lp, row in zip(chosen, rows, strict=True)]
 
 
 def _likeliest(row: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:

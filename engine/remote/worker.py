@@ -34,7 +34,7 @@ from typing import Any
 import openai
 import psutil
 
-from engine.errors import EngineError
+from engine.errors import EngineError, InvalidRequestError
 from engine.remote.endpoint import RemoteEndpoint
 from engine.remote.errors import MODEL_NOT_FOUND, PROTOCOL, STREAM_CUT, UNSUPPORTED, RemoteError, classify
 from engine.remote.metrics import RemoteMetrics, fetch_metrics
@@ -281,6 +281,11 @@ class RemoteWorker:
         rid = request.request_id
         try:
             request.config.validate()
+            if request.completion is not None:
+                raise InvalidRequestError(
+                    "A remote engine takes chat messages: completing a prompt as written "
+                    "(/v1/completions) needs a model loaded on this computer."
+                )
             if self.model is None:
                 self.model_info = self._choose_model(None)
                 self.model = self.model_info["model_id"]

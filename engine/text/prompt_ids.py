@@ -1,6 +1,7 @@
 """A request's prompt as the model's token ids, and the ids that end a reply.
 
-`encode_prompt` takes token ids as they are, a string as one user message and messages through
+`encode_prompt` takes token ids as they are, a completion prompt as written (a suffix in the
+model's fill-in-the-middle format), a string as one user message and messages through
 the model's chat template (`stream.encode_chat`), and refuses what cannot be tokenized or lies
 outside the vocabulary; `eos_token_ids` are the ids the model's generation config and tokenizer
 name as the end of a reply.
@@ -14,22 +15,34 @@ from typing import Any
 from transformers import GenerationConfig as HFGenerationConfig
 
 from engine.errors import InvalidRequestError
-from engine.generation_config import is_unicode
+from engine.generation_config import CompletionPrompt, is_unicode
 from engine.text.reasoning import harmony_splitter_for, one_call_per_message
 from engine.text.stream import encode_chat
 
 Message = dict[str, str]
 
+# Fill-in-the-middle tokens (prefix, suffix, middle) as the code models that have them name them;
+# each writes PREFIX_TOKEN prefix SUFFIX_TOKEN suffix MIDDLE_TOKEN and generates the middle.
+FIM_TOKENS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, Qwen3-Coder
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, Granite Code
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
+)
+
 
 def encode_prompt(
     model: Any,
-    prompt: str | Sequence[Message] | Sequence[int],
+    prompt: str | Sequence[Message] | Sequence[int] | CompletionPrompt,
     template_kwargs: dict | None = None,
 ) -> list[int]:
-    """Token ids for a prompt: ids pass through; a string is one user message through the chat
-    template when the tokenizer has one (else raw text); messages go through the template (given
-    `template_kwargs`), with control tokens typed in a message kept as plain text (see `encode_chat`)."""
-    if not isinstance(prompt, str) and all(isinstance(t, int) for t in prompt):
+    """Token ids for a prompt: ids pass through; a completion prompt is its text as written (its
+    control tokens read as such), in the fill-in-the-middle format when it has a suffix; a string
+    is one user message through the chat template when the tokenizer has one (else raw text);
+    messages go through the template (given `template_kwargs`), with control tokens typed in a
+    message kept as plain text (see `encode_chat`)."""
+    if isinstance(prompt, CompletionPrompt):
+        ids = _completion_ids(model, prompt)
+    elif not isinstance(prompt, str) and all(isinstance(t, int) for t in prompt):
         ids = list(prompt)
     else:
         tokenizer = model.tokenizer
@@ -54,6 +67,37 @@ def encode_prompt(
             f"Prompt token id {bad[0]} is outside this model's vocabulary [0, {vocab})."
         )
     return list(ids)
+
+
+def _completion_ids(model: Any, prompt: CompletionPrompt) -> list[int]:
+    if prompt.text is None:
+        if prompt.suffix is not None:
+            raise InvalidRequestError("A suffix needs the prompt as text, not as token ids.")
+        return list(prompt.token_ids)
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise InvalidRequestError(f"{model.path} has no tokenizer: give the prompt as token ids.")
+    _check_unicode([{"prompt": prompt.text, "suffix": prompt.suffix or ""}])
+    if prompt.suffix is None:
+        return tokenizer(prompt.text)["input_ids"]
+    fim = fill_in_middle_tokens(tokenizer, model.path)
+    prefix, suffix, middle = tokenizer.convert_tokens_to_ids(list(fim))
+    start = tokenizer("")["input_ids"]  # what the tokenizer puts before any text (a BOS, or nothing)
+    text = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (prompt.text, prompt.suffix)]
+    return [*start, prefix, *text[0], suffix, *text[1], middle]
+
+
+def fill_in_middle_tokens(tokenizer: Any, name: object) -> tuple[str, str, str]:
+    """The tokenizer's fill-in-the-middle tokens (prefix, suffix, middle); a model without them
+    cannot take a suffix."""
+    vocab = tokenizer.get_vocab()
+    for tokens in FIM_TOKENS:
+        if all(t in vocab for t in tokens):
+            return tokens
+    raise InvalidRequestError(
+        f"{name} has no fill-in-the-middle tokens (such as {' '.join(FIM_TOKENS[0])}), so it cannot "
+        "complete between a prompt and a suffix: leave out the suffix, or use a code model that has them."
+    )
 
 
 def _check_unicode(messages: Sequence[Message]) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 
 from engine.config import OffloadConfig
 from engine.errors import EngineError, InvalidRequestError
-from engine.generation_config import GenerationConfig
+from engine.generation_config import CompletionPrompt, GenerationConfig
 from engine.worker.entry import run_worker
 from engine.worker.protocol import (
     PROTOCOL_VERSION,
@@ -273,9 +273,13 @@ class EngineSession:
         return True
 
     def generate(
-        self, messages: list[ChatMessage], config: GenerationConfig = GenerationConfig()
+        self,
+        messages: list[ChatMessage],
+        config: GenerationConfig = GenerationConfig(),
+        completion: CompletionPrompt | None = None,
     ) -> Iterator[Token | Finished]:
         """Stream the reply: Token events, then one Finished. Closing the iterator early cancels.
+        `completion`: a prompt continued as written, in place of the messages.
 
         Raises `RequestFailed` (the engine refused or failed the request), `WorkerDied` (the
         worker died or stalled: the next request starts a new one), `EngineBusy`."""
@@ -284,7 +288,7 @@ class EngineSession:
             request_id = self.next_id()
             ended = False  # the worker is done with the request: Finished, or an Error
             try:
-                self._send_generate(Generate(request_id, tuple(messages), config))
+                self._send_generate(Generate(request_id, tuple(messages), config, completion))
                 for event in self._events(request_id, STALL_TIMEOUT_S):
                     if isinstance(event, Token | Finished):
                         ended = isinstance(event, Finished)

@@ -50,6 +50,7 @@ from engine.worker.protocol import (
     LoadModel,
     LoadProgress,
     Notice,
+    PromptEcho,
     ProtocolError,
     Ready,
     Shutdown,
@@ -242,7 +243,7 @@ class Worker:
             config = replace(config, spec=replace(config.spec, draft_model=str(demo_draft_dir())))
         # `auto` (every front-end's default): the model's drafter and SP-MoE, at the tuned settings
         config = tuned_config(self.model, config)
-        messages = [m.to_template() for m in request.messages]
+        messages = request.completion or [m.to_template() for m in request.messages]
         self._generating_id = request.request_id
         try:
             self._stream(request.request_id, messages, config, cancel)
@@ -285,6 +286,7 @@ class Worker:
                     )
                 else:
                     logprobs = () if event.logprob is None else (TokenLogprob(*event.logprob),)
+                    echo = None if event.echo is None else _echo(event.echo)
                     token = Token(
                         request_id,
                         event.text,
@@ -293,6 +295,7 @@ class Worker:
                         event.elapsed_ms,
                         event.reasoning,
                         logprobs,
+                        echo,
                     )
                     self.send(token)
                     sent += 1
@@ -385,3 +388,9 @@ def _request_id_of(data: bytes) -> str:
     except (ValueError, AttributeError):
         return ""
     return request_id if isinstance(request_id, str) else ""
+
+
+def _echo(echo) -> PromptEcho:
+    """A prompt's echo (`engine.generation.PromptEcho`) in the protocol's terms."""
+    logprobs = tuple(None if e is None else TokenLogprob(*e) for e in echo.logprobs)
+    return PromptEcho(echo.text, echo.tokens, logprobs)

@@ -23,11 +23,12 @@ from typing import Any
 
 from engine.config import OffloadConfig
 from engine.errors import EngineError
-from engine.generation_config import GenerationConfig
+from engine.generation_config import CompletionPrompt, GenerationConfig
 
 # 2: Tune, TuneProgress, TuneResult; 3: reasoning apart from the answer, tools; 4: Finished.tool_calls,
-# GenerationConfig.tool_choice, OffloadConfig.kv_dtype; 5: OffloadConfig.kernels
-PROTOCOL_VERSION = 5
+# GenerationConfig.tool_choice, OffloadConfig.kv_dtype; 5: OffloadConfig.kernels; 6: logprobs
+# (GenerationConfig.logprobs, Token.logprobs), completion prompts (Generate.completion, Token.echo)
+PROTOCOL_VERSION = 6
 
 
 class ProtocolError(EngineError):
@@ -75,6 +76,8 @@ class Generate:
     request_id: str
     messages: tuple[ChatMessage, ...]
     config: GenerationConfig = GenerationConfig()
+    # a prompt continued as written, with no chat template, in place of the messages (/v1/completions)
+    completion: CompletionPrompt | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,16 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class PromptEcho:
+    """A completion prompt sent back, its tokens spelled one by one, and their log-probabilities
+    when asked (the first None)."""
+
+    text: str
+    tokens: tuple[str, ...]
+    logprobs: tuple[TokenLogprob | None, ...] = ()
+
+
+@dataclass(frozen=True)
 class Token:
     request_id: str
     text: str  # new complete answer text since the previous Token (may be "")
@@ -178,6 +191,7 @@ class Token:
     reasoning: str = ""  # new reasoning text (a `<think>` block), apart from the answer
     # the log-probabilities of the tokens this event stands for, when the request asked for them
     logprobs: tuple[TokenLogprob, ...] = ()
+    echo: PromptEcho | None = None  # on the first Token, when a completion prompt asked for its echo
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ SAMPLING_CASES = [
     SamplingConfig(temperature=0.3, top_k=20, top_p=0.8, repetition_penalty=1.3),
     SamplingConfig(temperature=1.5, top_p=0.5),
     SamplingConfig(temperature=1.0, top_k=5, repetition_penalty=0.8),
+    SamplingConfig(temperature=0.9, top_p=0.95, min_p=0.1),
 ]
 
 
@@ -65,6 +66,7 @@ def test_probs_equal_what_generate_samples_from(tiny_model, config):
         temperature=config.temperature,
         top_k=config.top_k,
         top_p=config.top_p,
+        min_p=config.min_p or None,
         repetition_penalty=config.repetition_penalty,
     )
     sampler = Sampler(config)

@@ -35,7 +35,7 @@ from PySide6.QtCore import QObject, QTimer, Signal
 
 from engine.config import OffloadConfig
 from engine.errors import EngineError
-from engine.generation_config import GenerationConfig
+from engine.generation_config import CompletionPrompt, GenerationConfig
 from engine.worker.client import RequestFailed, WorkerDied, WorkerProcess
 from engine.worker.protocol import (
     Cancel,
@@ -48,6 +48,7 @@ from engine.worker.protocol import (
     LoadModel,
     LoadProgress,
     Notice,
+    PromptEcho,
     Ready,
     Request,
     Stats,
@@ -85,6 +86,7 @@ class ReplyText:
     reasoning: str = ""  # the thinking's (a `<think>` block)
     reasoning_tokens: int = 0  # how many of the tokens carried thinking
     logprobs: tuple = ()  # the tokens' `TokenLogprob`s, when the request asked for them
+    echo: PromptEcho | None = None  # the first's: a completion prompt sent back
 
 
 @dataclass(frozen=True)
@@ -236,9 +238,15 @@ class EngineClient(QObject):
         self._model_dir = model_dir
         return self._request(lambda rid: LoadModel(rid, model_dir, offload))
 
-    def generate(self, messages: Sequence[ChatMessage], config: GenerationConfig = GenerationConfig()) -> str:
-        """Ask for a reply; returns its request id. Its events come on `sig_reply`."""
-        request_id = self._request(lambda rid: Generate(rid, tuple(messages), config))
+    def generate(
+        self,
+        messages: Sequence[ChatMessage],
+        config: GenerationConfig = GenerationConfig(),
+        completion: CompletionPrompt | None = None,
+    ) -> str:
+        """Ask for a reply (to `messages`, or to a `completion` prompt); returns its request id.
+        Its events come on `sig_reply`."""
+        request_id = self._request(lambda rid: Generate(rid, tuple(messages), config, completion))
         self._replies.add(request_id)  # a send error is queued, so it is routed after this
         return request_id
 
@@ -310,7 +318,8 @@ class EngineClient(QObject):
             text, reasoning = "".join(t.text for t in tokens), "".join(t.reasoning for t in tokens)
             thinking = sum(1 for t in tokens if t.reasoning)
             logprobs = tuple(entry for t in tokens for entry in t.logprobs)
-            self.sig_reply.emit(ReplyText(request_id, text, len(tokens), reasoning, thinking, logprobs))
+            echo = tokens[0].echo
+            self.sig_reply.emit(ReplyText(request_id, text, len(tokens), reasoning, thinking, logprobs, echo))
         pending.clear()
 
     def _emit(self, event) -> None:

@@ -25,7 +25,7 @@ from PySide6.QtCore import QObject, Qt, Signal
 
 from app.gui.engine.engine_client import ConnectionState, EngineClient, ReplyText, WorkerCrashed
 from engine.errors import EngineError
-from engine.generation_config import GenerationConfig
+from engine.generation_config import CompletionPrompt, GenerationConfig
 from engine.worker.client import QUEUE_TIMEOUT_S, STALL_TIMEOUT_S, EngineBusy, RequestFailed, WorkerDied
 from engine.worker.protocol import ChatMessage, Error, Finished, Token
 
@@ -71,20 +71,26 @@ class WindowEngine(QObject):
         if not self._ready.wait(MODEL_WAIT_S):
             raise WorkerDied(f"MoE Chat's engine did not come back within {MODEL_WAIT_S:.0f} s.")
 
-    def generate(self, messages: list[ChatMessage], config: GenerationConfig) -> Iterator[Token | Finished]:
+    def generate(
+        self,
+        messages: list[ChatMessage],
+        config: GenerationConfig,
+        completion: CompletionPrompt | None = None,
+    ) -> Iterator[Token | Finished]:
         """The reply's `Token`s, then its `Finished`; closing it early cancels the reply."""
         if not self._ready.is_set():
             raise EngineBusy(NO_MODEL)
         events: queue.SimpleQueue = queue.SimpleQueue()
         sent: dict[str, str] = {}
-        self._sig_call.emit(lambda: self._send(messages, config, events, sent))
+        self._sig_call.emit(lambda: self._send((messages, config, completion), events, sent))
         ended, timeout_s, index = False, self.queue_timeout_s, 0
         try:
             while True:
                 event = self._next(events, timeout_s)
                 timeout_s = self.stall_timeout_s
                 if isinstance(event, ReplyText):
-                    yield Token(event.request_id, event.text, -1, index, 0.0, event.reasoning, event.logprobs)
+                    reply = (event.text, -1, index, 0.0, event.reasoning, event.logprobs, event.echo)
+                    yield Token(event.request_id, *reply)
                     index += event.tokens
                     continue
                 ended = True
@@ -114,11 +120,11 @@ class WindowEngine(QObject):
     def _run(self, call: Callable[[], None]) -> None:
         call()
 
-    def _send(self, messages, config, events: queue.SimpleQueue, sent: dict[str, str]) -> None:
+    def _send(self, request: tuple, events: queue.SimpleQueue, sent: dict[str, str]) -> None:
         if not self._ready.is_set():
             events.put(EngineBusy(NO_MODEL))
             return
-        request_id = self.client.generate(messages, config)
+        request_id = self.client.generate(*request)
         sent["id"] = request_id
         self._replies[request_id] = events
 

@@ -97,7 +97,7 @@ class ScriptedEngine:
         self.replies, self.delay_s, self.asked, self.closed = list(replies), delay_s, [], 0
         self.restarts, self.lock = 0, threading.Lock()
 
-    def generate(self, messages, config):
+    def generate(self, messages, config, completion=None):
         self.asked.append((list(messages), config))
         reasoning, text = self.replies.pop(0)
         pieces = [(r, "") for r in reasoning.split(" ") if r] + [

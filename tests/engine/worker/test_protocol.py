@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from engine.config import ExpertBudget, OffloadConfig
-from engine.generation_config import GenerationConfig, SamplingConfig, SpecConfig
+from engine.generation_config import CompletionPrompt, GenerationConfig, SamplingConfig, SpecConfig
 from engine.worker.protocol import (
     MESSAGES,
     PROTOCOL_VERSION,
@@ -22,6 +22,7 @@ from engine.worker.protocol import (
     LoadModel,
     LoadProgress,
     Notice,
+    PromptEcho,
     ProtocolError,
     ProtocolVersionError,
     Ready,
@@ -92,6 +93,10 @@ EXAMPLES = [
             cutoff=2,
         ),
     ),
+    Generate(
+        "r7", (), GenerationConfig(logprobs=2), CompletionPrompt("def f(", suffix="\n    return x", echo=True)
+    ),
+    Generate("r9", (), GenerationConfig(), CompletionPrompt(token_ids=(5, 6, 7))),
     Cancel("r4", "r3"),
     GetStats("r5"),
     Tune("r8", "/models/draft", 16, True),
@@ -102,6 +107,16 @@ EXAMPLES = [
     Notice("r1", "Retrying with 12 experts."),
     Token("r3", "moo", 1234, 3, 12.5),
     Token("r3", " moo", 17, 4, 3.0, "", (TokenLogprob(" moo", -0.25, ((" moo", -0.25), (" baa", -1.5))),)),
+    Token(
+        "r7",
+        "x",
+        9,
+        0,
+        1.0,
+        "",
+        (),
+        PromptEcho("def f(", ("def", " f("), (None, TokenLogprob(" f(", -3.5, ((" f(", -3.5),)))),
+    ),
     Finished("r3", "eos", "A cow says moo.", "", 20, 6, {"tpot_ms": 5.0, "accept_len": None}),
     STATS,
     TuneProgress("r8", "verify", 3, 16),

@@ -29,7 +29,7 @@ class StandInClient(QObject):
         self.generated, self.cancelled = [], []
         self.gui_thread = threading.get_ident()
 
-    def generate(self, messages, config) -> str:
+    def generate(self, messages, config, completion=None) -> str:
         assert threading.get_ident() == self.gui_thread, "requests go to the worker from the GUI thread"
         self.generated.append((messages, config))
         return f"q{len(self.generated)}"
