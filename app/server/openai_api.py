@@ -1,5 +1,6 @@
 """OpenAI's chat-completions API over an engine (`ChatEngine`: the server's own `EngineSession`, or
-the window's), without HTTP.
+the window's), without HTTP; `/v1/completions` goes through the same backend
+(`app.server.completions_api`).
 
 `ChatBackend` turns a request body (decoded JSON) into a response body, or into
 the chunks of a streamed response; anything wrong becomes an `ApiError` that
@@ -9,7 +10,8 @@ these dicts over HTTP, so the API is testable without a socket.
 Understood: `messages` (system, developer, user, assistant with `tool_calls`, tool with
 `tool_call_id`; content as a string or as text parts), `model`, `stream`,
 `stream_options.include_usage`, `max_tokens` / `max_completion_tokens`, `temperature`,
-`top_p`, `seed`, `stop`, `n` (1 only), `tools` with `tool_choice` auto, none, required or a
+`top_p`, `top_k`, `min_p`, `repetition_penalty`, `seed`, `stop`, `n` (the choices generated one
+after another, choice i with seed + i), `tools` with `tool_choice` auto, none, required or a
 named function (the calls the model writes in its `<tool_call>` format, or gpt-oss's harmony
 messages to `functions.NAME`, come back as `tool_calls`; a forced call is held to the function's
 parameters by engine.constraints), `response_format`
@@ -19,7 +21,7 @@ parameters by engine.constraints), `response_format`
 and `reasoning_effort`, checked by `app.server.schemas`; a thinking model's reasoning is
 `reasoning_content`. What a request leaves out comes from the server's command line
 (`--temperature`, `--max-new-tokens`, `--spec` …). Features the engine does not have
-(logprobs, audio, the old `functions` …) are refused with a 400, never silently
+(audio, the old `functions` …) are refused with a 400, never silently
 ignored. Each response (a streamed one in its last chunk, the one
 with the finish reason) carries `stats`: the drafter and prefetch policy that ran
 (`auto` by default: the model's drafter with SP-MoE) and the DESIGN.md metrics.
@@ -38,69 +40,48 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Protocol
 
-from app.server.replies import chunk, engine_stats, envelope, logprob_content, usage
+from app.server import completions_api
+from app.server.replies import (
+    chat_logprobs,
+    chat_message,
+    chunk,
+    engine_stats,
+    envelope,
+    event_chunks,
+    finish_reason,
+    usage,
+)
+from app.server.request_config import (
+    ChatRequest,
+    api_error,
+    checked_request,
+    choice_configs,
+    model_not_found,
+    request_config,
+    served_model,
+)
 from app.server.schemas import ApiError, ChatCompletionRequest, invalid
-from app.server.tool_calls import ToolCallStream, engine_calls, split_calls, template_calls
+from app.server.tool_calls import ToolCallStream, template_calls
 from engine.errors import EngineError
-from engine.generation_config import GenerationConfig
-from engine.worker.client import EngineBusy, WorkerDied
+from engine.generation_config import CompletionPrompt, GenerationConfig
+from engine.worker.client import WorkerDied
 from engine.worker.protocol import ChatMessage, Finished, Token
 
 log = logging.getLogger(__name__)
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 WATCH_INTERVAL_S = 1.0
-CLIENT_ERRORS = ("invalid_request", "invalid_config", "context_length_exceeded")
-
-
-def model_not_found(asked: object, served: str) -> ApiError:
-    message = f"The model {asked!r} does not exist; this server has {served!r}."
-    return ApiError(404, message, param="model", code="model_not_found")
-
-
-def api_error(err: EngineError) -> ApiError:
-    """The HTTP face of an engine error."""
-    if isinstance(err, WorkerDied):
-        message = f"{err} The engine is being restarted: try again in a few seconds."
-        return ApiError(503, message, "server_error", code="engine_unavailable")
-    if isinstance(err, EngineBusy):
-        return ApiError(503, str(err), "server_error", code=err.kind)
-    if err.kind in CLIENT_ERRORS:
-        param = "messages" if err.kind == "context_length_exceeded" else None
-        return ApiError(400, str(err), param=param, code=err.kind)
-    return ApiError(500, str(err), "server_error", code=err.kind)
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    model: str
-    messages: tuple[ChatMessage, ...]
-    config: GenerationConfig
-    stream: bool
-    include_usage: bool
 
 
 def parse_chat_request(body: object, model_id: str, defaults: GenerationConfig) -> ChatRequest:
     """Check a chat-completions body; raises `ApiError` (400, or 404 for another model)."""
     request = ChatCompletionRequest.parse(body)
-    model = request.model if request.model is not None else model_id
-    if model != model_id:
-        raise model_not_found(model, model_id)
+    model = served_model(request, model_id)
     messages = tuple(_chat_message(m) for m in request.messages)
-    config = _generation_config(request, defaults)
-    try:
-        config.validate()
-    except EngineError as err:
-        raise api_error(err) from err
-    stream = request.stream is True
-    include_usage = (
-        stream and request.stream_options is not None and request.stream_options.include_usage is True
-    )
-    return ChatRequest(model, messages, config, stream, include_usage)
+    return checked_request(request, model, messages, _generation_config(request, defaults))
 
 
 def _chat_message(message) -> ChatMessage:
@@ -109,21 +90,8 @@ def _chat_message(message) -> ChatMessage:
 
 
 def _generation_config(request: ChatCompletionRequest, defaults: GenerationConfig) -> GenerationConfig:
-    config, sampling = defaults, defaults.sampling
     max_tokens = request.max_completion_tokens or request.max_tokens  # the newer name wins
-    if max_tokens is not None:
-        config = replace(config, max_new_tokens=max_tokens)
-    if request.temperature is not None:  # the request's choice wins over --greedy; 0 means greedy
-        sampling = replace(sampling, temperature=request.temperature, greedy=False)
-    if request.top_p is not None:
-        sampling = replace(sampling, top_p=request.top_p)
-    if "seed" in request.model_fields_set:
-        sampling = replace(sampling, seed=request.seed)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, name) is not None:
-            sampling = replace(sampling, **{name: getattr(request, name)})
-    if request.logit_bias:
-        sampling = replace(sampling, logit_bias=request.token_biases())
+    config = request_config(request, defaults, max_tokens)
     config = replace(config, logprobs=request.logprob_alternatives())
     kwargs = dict(request.chat_template_kwargs or {})
     if request.reasoning_effort is not None:  # gpt-oss's templates read it; others ignore it
@@ -134,13 +102,7 @@ def _generation_config(request: ChatCompletionRequest, defaults: GenerationConfi
         # held to the JSON by the grammar, token by token: plain decoding (engine.constraints)
         response_format = request.response_format.model_dump(by_alias=True, exclude_none=True)
         config = replace(config, response_format=response_format, spec=replace(config.spec, mode="none"))
-    config = _tool_config(request, config)
-    if request.stop is not None:
-        stops = [request.stop] if isinstance(request.stop, str) else request.stop
-        if not stops or not all(stops):
-            raise invalid("stop must be a non-empty string or an array of them.", "stop")
-        config = replace(config, stop_strings=tuple(stops))
-    return replace(config, sampling=sampling)
+    return _tool_config(request, config)
 
 
 def _tool_config(request: ChatCompletionRequest, config: GenerationConfig) -> GenerationConfig:
@@ -184,8 +146,14 @@ class ChatEngine(Protocol):
     def restart(self) -> None:
         """Bring the engine back with its model; blocks until it can answer, or raises `EngineError`."""
 
-    def generate(self, messages: list[ChatMessage], config: GenerationConfig) -> Iterator[Token | Finished]:
-        """`Token`s then one `Finished` (see `EngineSession.generate`); closing it early cancels."""
+    def generate(
+        self,
+        messages: list[ChatMessage],
+        config: GenerationConfig,
+        completion: CompletionPrompt | None = None,
+    ) -> Iterator[Token | Finished]:
+        """`Token`s then one `Finished` (see `EngineSession.generate`); closing it early cancels.
+        `completion`: a prompt continued as written, in place of the messages."""
 
 
 class ChatBackend:
@@ -229,56 +197,96 @@ class ChatBackend:
     def complete(self, body: object, cancelled: threading.Event | None = None) -> dict[str, Any]:
         """A whole (not streamed) chat completion; setting `cancelled` (the client left) cancels it."""
         request = parse_chat_request(body, self.model_id, self.defaults)
-        finished, logprobs = None, []
-        with self._engine_errors(), contextlib.closing(self._generate(request)) as events:
+        choices, replies = [], []
+        for index, config in enumerate(choice_configs(request.config, request.n)):
+            finished, tokens = self.reply(request, config, cancelled)
+            message = chat_message(finished, bool(config.tools))
+            logprobs = [entry for token in tokens for entry in token.logprobs]
+            choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "finish_reason": finish_reason(finished, "tool_calls" in message),
+                    "logprobs": chat_logprobs(logprobs) if config.logprobs is not None else None,
+                }
+            )
+            replies.append(finished)
+        return {
+            **envelope("chat.completion", request.model),
+            "choices": choices,
+            "usage": usage(replies, request.n),
+            "stats": engine_stats(replies[-1]),
+        }
+
+    def completion(self, body: object, cancelled: threading.Event | None = None) -> dict[str, Any]:
+        """A whole `/v1/completions` reply (`app.server.completions_api`)."""
+        return completions_api.complete(self, body, cancelled)
+
+    def completion_stream(self, body: object) -> Iterator[dict[str, Any]]:
+        """The chunks of a streamed `/v1/completions` reply; closing them cancels."""
+        return completions_api.stream(self, body)
+
+    def reply(
+        self, request: ChatRequest, config: GenerationConfig, cancelled: threading.Event | None
+    ) -> tuple[Finished, list[Token]]:
+        """One whole reply to `request` with `config`: its `Finished` and its `Token`s."""
+        finished, tokens = None, []
+        with self._engine_errors(), contextlib.closing(self._generate(request, config)) as events:
             for event in events:
                 if cancelled is not None and cancelled.is_set():
                     raise ApiError(499, "The client closed the request.", code="client_closed_request")
                 if isinstance(event, Finished):
                     finished = event
                 else:
-                    logprobs += event.logprobs
+                    tokens.append(event)
         _log_reply(request, finished)
-        return {
-            **envelope("chat.completion", request.model),
-            "choices": [
-                {
-                    "index": 0,
-                    "message": (message := _message(finished, bool(request.config.tools))),
-                    "finish_reason": _finish_reason(finished, "tool_calls" in message),
-                    "logprobs": _logprobs(logprobs) if request.config.logprobs is not None else None,
-                }
-            ],
-            "usage": usage(finished),
-            "stats": engine_stats(finished),
-        }
+        return finished, tokens
 
     def stream(self, body: object) -> Iterator[dict[str, Any]]:
-        """The chunks of a streamed completion; closing the iterator cancels the generation.
+        """The chunks of a streamed completion (its `n` choices one after another); closing the
+        iterator cancels the generation.
 
         The first chunk comes once the engine made its first token, so every error until then
         (a bad request, the queue, the engine) still has its own HTTP status."""
         request = parse_chat_request(body, self.model_id, self.defaults)
-        events = self._generate(request)
-        try:
-            with self._engine_errors():
-                first = next(events)
-                head = envelope("chat.completion.chunk", request.model)
-                if request.include_usage:
-                    head["usage"] = None
-                yield chunk(head, {"role": "assistant", "content": ""})
-                calls = ToolCallStream() if request.config.tools else None
-                for event in itertools.chain([first], events):
-                    if isinstance(event, Finished):
-                        _log_reply(request, event)
-                    yield from _event_chunks(head, event, request.include_usage, calls)
-        finally:
-            events.close()  # cancels the generation unless it finished
+        head = envelope("chat.completion.chunk", request.model)
+        if request.include_usage:
+            head["usage"] = None
+        replies = []
+        for index, events in self.replies(request):
+            yield chunk(head, {"role": "assistant", "content": ""}, index=index)
+            calls = ToolCallStream() if request.config.tools else None
+            for event in events:
+                if isinstance(event, Finished):
+                    replies.append(event)
+                yield from event_chunks(head, event, calls, index)
+        if request.include_usage:
+            yield {**head, "choices": [], "usage": usage(replies, request.n)}
 
-    def _generate(self, request: ChatRequest) -> Iterator[Token | Finished]:
+    def replies(self, request: ChatRequest) -> Iterator[tuple[int, Iterator[Token | Finished]]]:
+        """Each choice's index and events, one after another, the first once it has a first event
+        (errors until then keep their status); closing this cancels the reply under way."""
+        for index, config in enumerate(choice_configs(request.config, request.n)):
+            events = self._generate(request, config)
+            try:
+                with self._engine_errors():
+                    first = next(events)
+                    yield index, self._checked(request, itertools.chain([first], events))
+            finally:
+                events.close()  # cancels the generation unless it finished
+
+    def _checked(self, request: ChatRequest, events: Iterator[Token | Finished]) -> Iterator:
+        """`events`, engine errors as `ApiError`s, the reply logged when it ends."""
+        with self._engine_errors():
+            for event in events:
+                if isinstance(event, Finished):
+                    _log_reply(request, event)
+                yield event
+
+    def _generate(self, request: ChatRequest, config: GenerationConfig) -> Iterator[Token | Finished]:
         if self.state is EngineState.FAILED:
             self._restart_in_background()  # try again: the cause (a full disk …) may be gone
-        return self.engine.generate(list(request.messages), request.config)
+        return self.engine.generate(list(request.messages), config, request.completion)
 
     @contextlib.contextmanager
     def _engine_errors(self) -> Iterator[None]:
@@ -320,60 +328,3 @@ def _log_reply(request: ChatRequest, finished: Finished) -> None:
         f" at {speed:.1f} tok/s" if speed else "",
         finished.reason,
     )
-
-
-def _message(finished: Finished, tools: bool) -> dict[str, Any]:
-    """The reply's message; a model's reasoning (its `<think>` block) is `reasoning_content`, as
-    vLLM, SGLang and DeepSeek's API return it; the calls it wrote, when it was given tools, are
-    `tool_calls` (content None when nothing else was said)."""
-    content, calls = split_calls(finished.text) if tools else (finished.text, [])
-    calls += engine_calls(finished.tool_calls)
-    message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
-    if calls:
-        message["tool_calls"] = calls
-    if finished.reasoning:
-        message["reasoning_content"] = finished.reasoning
-    return message
-
-
-def _logprobs(entries) -> dict[str, Any]:
-    return {"content": logprob_content(entries), "refusal": None}
-
-
-def _finish_reason(finished: Finished, called: bool) -> str:
-    return "tool_calls" if called else FINISH_REASONS.get(finished.reason, "stop")
-
-
-def _deltas(reasoning: str, text: str) -> Iterator[dict[str, str]]:
-    if reasoning:
-        yield {"reasoning_content": reasoning}
-    if text:
-        yield {"content": text}
-
-
-def _event_chunks(
-    head: dict, event: Token | Finished, include_usage: bool, calls: ToolCallStream | None
-) -> Iterator[dict[str, Any]]:
-    """A streamed event's chunks; with tools, text from a `<tool_call>` on is held and its calls
-    are sent whole before the last chunk."""
-    if isinstance(event, Token):
-        text = calls.feed(event.text) if calls is not None else event.text
-        chunks = [chunk(head, delta) for delta in _deltas(event.reasoning, text)]
-        if event.logprobs:  # on the event's first chunk; an empty one where its text is held back
-            chunks = chunks or [chunk(head, {"content": ""})]
-            chunks[0]["choices"][0]["logprobs"] = _logprobs(event.logprobs)
-        yield from chunks
-        return
-    tail, made = event.tail, []
-    if calls is not None:
-        tail = calls.feed(tail)
-        rest, made = calls.finish()
-        tail += rest
-    made += engine_calls(event.tool_calls)
-    for delta in _deltas(event.reasoning_tail, tail):
-        yield chunk(head, delta)
-    if made:
-        yield chunk(head, {"tool_calls": [{"index": n, **call} for n, call in enumerate(made)]})
-    yield {**chunk(head, {}, _finish_reason(event, bool(made))), "stats": engine_stats(event)}
-    if include_usage:
-        yield {**head, "choices": [], "usage": usage(event)}

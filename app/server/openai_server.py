@@ -1,10 +1,11 @@
 """Local OpenAI-compatible server: `moe-chat-cli serve [--port 8000] [--model DIR] [options]`.
 
-Serves `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` and
+Serves `GET /v1/models`, `GET /v1/models/{id}`, `GET /health`,
 `POST /v1/chat/completions` (a JSON response, or server-sent events with
-`"stream": true`) for the one loaded model, on the stack vLLM, SGLang and
-llama.cpp's Python server use: Starlette/FastAPI on uvicorn, requests checked as
-pydantic models (`app.server.schemas`), events through `sse-starlette`.
+`"stream": true`) and `POST /v1/completions` (`completions_api`) for the one loaded model, on the
+stack vLLM, SGLang and llama.cpp's Python server use: Starlette/FastAPI on uvicorn, requests
+checked as pydantic models (`app.server.schemas`), events through `sse-starlette`
+(`app.server.http_io`).
 
 It listens on 127.0.0.1 only and answers only requests addressed to it by that
 name (`TrustedHostMiddleware`: a web page cannot reach it through DNS rebinding);
@@ -17,7 +18,6 @@ is `app.server.openai_api`.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import multiprocessing
 import os
@@ -27,18 +27,18 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
-import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from app.server import completions_api
+from app.server.http_io import openai_reply
 from app.server.schemas import ApiError
 from app.session_setup import (
     SERVED_MAX_TOKENS,
@@ -52,8 +52,6 @@ from engine.errors import EngineError
 log = logging.getLogger(__name__)
 
 LOOPBACK = {"127.0.0.1": "127.0.0.1", "localhost": "127.0.0.1"}
-MAX_BODY_BYTES = 16 * 1024**2
-DISCONNECT_POLL_S = 0.25
 API_KEY_ENV = "MOE_CHAT_API_KEY"
 
 
@@ -80,6 +78,8 @@ class ChatApi(Protocol):
     def health(self) -> tuple[int, dict[str, Any]]: ...
     def complete(self, body: object, cancelled: threading.Event | None = None) -> dict[str, Any]: ...
     def stream(self, body: object) -> Iterator[dict[str, Any]]: ...
+    def completion(self, body: object, cancelled: threading.Event | None = None) -> dict[str, Any]: ...
+    def completion_stream(self, body: object) -> Iterator[dict[str, Any]]: ...
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -129,11 +129,9 @@ def create_app(api: ChatApi, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _json_body(request)
-        if isinstance(body, dict) and body.get("stream") is True:
-            return await _stream(api, body)
-        return await _complete(api, body, request)
+        return await openai_reply(request, api, "complete", "stream")
 
+    completions_api.add_routes(app, api)
     return app
 
 
@@ -168,82 +166,6 @@ class Guard:
 def _authorized(headers: Headers, api_key: str) -> bool:
     scheme, _, token = headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
-
-
-async def _json_body(request: Request) -> object:
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type != "application/json":
-        raise ApiError(415, "The request body must be JSON, sent as Content-Type: application/json.")
-    declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
-        raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
-    data = b""
-    async for part in request.stream():
-        data += part
-        if len(data) > MAX_BODY_BYTES:
-            raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as err:
-        raise ApiError(400, f"We could not parse the JSON body of your request: {err}.") from None
-    except RecursionError:
-        raise ApiError(400, "The JSON body of your request is nested too deeply.") from None
-
-
-async def _complete(api: ChatApi, body: object, request: Request) -> dict:
-    """Run the completion in a thread; a client that disconnects meanwhile cancels it."""
-    cancelled = threading.Event()
-    outcome: dict[str, Any] = {}
-
-    async def run(scope: anyio.CancelScope) -> None:
-        try:
-            outcome["reply"] = await anyio.to_thread.run_sync(api.complete, body, cancelled)
-        except Exception as err:  # raised below, outside the task group (which would wrap it)
-            outcome["error"] = err
-        scope.cancel()
-
-    async def watch() -> None:
-        while not await request.is_disconnected():
-            await anyio.sleep(DISCONNECT_POLL_S)
-        log.info("POST %s: the client disconnected; its generation is cancelled", request.url.path)
-        cancelled.set()
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(run, group.cancel_scope)
-        group.start_soon(watch)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["reply"]
-
-
-async def _stream(api: ChatApi, body: object) -> EventSourceResponse:
-    """Server-sent events; the first chunk is made before the response starts, so an error until
-    then has its own status. Closing the chunks (always, also when the client went) cancels."""
-    chunks = api.stream(body)
-    try:
-        first = await anyio.to_thread.run_sync(next, chunks)
-    except BaseException:
-        await anyio.to_thread.run_sync(chunks.close)
-        raise
-    return EventSourceResponse(_events(first, chunks), ping=15, sep="\n")
-
-
-async def _events(first: dict, chunks: Iterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
-    done = object()
-    try:
-        chunk = first
-        while chunk is not done:
-            yield {"data": json.dumps(chunk, ensure_ascii=False)}
-            try:
-                chunk = await anyio.to_thread.run_sync(next, chunks, done)
-            except ApiError as err:  # the status is sent already: OpenAI's clients read an error event
-                yield {"data": json.dumps(err.body(), ensure_ascii=False)}
-                return
-        yield {"data": "[DONE]"}
-    finally:
-        with anyio.CancelScope(shield=True):  # the client may be gone: still cancel the generation
-            await anyio.to_thread.run_sync(chunks.close)
-            log.debug("A stream ended (finished, failed or the client disconnected)")
 
 
 class ApiServer:

@@ -1,6 +1,7 @@
-"""OpenAI's chat-completions request, as pydantic models, and its errors as OpenAI shapes them.
+"""OpenAI's chat-completions and completions requests, as pydantic models, and its errors as
+OpenAI shapes them.
 
-`ChatCompletionRequest.model_validate(body)` checks a decoded JSON body: types are
+`ChatCompletionRequest.parse(body)` (and `CompletionRequest.parse`) checks a decoded JSON body: types are
 strict (a bool is not a number, a string is not an integer), ranges are OpenAI's, and
 fields OpenAI's clients send that this server does not act on are either harmless
 defaults or refused by name. A validation failure becomes one `ApiError` whose `param`
@@ -145,24 +146,58 @@ class StreamOptions(_Lenient):
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # an int is a number, a bool is not
 
 
-class ChatCompletionRequest(_Lenient):
+MAX_CHOICES = 16  # n: the choices are generated one after another, so each costs a whole reply
+
+
+class SamplingRequest(_Lenient):
+    """What chat and text completions share: the model, streaming, the length and the sampling —
+    OpenAI's parameters and, as vLLM takes them, `top_k`, `min_p` and `repetition_penalty`."""
+
     model: StrictStr | None = None
-    messages: list[Message] = Field(min_length=1)
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     temperature: Number | None = Field(None, ge=0, le=2)
     top_p: Number | None = Field(None, gt=0, le=1)
+    top_k: StrictInt | None = Field(None, ge=-1)  # -1 or 0: off
+    min_p: Number | None = Field(None, ge=0, le=1)
+    repetition_penalty: Number | None = Field(None, gt=0, le=2)
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
     stop: StrictStr | list[Annotated[str, Field(min_length=1)]] | None = None
-    n: StrictInt | None = Field(None, ge=1, le=1)
-    logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    n: StrictInt | None = Field(None, ge=1, le=MAX_CHOICES)
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
     # token id (as a string, JSON's keys are) → a bias from -100 (banned) to 100 (forced)
     logit_bias: dict[StrictStr, Annotated[Number, Field(ge=-100, le=100)]] | None = None
+
+    def token_biases(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias) pairs; a key that is not a token id is a 400."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise invalid(f"logit_bias keys are token ids (whole numbers), not {key!r}.", "logit_bias")
+            pairs.append((int(key), float(bias)))
+        return tuple(pairs)
+
+    @classmethod
+    def parse(cls, body: object):
+        """The request in `body`, or one `ApiError` (400) naming the first wrong field."""
+        if not isinstance(body, dict):
+            raise invalid("The request body must be a JSON object.")
+        for name in UNSUPPORTED:
+            if body.get(name) not in HARMLESS:
+                raise invalid(f"{name} is not supported by this server.", name)
+        try:
+            return cls.model_validate(body)
+        except ValidationError as err:
+            raise _first_error(err) from None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     # passed to the chat template, as vLLM and SGLang take them: {"enable_thinking": false} …
     chat_template_kwargs: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr | None] | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
@@ -178,27 +213,17 @@ class ChatCompletionRequest(_Lenient):
             raise invalid("top_logprobs needs logprobs: true.", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def token_biases(self) -> tuple[tuple[int, float], ...]:
-        """`logit_bias` as (token id, bias) pairs; a key that is not a token id is a 400."""
-        pairs = []
-        for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit():
-                raise invalid(f"logit_bias keys are token ids (whole numbers), not {key!r}.", "logit_bias")
-            pairs.append((int(key), float(bias)))
-        return tuple(pairs)
 
-    @classmethod
-    def parse(cls, body: object) -> ChatCompletionRequest:
-        """The request in `body`, or one `ApiError` (400) naming the first wrong field."""
-        if not isinstance(body, dict):
-            raise invalid("The request body must be a JSON object.")
-        for name in UNSUPPORTED:
-            if body.get(name) not in HARMLESS:
-                raise invalid(f"{name} is not supported by this server.", name)
-        try:
-            return cls.model_validate(body)
-        except ValidationError as err:
-            raise _first_error(err) from None
+class CompletionRequest(SamplingRequest):
+    """OpenAI's legacy `/v1/completions`: a prompt continued as written (text, a list of texts,
+    token ids or lists of them), `suffix` to fill in the middle, `echo`, and `logprobs` (how many
+    alternatives each token lists: 0 to 20, as vLLM allows)."""
+
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    suffix: StrictStr | None = None
+    echo: StrictBool | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    best_of: StrictInt | None = Field(None, ge=1, le=MAX_CHOICES)
 
 
 def _first_error(err: ValidationError) -> ApiError:
@@ -207,7 +232,11 @@ def _first_error(err: ValidationError) -> ApiError:
     if param.startswith("logit_bias"):
         return invalid("logit_bias maps token ids to numbers from -100 to 100.", "logit_bias")
     if param == "n":
-        return invalid("Only n=1 is supported: one choice per request.", "n")
+        return invalid(f"n must be a whole number from 1 to {MAX_CHOICES}.", "n")
+    if param.startswith("prompt"):
+        return invalid(
+            "prompt must be a string, a list of strings, token ids or lists of token ids.", "prompt"
+        )
     if param == "stop" or param.startswith("stop["):
         return invalid("stop must be a non-empty string or an array of them.", "stop")
     if param.startswith("messages[") and ".content" in param:

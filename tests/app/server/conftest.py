@@ -6,12 +6,14 @@ import json
 
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from app.server.openai_api import ChatBackend
 from app.server.openai_server import ApiServer
 from app.session_setup import DEMO_MODEL_ID
 from engine.config import OffloadConfig
 from engine.generation_config import GenerationConfig
+from engine.resources import demo_model_dir
 from engine.worker.client import EngineSession
 
 COW = [{"role": "user", "content": "What sound does a cow make?"}]
@@ -82,6 +84,18 @@ def live():
     server = LiveServer()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def live_client(live) -> openai.OpenAI:
+    """An `openai` client of the module's `live` server."""
+    return live.client()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The demo model's tokenizer."""
+    return AutoTokenizer.from_pretrained(demo_model_dir())
 
 
 def assert_openai_error(body: dict) -> dict:

@@ -54,7 +54,7 @@ def test_developer_messages_and_text_parts():
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": "9"}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
@@ -103,7 +103,7 @@ class ScriptedSession:
     def restart(self) -> None:
         pass
 
-    def generate(self, messages, config):
+    def generate(self, messages, config, completion=None):
         for step in self.script:
             if isinstance(step, BaseException):
                 raise step

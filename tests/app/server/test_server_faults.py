@@ -24,6 +24,18 @@ def chat(**fields) -> bytes:
     return json.dumps({"model": DEMO_MODEL_ID, "messages": COW, **fields}).encode()
 
 
+def body(**fields) -> bytes:
+    return json.dumps({"model": DEMO_MODEL_ID, **fields}).encode()
+
+
+# The routes of the other APIs, by the hostile requests' names (the chat route is the default).
+ROUTES = {
+    "an unknown route": "/v1/nothing",
+    "DELETE": "/v1/models",
+    "completions": "/v1/completions",
+}
+
+
 HOSTILE = [
     ("seed past 64 bits", "POST", chat(seed=2**64), {}, 400),
     ("negative seed", "POST", chat(seed=-1), {}, 400),
@@ -45,7 +57,7 @@ HOSTILE = [
     ("no messages", "POST", chat(messages=[]), {}, 400),
     ("an unknown role", "POST", chat(messages=[{"role": "robot", "content": "x"}]), {}, 400),
     ("an image part", "POST", chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), {}, 400),
-    ("n=2", "POST", chat(n=2), {}, 400),
+    ("n=17", "POST", chat(n=17), {}, 400),
     (
         "NaN temperature",
         "POST",
@@ -65,6 +77,12 @@ HOSTILE = [
     ),
     ("an unknown model", "POST", chat(model="gpt-4o"), {}, 404),
     ("an unknown route", "POST", chat(), {}, 404),
+    ("completions: a prompt of objects", "POST", body(prompt=[{"text": "x"}]), {}, 400),
+    ("completions: a suffix the model cannot fill", "POST", body(prompt="def f(", suffix=")"), {}, 400),
+    ("completions: a token past the vocabulary", "POST", body(prompt=[2**31]), {}, 400),
+    ("completions: logprobs=21", "POST", body(prompt="Once", logprobs=21), {}, 400),
+    ("completions: truncated JSON", "POST", b'{"prompt": "Once', {}, 400),
+    ("completions: streamed, no prompt", "POST", body(stream=True), {}, 400),
     ("DELETE", "DELETE", b"", {}, 405),
 ]
 
@@ -75,7 +93,7 @@ HOSTILE = [
 def test_a_hostile_request_gets_its_4xx_and_the_next_normal_one_succeeds(
     live, name, method, body, headers, status
 ):
-    path = {"an unknown route": "/v1/completions", "DELETE": "/v1/models"}.get(name, "/v1/chat/completions")
+    path = ROUTES.get(name.split(":")[0], "/v1/chat/completions")
     got, reply = live.request(method, path, body, headers)  # a too-large body is refused unread
     assert got == status, reply
     if name != "another Host":  # TrustedHostMiddleware answers in plain text: not an API client

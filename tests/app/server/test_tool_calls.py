@@ -93,7 +93,7 @@ class ScriptedSession:
         self.replies, self.asked, self.restarts = list(replies), [], 0
         self.lock = threading.Lock()
 
-    def generate(self, messages, config):
+    def generate(self, messages, config, completion=None):
         self.asked.append((list(messages), config))
         text = self.replies.pop(0)
         for n, piece in enumerate(text[i : i + 7] for i in range(0, len(text), 7)):
