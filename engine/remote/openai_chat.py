@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.generation_config import GenerationConfig
-from engine.worker.protocol import ChatMessage, Finished, Token
+from engine.worker.protocol import ChatMessage, Finished, Token, TokenLogprob
 
 FINISH_REASONS = {
     "stop": "eos",
@@ -75,9 +75,13 @@ def chat_arguments(model: str, messages: tuple[ChatMessage, ...], config: Genera
         arguments["tools"] = list(config.tools)
     if config.response_format is not None:
         arguments["response_format"] = config.response_format
+    if config.logprobs is not None:
+        arguments.update(logprobs=True, top_logprobs=config.logprobs)
     extra: dict[str, Any] = {}
     if sampling.top_k > 0 and not sampling.is_greedy:
         extra["top_k"] = sampling.top_k
+    if sampling.min_p > 0 and not sampling.is_greedy:
+        extra["min_p"] = sampling.min_p
     if sampling.repetition_penalty != 1.0:
         extra["repetition_penalty"] = sampling.repetition_penalty
     if config.template_kwargs:
@@ -150,12 +154,14 @@ class ReplyAssembler:
                 parts.arguments.append(part.function.arguments or "")
         text = delta.content or ""
         reasoning = _reasoning(delta)
-        if not text and not reasoning:
+        logprobs = _logprobs(choice)
+        if not text and not reasoning and not logprobs:
             return None
         now = time.perf_counter()
         if self.first_at is None:
             self.first_at = now
-        token = Token(self.request_id, text, -1, self.chunks, (now - self.last_at) * 1000, reasoning)
+        elapsed_ms = (now - self.last_at) * 1000
+        token = Token(self.request_id, text, -1, self.chunks, elapsed_ms, reasoning, logprobs)
         self.chunks += 1
         self.last_at = now
         self.text.append(text)
@@ -196,6 +202,15 @@ class ReplyAssembler:
             "generated_tokens": tokens,
             "tokens_counted_by": "usage" if self.usage else "chunks",
         }
+
+
+def _logprobs(choice: Any) -> tuple[TokenLogprob, ...]:
+    """The chunk's tokens' log-probabilities, where the request asked for them and the server sent them."""
+    content = getattr(getattr(choice, "logprobs", None), "content", None) or ()
+    return tuple(
+        TokenLogprob(e.token, e.logprob, tuple((t.token, t.logprob) for t in e.top_logprobs or ()))
+        for e in content
+    )
 
 
 def _reasoning(delta: Any) -> str:

@@ -1,10 +1,11 @@
 """A remote engine that is MoE Chat's own server (`moe-chat-cli serve`'s `ApiServer`) on 127.0.0.1:
 over a tiny thinking model (models, a streamed reply, `reasoning_content` from its template, a
-wrong key, an unknown model) and over a scripted engine (cancel mid-stream, a tool call round
+wrong key, an unknown model, logprobs) and over a scripted engine (cancel mid-stream, a tool call round
 trip, reasoning apart from the answer)."""
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -60,6 +61,18 @@ def test_models_a_streamed_reply_and_its_stats(live):
         record = remote_stats(session.stats())
         assert record.model == DEMO_MODEL_ID and record.ttft_ms == end.stats["ttft_ms"]
         assert record.metrics.kv_cache_usage is None and "no /metrics" in record.metrics.error
+    finally:
+        session.close()
+
+
+def test_logprobs_come_back_from_the_remote(live):
+    session = connect(live.url, api_key=KEY)
+    try:
+        config = replace(NO_THINKING, logprobs=3)
+        *tokens, end = session.generate([ChatMessage("user", "What sound does a cow make?")], config)
+        entries = [entry for token in tokens for entry in token.logprobs]
+        assert entries and all(len(entry.top) == 3 and entry.top[0][0] == entry.token for entry in entries)
+        assert "".join(entry.token for entry in entries).endswith(end.text), "every token, in order"
     finally:
         session.close()
 
