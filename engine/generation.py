@@ -12,7 +12,6 @@ cache is never left half-written.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -33,8 +32,6 @@ from engine.speculative.decoder import open_decoder
 from engine.text.prompt_ids import Message, encode_prompt, eos_token_ids
 from engine.text.reasoning import harmony_splitter_for, splitter_for
 from engine.text.stream import IncrementalDetokenizer, StopStringMatcher
-
-log = logging.getLogger(__name__)
 
 
 class Logprob(NamedTuple):
@@ -119,7 +116,7 @@ def generate(
         reason = None
         while reason is None:
             for token in new_tokens:
-                logprob = _logprob(model, sampler.logprobs, committed.length, token)
+                logprob = _logprob(model, sampler.logprobs, committed.length, token, eos)
                 generated.append(token)
                 live.generated = len(generated)
                 committed.append(token)
@@ -173,10 +170,14 @@ def _sampler(
     return ConstrainedSampler(sampler, model.tokenizer, vocab_size, eos, grammar, budget)
 
 
-def _logprob(model: OffloadedModel, table: LogprobTable | None, position: int, token: int) -> Logprob | None:
+def _logprob(
+    model: OffloadedModel, table: LogprobTable | None, position: int, token: int, eos
+) -> Logprob | None:
     """`token`'s log-probability at `position` and the top alternatives' (None when the request
-    asks for none)."""
-    return None if table is None else _spelt(model.tokenizer, token, *table.take(position, token))
+    asks for none, and for the end-of-reply token, which is not part of the reply's text)."""
+    if table is None or token in eos:
+        return None
+    return _spelt(model.tokenizer, token, *table.take(position, token))
 
 
 def _spelt(tokenizer, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> Logprob:

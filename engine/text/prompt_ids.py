@@ -10,6 +10,7 @@ name as the end of a reply.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from transformers import GenerationConfig as HFGenerationConfig
@@ -80,7 +81,7 @@ def _completion_ids(model: Any, prompt: CompletionPrompt) -> list[int]:
     _check_unicode([{"prompt": prompt.text, "suffix": prompt.suffix or ""}])
     if prompt.suffix is None:
         return tokenizer(prompt.text)["input_ids"]
-    fim = fill_in_middle_tokens(tokenizer, model.path)
+    fim = fill_in_middle_tokens(tokenizer, Path(str(model.path)).name)
     prefix, suffix, middle = tokenizer.convert_tokens_to_ids(list(fim))
     start = tokenizer("")["input_ids"]  # what the tokenizer puts before any text (a BOS, or nothing)
     text = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (prompt.text, prompt.suffix)]
