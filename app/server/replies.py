@@ -111,7 +111,10 @@ def chat_logprobs(entries) -> dict[str, Any]:
 
 
 def finish_reason(finished: Finished, called: bool = False) -> str:
-    """OpenAI's finish reason for the engine's: stop, length, or tool_calls when calls were made."""
+    """OpenAI's finish reason for the engine's: stop, tool_calls when calls were made, and length
+    when the token limit cut the reply (a call it cut is partial: the client must know)."""
+    if finished.reason == "length":
+        return "length"
     return "tool_calls" if called else FINISH_REASONS.get(finished.reason, "stop")
 
 

@@ -10,7 +10,6 @@ name as the end of a reply.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from transformers import GenerationConfig as HFGenerationConfig
@@ -81,14 +80,14 @@ def _completion_ids(model: Any, prompt: CompletionPrompt) -> list[int]:
     _check_unicode([{"prompt": prompt.text, "suffix": prompt.suffix or ""}])
     if prompt.suffix is None:
         return tokenizer(prompt.text)["input_ids"]
-    fim = fill_in_middle_tokens(tokenizer, Path(str(model.path)).name)
+    fim = fill_in_middle_tokens(tokenizer)
     prefix, suffix, middle = tokenizer.convert_tokens_to_ids(list(fim))
     start = tokenizer("")["input_ids"]  # what the tokenizer puts before any text (a BOS, or nothing)
     text = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (prompt.text, prompt.suffix)]
     return [*start, prefix, *text[0], suffix, *text[1], middle]
 
 
-def fill_in_middle_tokens(tokenizer: Any, name: object) -> tuple[str, str, str]:
+def fill_in_middle_tokens(tokenizer: Any) -> tuple[str, str, str]:
     """The tokenizer's fill-in-the-middle tokens (prefix, suffix, middle); a model without them
     cannot take a suffix."""
     vocab = tokenizer.get_vocab()
@@ -96,8 +95,9 @@ def fill_in_middle_tokens(tokenizer: Any, name: object) -> tuple[str, str, str]:
         if all(t in vocab for t in tokens):
             return tokens
     raise InvalidRequestError(
-        f"{name} has no fill-in-the-middle tokens (such as {' '.join(FIM_TOKENS[0])}), so it cannot "
-        "complete between a prompt and a suffix: leave out the suffix, or use a code model that has them."
+        f"This model's tokenizer has no fill-in-the-middle tokens (such as {' '.join(FIM_TOKENS[0])}), "
+        "so it cannot complete between a prompt and a suffix: leave out the suffix, or use a code model "
+        "that has them."
     )
 
 

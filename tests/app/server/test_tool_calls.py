@@ -10,6 +10,7 @@ import pytest
 
 from app.server.openai_api import ChatBackend
 from app.server.openai_server import ApiServer
+from app.server.replies import finish_reason
 from app.server.tool_calls import ToolCallStream, split_calls, template_calls
 from app.session_setup import DEMO_MODEL_ID
 from engine.generation_config import GenerationConfig
@@ -182,3 +183,12 @@ def test_a_call_cut_by_the_token_limit_is_a_partial_call_never_markup():
     no_call = ToolCallStream()
     no_call.feed("<tool_call>\nnot json\n</tool_call>")
     assert no_call.finish() == ("<tool_call>\nnot json\n</tool_call>", [])  # a closed block: as written
+
+
+def test_a_reply_the_token_limit_cut_finishes_with_length_even_with_calls():
+    def finished(reason: str) -> Finished:
+        return Finished("r", reason, "", "", 1, 1, {})
+
+    assert finish_reason(finished("length"), called=True) == "length", "its call is partial"
+    assert finish_reason(finished("eos"), called=True) == "tool_calls"
+    assert finish_reason(finished("stop")) == "stop" and finish_reason(finished("eos")) == "stop"
