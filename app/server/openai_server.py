@@ -2,7 +2,8 @@
 
 Serves `GET /v1/models`, `GET /v1/models/{id}`, `GET /health`,
 `POST /v1/chat/completions` (a JSON response, or server-sent events with
-`"stream": true`) and `POST /v1/completions` (`completions_api`) for the one loaded model, on the
+`"stream": true`), `POST /v1/completions` (`completions_api`), `POST /v1/responses`
+(`responses_api`) and Ollama's `/api/…` routes (`ollama_api`) for the one loaded model, on the
 stack vLLM, SGLang and llama.cpp's Python server use: Starlette/FastAPI on uvicorn, requests
 checked as pydantic models (`app.server.schemas`), events through `sse-starlette`
 (`app.server.http_io`).
@@ -37,7 +38,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from app.server import completions_api
+from app.server import completions_api, ollama_api, responses_api
 from app.server.http_io import openai_reply
 from app.server.schemas import ApiError
 from app.session_setup import (
@@ -48,6 +49,7 @@ from app.session_setup import (
     report_start_failure,
 )
 from engine.errors import EngineError
+from engine.generation_config import GenerationConfig
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,9 @@ def loopback_address(host: str) -> str:
 
 class ChatApi(Protocol):
     """What the routes ask of the API (`ChatBackend`, or a stand-in in tests)."""
+
+    model_id: str  # the served model's name
+    defaults: GenerationConfig  # what a request leaves out
 
     def models(self) -> dict[str, Any]: ...
     def model_card(self, model_id: str | None = None) -> dict[str, Any]: ...
@@ -131,7 +136,8 @@ def create_app(api: ChatApi, api_key: str | None = None) -> FastAPI:
     async def chat_completions(request: Request):
         return await openai_reply(request, api, "complete", "stream")
 
-    completions_api.add_routes(app, api)
+    for other in (completions_api, responses_api, ollama_api):
+        other.add_routes(app, api)
     return app
 
 

@@ -10,6 +10,7 @@ names the field (`messages[0].role`), so a client sees which parameter was wrong
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -65,29 +66,29 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return ApiError(400, message, param=param, code=code)
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
     """Unknown fields are kept and ignored, as OpenAI's API does (clients send `user`, `store` …)."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
 
-class TextPart(_Lenient):
+class TextPart(Lenient):
     type: Literal["text"]
     text: StrictStr
 
 
-class FunctionCall(_Lenient):
+class FunctionCall(Lenient):
     name: StrictStr
     arguments: StrictStr  # JSON, as OpenAI sends it
 
 
-class ToolCall(_Lenient):
+class ToolCall(Lenient):
     id: StrictStr
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(_Lenient):
+class Message(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     tool_calls: list[ToolCall] | None = None  # assistant
     tool_call_id: StrictStr | None = None  # tool
@@ -108,38 +109,38 @@ class Message(_Lenient):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class Function(_Lenient):
+class Function(Lenient):
     name: StrictStr = Field(min_length=1)
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
 
 
-class JsonSchemaFormat(_Lenient):
+class JsonSchemaFormat(Lenient):
     name: StrictStr | None = None
     schema_: dict[str, Any] = Field(alias="schema")
     strict: StrictBool | None = None
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class Tool(_Lenient):
+class Tool(Lenient):
     type: Literal["function"]
     function: Function
 
 
-class NamedFunction(_Lenient):
+class NamedFunction(Lenient):
     name: StrictStr = Field(min_length=1)
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(Lenient):
     type: Literal["function"]
     function: NamedFunction
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: StrictBool | None = None
 
 
@@ -149,7 +150,7 @@ Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # an int is 
 MAX_CHOICES = 16  # n: the choices are generated one after another, so each costs a whole reply
 
 
-class SamplingRequest(_Lenient):
+class SamplingRequest(Lenient):
     """What chat and text completions share: the model, streaming, the length and the sampling —
     OpenAI's parameters and, as vLLM takes them, `top_k`, `min_p` and `repetition_penalty`."""
 
@@ -182,15 +183,26 @@ class SamplingRequest(_Lenient):
     @classmethod
     def parse(cls, body: object):
         """The request in `body`, or one `ApiError` (400) naming the first wrong field."""
-        if not isinstance(body, dict):
-            raise invalid("The request body must be a JSON object.")
-        for name in UNSUPPORTED:
-            if body.get(name) not in HARMLESS:
-                raise invalid(f"{name} is not supported by this server.", name)
-        try:
-            return cls.model_validate(body)
-        except ValidationError as err:
-            raise _first_error(err) from None
+        return validated(cls, body, UNSUPPORTED)
+
+
+def validated(
+    model: type[BaseModel],
+    body: object,
+    unsupported: tuple[str, ...] = (),
+    error: Callable[[ValidationError], ApiError] | None = None,
+) -> Any:
+    """`body` as `model`, or one `ApiError` (400): a body that is not an object, an `unsupported`
+    field that asks for something, or the first validation `error` (by default `first_error`)."""
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.")
+    for name in unsupported:
+        if body.get(name) not in HARMLESS:
+            raise invalid(f"{name} is not supported by this server.", name)
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        raise (error or first_error)(err) from None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -226,9 +238,9 @@ class CompletionRequest(SamplingRequest):
     best_of: StrictInt | None = Field(None, ge=1, le=MAX_CHOICES)
 
 
-def _first_error(err: ValidationError) -> ApiError:
+def first_error(err: ValidationError) -> ApiError:
     detail = err.errors(include_url=False)[0]
-    param = _param(detail["loc"])
+    param = param_name(detail["loc"])
     if param.startswith("logit_bias"):
         return invalid("logit_bias maps token ids to numbers from -100 to 100.", "logit_bias")
     if param == "n":
@@ -259,7 +271,7 @@ def _first_error(err: ValidationError) -> ApiError:
     return invalid(f"{param}: {detail['msg']}.", param or None)
 
 
-def _param(loc: tuple) -> str:
+def param_name(loc: tuple) -> str:
     """`("messages", 0, "content", "str")` → `messages[0].content` (the union's branch dropped)."""
     param = ""
     for part in loc:

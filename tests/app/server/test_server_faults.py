@@ -33,6 +33,9 @@ ROUTES = {
     "an unknown route": "/v1/nothing",
     "DELETE": "/v1/models",
     "completions": "/v1/completions",
+    "responses": "/v1/responses",
+    "ollama chat": "/api/chat",
+    "ollama generate": "/api/generate",
 }
 
 
@@ -83,6 +86,13 @@ HOSTILE = [
     ("completions: logprobs=21", "POST", body(prompt="Once", logprobs=21), {}, 400),
     ("completions: truncated JSON", "POST", b'{"prompt": "Once', {}, 400),
     ("completions: streamed, no prompt", "POST", body(stream=True), {}, 400),
+    ("responses: input a number", "POST", body(input=5), {}, 400),
+    ("responses: previous_response_id", "POST", body(input="hi", previous_response_id="resp_1"), {}, 400),
+    ("responses: a web search tool", "POST", body(input="hi", tools=[{"type": "web_search"}]), {}, 400),
+    ("ollama chat: messages a string", "POST", body(messages="hi"), {}, 400),
+    ("ollama chat: an unknown model", "POST", body(model="llama3", messages=COW), {}, 404),
+    ("ollama generate: options a list", "POST", body(prompt="Once", options=[1]), {}, 400),
+    ("ollama generate: a custom template", "POST", body(prompt="Once", template="{{ .Prompt }}"), {}, 400),
     ("DELETE", "DELETE", b"", {}, 405),
 ]
 
@@ -96,7 +106,9 @@ def test_a_hostile_request_gets_its_4xx_and_the_next_normal_one_succeeds(
     path = ROUTES.get(name.split(":")[0], "/v1/chat/completions")
     got, reply = live.request(method, path, body, headers)  # a too-large body is refused unread
     assert got == status, reply
-    if name != "another Host":  # TrustedHostMiddleware answers in plain text: not an API client
+    if path.startswith("/api/"):
+        assert isinstance(reply["error"], str) and reply["error"], "Ollama's errors are a message"
+    elif name != "another Host":  # TrustedHostMiddleware answers in plain text: not an API client
         assert_openai_error(reply)
     started = time.monotonic()
     answer = live.client(timeout=5).chat.completions.create(model=DEMO_MODEL_ID, messages=COW, temperature=0)
