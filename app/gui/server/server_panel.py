@@ -169,10 +169,12 @@ class ServerPanel(QWidget):
 
 
 def example_request(url: str, model: str | None, with_key: bool) -> str:
-    """A curl command that asks the server for a reply: what a user copies to try it."""
+    """A curl command that asks the server for a reply: what a user copies to try it; and where
+    a tool set up for Ollama finds the same model."""
     body = {"model": model or "MODEL", "messages": [{"role": "user", "content": "Hello!"}]}
     lines = [f"curl {url}/chat/completions", '-H "Content-Type: application/json"']
     if with_key:
         lines.append('-H "Authorization: Bearer YOUR_API_KEY"')
     lines.append(f"-d '{json.dumps(body)}'")
-    return " \\\n  ".join(lines)
+    ollama = f"# Tools set up for Ollama: use {url.removesuffix('/v1')} as the Ollama address."
+    return " \\\n  ".join(lines) + "\n\n" + ollama

@@ -1,10 +1,12 @@
 """The local server switched on from the window, with the window's worker on the demo model: the
-official `openai` client gets replies (whole and streamed) while the chat goes on, the key is
-asked for, the request log shows each request, and switching it off closes the port."""
+official `openai` client gets replies (whole and streamed, chat and completions) while the chat
+goes on, so does the `ollama` client, the key is asked for, the request log shows each request,
+and switching it off closes the port."""
 
 import socket
 import threading
 
+import ollama
 import openai
 import pytest
 
@@ -73,6 +75,7 @@ def test_the_window_serves_its_model_to_the_openai_client_beside_the_chat(qtbot,
     assert window.local_server.running and panel.switch.text() == "Stop the server"
     url = f"http://127.0.0.1:{port}/v1"
     assert panel.address.text() == url and DEMO_MODEL_ID in panel.example.toPlainText()
+    assert f"use {url.removesuffix('/v1')} as the Ollama address" in panel.example.toPlainText()
     assert f"Server on at {url}" in window.server_label.text()
     client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60)
 
@@ -105,8 +108,22 @@ def test_the_window_serves_its_model_to_the_openai_client_beside_the_chat(qtbot,
 
     with pytest.raises(openai.AuthenticationError):
         in_thread(qtbot, openai.OpenAI(base_url=url, api_key="sk-wrong", max_retries=0).models.list)
+    completed = in_thread(
+        qtbot,
+        lambda: client.completions.create(
+            model=DEMO_MODEL_ID, prompt="Once upon a time", max_tokens=4, temperature=0, echo=True
+        ),
+    )
+    assert completed.choices[0].text.startswith("Once upon a time"), "a prompt as written, echoed"
+    host = url.removesuffix("/v1")
+    ollama_client = ollama.Client(host=host, headers={"Authorization": f"Bearer {KEY}"})
+    said = in_thread(
+        qtbot, lambda: ollama_client.chat(model=DEMO_MODEL_ID, messages=COW, options={"temperature": 0})
+    )
+    assert said.message.content == "A cow says moo."
     log = panel.log.toPlainText()
     assert "POST /v1/chat/completions 200" in log and "GET /v1/models 401" in log
+    assert "POST /v1/completions 200" in log and "POST /api/chat 200" in log
     assert f"{DEMO_MODEL_ID}: " in log and "generated" in log, "each reply's figures are logged"
     save_screenshot(window, "server_dock.png", tmp_path)
 
