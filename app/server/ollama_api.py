@@ -99,27 +99,59 @@ def error_line(err: ApiError) -> dict[str, str]:
 
 def model_entry(api) -> dict[str, Any]:
     """The served model as `/api/tags` lists it."""
+    info = api.model_info() or {}
     return {
         "name": api.model_id,
         "model": api.model_id,
         "modified_at": _rfc3339(api.created),
-        "size": 0,
+        "size": info.get("resident_nbytes", 0) + info.get("store_nbytes", 0),  # weights here and in RAM
         "digest": "",
-        "details": DETAILS,
+        "details": model_details(info),
     }
+
+
+def model_details(info: dict[str, Any]) -> dict[str, Any]:
+    """Ollama's `details` from the loaded model's info: its format, family and precision (the
+    experts' where they differ, as a quantization level names them); what is not known is empty."""
+    family = info.get("model_type") or ""
+    experts = info.get("expert_dtype") or "native"
+    precision = info.get("dtype", "") if experts == "native" else experts
+    return {
+        **DETAILS,
+        "format": ("gguf" if str(info.get("path", "")).endswith(".gguf") else "safetensors") if info else "",
+        "family": family,
+        "families": [family] if family else None,
+        "quantization_level": precision.upper(),
+    }
+
+
+def model_facts(info: dict[str, Any]) -> dict[str, Any]:
+    """Ollama's `model_info`, under the GGUF key names it uses: what the loaded model says."""
+    family = info.get("model_type")
+    if not family:
+        return {}
+    facts = {
+        "context_length": info.get("context_length"),
+        "block_count": info.get("num_layers"),
+        "expert_count": info.get("num_experts"),
+        "expert_used_count": info.get("top_k"),
+    }
+    return {"general.architecture": family} | {f"{family}.{k}": v for k, v in facts.items() if v is not None}
 
 
 async def _show(request: Request, api) -> Response:
     show = ollama_requests.parse(ollama_requests.ShowRequest, await json_body(request))
     ollama_requests.check_model(show.model, api.model_id, ollama_requests.NOT_FOUND_TO_SHOW)
+    info = api.model_info() or {}
+    capabilities = ["completion", "tools", *(["thinking"] if info.get("thinks") else [])]
     return JSONResponse(
         {
             "modelfile": "",
             "parameters": "",
             "template": "",
-            "details": DETAILS,
-            "model_info": {},
-            "capabilities": ["completion", "tools"],
+            "details": model_details(info),
+            "model_info": model_facts(info),
+            "capabilities": capabilities,
             "modified_at": _rfc3339(api.created),
         }
     )

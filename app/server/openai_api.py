@@ -138,6 +138,7 @@ class ChatEngine(Protocol):
     the window's engine when the app serves the model it has loaded (`app.gui.server`)."""
 
     restarts: int  # engines brought back after one died
+    model: dict | None  # the loaded model's `Loaded` info (architecture, sizes, precision …), if known
 
     @property
     def alive(self) -> bool:
@@ -186,6 +187,10 @@ class ChatBackend:
         if model_id is not None and model_id != self.model_id:
             raise model_not_found(model_id, self.model_id)
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "moe-chat"}
+
+    def model_info(self) -> dict[str, Any] | None:
+        """The loaded model's `Loaded` info (architecture, sizes, precision …), when the engine has it."""
+        return self.engine.model
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """HTTP status and body of `/health`: 200 while the engine can answer, else 503."""

@@ -53,6 +53,7 @@ class WindowEngine(QObject):
         super().__init__(parent)
         self.client = client
         self.restarts = 0  # the window's engine died and was brought back
+        self.model: dict | None = None  # the window's loaded model's `Loaded` info
         self.queue_timeout_s, self.stall_timeout_s = queue_timeout_s, stall_timeout_s
         self._ready = threading.Event()  # a model is loaded: requests can go to the worker
         self._replies: dict[str, queue.SimpleQueue] = {}  # the server's replies in flight (GUI thread)
@@ -205,9 +206,11 @@ class LocalServer(QObject):
     def url(self) -> str | None:
         return self._server.url if self._server is not None else None
 
-    def set_model(self, model_id: str | None) -> None:
-        """The name requests use for the window's loaded model (None: none is loaded now)."""
+    def set_model(self, model_id: str | None, info: dict | None = None) -> None:
+        """The name requests use for the window's loaded model (None: none is loaded now), and its
+        `Loaded` info."""
         self.model_id = model_id or self.model_id
+        self.engine.model = info if model_id is not None else None
         self.engine.model_loaded(model_id is not None)
         if self._backend is not None and model_id is not None:
             self._backend.model_id = model_id

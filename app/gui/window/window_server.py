@@ -68,9 +68,9 @@ class ServerControl:
         if model is None:
             self.local_server.set_model(None)
         elif model.get("remote"):
-            self.local_server.set_model(str(model.get("model_id")))
+            self.local_server.set_model(str(model.get("model_id")), model)
         else:
-            self.local_server.set_model(model_id(self.settings.model_path))
+            self.local_server.set_model(model_id(self.settings.model_path), model)
 
     def _show_server_state(self) -> None:
         url = self.local_server.url

@@ -36,8 +36,13 @@ def client(live):
 @pytest.mark.slow
 def test_the_model_is_listed_shown_and_running(client, live):
     assert [m.model for m in client.list().models] == [DEMO_MODEL_ID]
+    listed = client.list().models[0]
+    assert listed.details.family == "qwen3_moe" and listed.details.format == "safetensors"
+    assert listed.size > 0 and listed.details.quantization_level, "the loaded model's facts"
     shown = client.show(DEMO_MODEL_ID)
-    assert shown.capabilities == ["completion", "tools"] and shown.details.family == ""
+    assert shown.capabilities == ["completion", "tools"] and shown.details.family == "qwen3_moe"
+    assert shown.modelinfo["general.architecture"] == "qwen3_moe"
+    assert shown.modelinfo["qwen3_moe.expert_count"] == 16 and shown.modelinfo["qwen3_moe.block_count"] == 6
     assert [m.name for m in client.ps().models] == [DEMO_MODEL_ID]
     assert live.request("GET", "/api/version") == (200, {"version": "0.9.0"})
     assert live.request("GET", "/") == (200, "Ollama is running")

@@ -116,11 +116,13 @@ def test_the_window_serves_its_model_to_the_openai_client_beside_the_chat(qtbot,
     )
     assert completed.choices[0].text.startswith("Once upon a time"), "a prompt as written, echoed"
     host = url.removesuffix("/v1")
-    ollama_client = ollama.Client(host=host, headers={"Authorization": f"Bearer {KEY}"})
-    said = in_thread(
-        qtbot, lambda: ollama_client.chat(model=DEMO_MODEL_ID, messages=COW, options={"temperature": 0})
-    )
-    assert said.message.content == "A cow says moo."
+    with ollama.Client(host=host, headers={"Authorization": f"Bearer {KEY}"}) as ollama_client:
+        options = {"temperature": 0}
+        said = in_thread(
+            qtbot, lambda: ollama_client.chat(model=DEMO_MODEL_ID, messages=COW, options=options)
+        )
+        assert said.message.content == "A cow says moo."
+        assert in_thread(qtbot, lambda: ollama_client.show(DEMO_MODEL_ID)).details.family == "qwen3_moe"
     log = panel.log.toPlainText()
     assert "POST /v1/chat/completions 200" in log and "GET /v1/models 401" in log
     assert "POST /v1/completions 200" in log and "POST /api/chat 200" in log
