@@ -163,7 +163,9 @@ class Guard:
 
         if self.api_key is not None and not _authorized(Headers(scope=scope), self.api_key):
             error = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
-            await error_response(error)(scope, receive, record)
+            ollama = scope["path"].startswith("/api/")  # Ollama's clients read {"error": message}
+            reply = JSONResponse({"error": error.message}, 401) if ollama else error_response(error)
+            await reply(scope, receive, record)
         else:
             await self.app(scope, receive, record)
         took = time.monotonic() - started

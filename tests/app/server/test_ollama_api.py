@@ -263,6 +263,9 @@ class StandIn:
     def models(self):
         return {"object": "list", "data": []}
 
+    def model_info(self):
+        return None  # nothing known: Ollama's details stay empty
+
     def model_card(self, model_id=None):
         return {}
 
@@ -447,3 +450,19 @@ def test_an_error_before_a_stream_has_its_status_and_one_after_is_the_last_line(
         base, "/api/chat", {"model": "stand-in", "messages": [{"role": "robot", "content": "x"}]}
     )
     assert status == 400 and "messages[0].role" in lines[0]["error"]
+
+
+def test_a_wrong_api_key_is_ollamas_401():
+    server = ApiServer(StandIn(), port=0, api_key="sk-ollama").start()
+    try:
+        with (
+            ollama.Client(host=host(server), timeout=30) as client,
+            pytest.raises(ollama.ResponseError) as caught,
+        ):
+            client.ps()
+        assert caught.value.status_code == 401 and caught.value.error == "Incorrect API key provided."
+        keyed = {"Authorization": "Bearer sk-ollama"}
+        with ollama.Client(host=host(server), timeout=30, headers=keyed) as client:
+            assert client.ps().models[0].name == "stand-in"
+    finally:
+        server.stop()
