@@ -79,6 +79,12 @@ class LiveServer:
         self.session.close()
 
 
+def host(server: ApiServer) -> str:
+    """The server's root URL (no /v1): where Ollama's clients point."""
+    address, port = server.address
+    return f"http://{address}:{port}"
+
+
 @pytest.fixture(scope="module")
 def live():
     server = LiveServer()
