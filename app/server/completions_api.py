@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from app.server.http_io import openai_reply
-from app.server.replies import LEAST_LOGPROB, engine_stats, envelope, finish_reason, usage
+from app.server.replies import engine_stats, envelope, finish_reason, finite, usage
 from app.server.request_config import (
     ChatRequest,
     checked_request,
@@ -149,8 +149,8 @@ class _Choice:
             self.text += event.reasoning_tail + event.tail
             return
         if event.echo is not None:
-            prompt = zip(event.echo.tokens, (None, *event.echo.logprobs[1:]), strict=False)
-            self._add_logprobs(list(prompt) if event.echo.logprobs else [])
+            scored = event.echo.logprobs  # the first token's None: nothing came before it
+            self._add_logprobs(list(zip(event.echo.tokens, scored, strict=True)) if scored else [])
             self.text += self.prompt.text if self.prompt.text is not None else event.echo.text
         self._add_logprobs([(entry.token, entry) for entry in event.logprobs])
         self.text += event.reasoning + event.text
@@ -165,9 +165,9 @@ class _Choice:
                 self.token_logprobs.append(None)
                 self.top_logprobs.append(None)
                 continue
-            self.token_logprobs.append(max(entry.logprob, LEAST_LOGPROB))
-            top = {alternative: max(lp, LEAST_LOGPROB) for alternative, lp in entry.top}
-            self.top_logprobs.append({token: max(entry.logprob, LEAST_LOGPROB), **top})
+            self.token_logprobs.append(finite(entry.logprob))
+            top = {alternative: finite(lp) for alternative, lp in entry.top}
+            self.top_logprobs.append({token: finite(entry.logprob), **top})
 
     def logprobs(self, start: int = 0) -> dict[str, Any] | None:
         if self.top is None:

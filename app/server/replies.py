@@ -88,7 +88,12 @@ def logprob_content(entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> l
 
 
 def _logprob(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": max(logprob, LEAST_LOGPROB), "bytes": list(token.encode("utf-8"))}
+    return {"token": token, "logprob": finite(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def finite(logprob: float) -> float:
+    """A log-probability JSON can carry: an impossible token's -inf as `LEAST_LOGPROB`."""
+    return max(logprob, LEAST_LOGPROB)
 
 
 def chat_message(finished: Finished, tools: bool) -> dict[str, Any]:
