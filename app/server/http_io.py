@@ -31,10 +31,16 @@ Items = Iterator[dict[str, Any]]
 
 
 async def json_body(request: Request) -> object:
-    """The request's decoded JSON body; a body that is not JSON, too large or too deep is an `ApiError`."""
+    """The request's decoded JSON body; a body that is not JSON, too large or too deep is an `ApiError`.
+
+    The body is read as JSON whatever its Content-Type (curl's `-d`, as in Ollama's and llama.cpp's
+    examples, says form data), except from a web page: a browser names the page's `Origin` on every
+    POST, and such a request must say `application/json`, which a page cannot send to another origin
+    without a preflight this server never grants.
+    """
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type != "application/json":
-        raise ApiError(415, "The request body must be JSON, sent as Content-Type: application/json.")
+    if content_type != "application/json" and "origin" in request.headers:
+        raise ApiError(415, "A request from a web page must send JSON as Content-Type: application/json.")
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
         raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")

@@ -10,7 +10,8 @@ checked as pydantic models (`app.server.schemas`), events through `sse-starlette
 
 It listens on 127.0.0.1 only and answers only requests addressed to it by that
 name (`TrustedHostMiddleware`: a web page cannot reach it through DNS rebinding);
-a POST must be `application/json` (no preflight-free cross-origin request gets in);
+a POST from a web page (one with an `Origin`) must be `application/json`, so no
+preflight-free cross-origin request gets in;
 `--api-key` asks for `Authorization: Bearer KEY`. Query strings are never logged.
 A client that disconnects cancels its generation, streamed or not. The API itself
 is `app.server.openai_api`.

@@ -55,10 +55,11 @@ def test_generate_answers_a_prompt_whole_and_streamed(client):
 
 
 @pytest.mark.slow
-def test_stream_is_ollamas_default(live):
-    status, text = live.request(
-        "POST", "/api/chat", json.dumps({"model": DEMO_MODEL_ID, "messages": COW}).encode()
-    )
+def test_ollamas_curl_example_streams_by_default(live):
+    # `curl http://localhost:11434/api/chat -d '{…}'`: curl says form data, the body is JSON
+    body = json.dumps({"model": DEMO_MODEL_ID, "messages": COW}).encode()
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    status, text = live.request("POST", "/api/chat", body, headers=form)
     lines = [json.loads(line) for line in text.splitlines()]
     assert status == 200 and len(lines) > 1 and lines[-1]["done"] is True
 
@@ -163,6 +164,7 @@ def test_errors_are_ollamas_shape(live, client):
         client.chat(DEMO_MODEL_ID, COW, options={"temperature": "hot"})
     assert caught.value.status_code == 400 and "options.temperature" in caught.value.error
     assert live.request("POST", "/api/chat", b"{")[0] == 400
-    status, reply = live.request("POST", "/api/chat", b"{}", headers={"Content-Type": "text/plain"})
+    from_a_page = {"Content-Type": "text/plain", "Origin": "https://evil.example"}
+    status, reply = live.request("POST", "/api/chat", b"{}", headers=from_a_page)
     assert status == 415 and set(reply) == {"error"}
     assert live.request("POST", "/api/pull", b"{}")[0] == 404

@@ -39,6 +39,8 @@ ROUTES = {
 }
 
 
+PAGE = "https://evil.example"  # a web page's origin, as a browser names it
+
 HOSTILE = [
     ("seed past 64 bits", "POST", chat(seed=2**64), {}, 400),
     ("negative seed", "POST", chat(seed=-1), {}, 400),
@@ -51,8 +53,15 @@ HOSTILE = [
         400,
     ),
     ("another Host", "POST", chat(), {"Host": "evil.example"}, 400),
-    ("text/plain", "POST", chat(), {"Content-Type": "text/plain"}, 415),
-    ("form data", "POST", b"a=b", {"Content-Type": "application/x-www-form-urlencoded"}, 415),
+    ("a web page's text/plain", "POST", chat(), {"Content-Type": "text/plain", "Origin": PAGE}, 415),
+    (
+        "a web page's form",
+        "POST",
+        chat(),
+        {"Content-Type": "application/x-www-form-urlencoded", "Origin": PAGE},
+        415,
+    ),
+    ("form data", "POST", b"a=b", {"Content-Type": "application/x-www-form-urlencoded"}, 400),
     ("deeply nested JSON", "POST", b"[" * 100_000 + b"]" * 100_000, {}, 400),
     ("truncated JSON", "POST", b'{"messages": [', {}, 400),
     ("not UTF-8", "POST", b'{"messages": "\xff\xfe"}', {}, 400),
