@@ -16,13 +16,19 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from engine.constraints import ConstrainedSampler, request_grammar
 from engine.errors import ContextLengthError, InvalidRequestError
-from engine.generation_config import CompletionPrompt, GenerationConfig, forced_tool_names
+from engine.generation_config import (
+    CompletionPrompt,
+    GenerationConfig,
+    PromptEcho,
+    TokenLogprob,
+    forced_tool_names,
+)
 from engine.metrics import GenerationStats, LiveGeneration, cache_snapshot
 from engine.model.prefix_cache import save_point
 from engine.offloaded_model import OffloadedModel
@@ -34,26 +40,6 @@ from engine.text.reasoning import harmony_splitter_for, splitter_for
 from engine.text.stream import IncrementalDetokenizer, StopStringMatcher
 
 
-class Logprob(NamedTuple):
-    """A generated token's log-probability and the likeliest alternatives', as text (the
-    distribution it was drawn from, after the sampling's processors)."""
-
-    token: str
-    logprob: float
-    top: tuple[tuple[str, float], ...]
-
-
-@dataclass(frozen=True)
-class PromptEcho:
-    """A completion prompt sent back before its reply: its text (token ids spelled out), its tokens
-    spelled one by one, and when the request asks for logprobs each prompt token's (None for the
-    first: nothing came before it)."""
-
-    text: str
-    tokens: tuple[str, ...]
-    logprobs: tuple[Logprob | None, ...] = ()
-
-
 @dataclass(frozen=True)
 class TokenEvent:
     token_id: int
@@ -61,7 +47,7 @@ class TokenEvent:
     index: int  # 0 for the first generated token
     elapsed_ms: float  # time since the previous token (the first: since the request)
     reasoning: str = ""  # new reasoning text (a `<think>` block), apart from the answer
-    logprob: Logprob | None = None  # when the request asks for logprobs
+    logprob: TokenLogprob | None = None  # when the request asks for logprobs
     echo: PromptEcho | None = None  # on the first event, when a completion prompt asks for its echo
 
 
@@ -172,7 +158,7 @@ def _sampler(
 
 def _logprob(
     model: OffloadedModel, table: LogprobTable | None, position: int, token: int, eos
-) -> Logprob | None:
+) -> TokenLogprob | None:
     """`token`'s log-probability at `position` and the top alternatives' (None when the request
     asks for none, and for the end-of-reply token, which is not part of the reply's text)."""
     if table is None or token in eos:
@@ -180,10 +166,10 @@ def _logprob(
     return _spelt(model.tokenizer, token, *table.take(position, token))
 
 
-def _spelt(tokenizer, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> Logprob:
+def _spelt(tokenizer, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> TokenLogprob:
     """A token's log-probability with it and its alternatives spelled as text."""
     spell = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
-    return Logprob(spell(token), logprob, tuple((spell(t), lp) for t, lp in top))
+    return TokenLogprob(spell(token), logprob, tuple((spell(t), lp) for t, lp in top))
 
 
 def _begin(live: LiveGeneration, model: OffloadedModel, started: float, prompt_tokens: int) -> LiveGeneration:

@@ -1,8 +1,8 @@
 """What a generation request asks for: sampling, speculation, prefetch and limits.
 
-Frozen, validated dataclasses and the names of the choices they allow. This
-module imports neither torch nor transformers, so the worker protocol (and the
-GUI through it) can carry these configs as they are.
+Frozen, validated dataclasses and the names of the choices they allow, and what a reply carries
+besides its text (`TokenLogprob`, `PromptEcho`). This module imports neither torch nor
+transformers, so the worker protocol (and the GUI through it) can carry these as they are.
 """
 
 from __future__ import annotations
@@ -182,6 +182,27 @@ class CompletionPrompt:
     token_ids: tuple[int, ...] = ()
     suffix: str | None = None
     echo: bool = False
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token as text, its log-probability and the likeliest alternatives' (the distribution it
+    was drawn from, after the sampling's processors)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptEcho:
+    """A completion prompt sent back before its reply: its text (token ids spelled out), its tokens
+    spelled one by one, and when the request asks for logprobs each prompt token's (None for the
+    first: nothing came before it)."""
+
+    text: str
+    tokens: tuple[str, ...]
+    logprobs: tuple[TokenLogprob | None, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -50,12 +50,10 @@ from engine.worker.protocol import (
     LoadModel,
     LoadProgress,
     Notice,
-    PromptEcho,
     ProtocolError,
     Ready,
     Shutdown,
     Token,
-    TokenLogprob,
     Tune,
     TuneProgress,
     TuneResult,
@@ -285,8 +283,7 @@ class Worker:
                         )
                     )
                 else:
-                    logprobs = () if event.logprob is None else (TokenLogprob(*event.logprob),)
-                    echo = None if event.echo is None else _echo(event.echo)
+                    logprobs = () if event.logprob is None else (event.logprob,)
                     token = Token(
                         request_id,
                         event.text,
@@ -295,7 +292,7 @@ class Worker:
                         event.elapsed_ms,
                         event.reasoning,
                         logprobs,
-                        echo,
+                        event.echo,
                     )
                     self.send(token)
                     sent += 1
@@ -388,9 +385,3 @@ def _request_id_of(data: bytes) -> str:
     except (ValueError, AttributeError):
         return ""
     return request_id if isinstance(request_id, str) else ""
-
-
-def _echo(echo) -> PromptEcho:
-    """A prompt's echo (`engine.generation.PromptEcho`) in the protocol's terms."""
-    logprobs = tuple(None if e is None else TokenLogprob(*e) for e in echo.logprobs)
-    return PromptEcho(echo.text, echo.tokens, logprobs)

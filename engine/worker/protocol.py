@@ -23,7 +23,7 @@ from typing import Any
 
 from engine.config import OffloadConfig
 from engine.errors import EngineError
-from engine.generation_config import CompletionPrompt, GenerationConfig
+from engine.generation_config import CompletionPrompt, GenerationConfig, PromptEcho, TokenLogprob
 
 # 2: Tune, TuneProgress, TuneResult; 3: reasoning apart from the answer, tools; 4: Finished.tool_calls,
 # GenerationConfig.tool_choice, OffloadConfig.kv_dtype; 5: OffloadConfig.kernels; 6: logprobs
@@ -160,25 +160,6 @@ class Notice:
 
     request_id: str
     message: str
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token as text, its log-probability and the likeliest alternatives'."""
-
-    token: str
-    logprob: float
-    top: tuple[tuple[str, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class PromptEcho:
-    """A completion prompt sent back, its tokens spelled one by one, and their log-probabilities
-    when asked (the first None)."""
-
-    text: str
-    tokens: tuple[str, ...]
-    logprobs: tuple[TokenLogprob | None, ...] = ()
 
 
 @dataclass(frozen=True)
